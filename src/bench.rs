@@ -1,0 +1,288 @@
+//! The measurements behind `symmem bench`.
+//!
+//! Every benchmark reports [`BenchResult`] lines: `bench` (what was measured), `ranks`, `bytes`
+//! (message size, where one applies), `iters`, `lat_us` (median), `p99_us`, `gbps` (10^9
+//! bytes/s, where one applies), and extra fields such as `ops_per_s` or `backend`. The CLI
+//! prints them as a table or, with `--json`, one JSON object per line.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use serde::Serialize;
+
+use crate::error::{Error, Result};
+use crate::store::{AsyncStoreClient, ClientOptions, Secret, ServerOptions, StoreServer};
+
+/// One result line.
+#[derive(Clone, Debug, Serialize)]
+pub struct BenchResult {
+    /// What was measured, e.g. `store_set` or `rendezvous_multi_get`.
+    pub bench: String,
+    /// Ranks (or concurrent clients) taking part.
+    pub ranks: usize,
+    /// Message size in bytes, where one applies.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub bytes: Option<u64>,
+    /// Measured iterations (per rank).
+    pub iters: u64,
+    /// Median latency, microseconds.
+    pub lat_us: f64,
+    /// 99th-percentile latency, microseconds.
+    pub p99_us: f64,
+    /// Bandwidth in 10^9 bytes per second, where one applies.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub gbps: Option<f64>,
+    /// Anything else worth reporting (`ops_per_s`, `backend`, `algo`, ...).
+    #[serde(flatten)]
+    pub extra: serde_json::Map<String, serde_json::Value>,
+}
+
+/// The median and 99th percentile of `samples`, in microseconds.
+pub fn percentiles(samples: &mut [Duration]) -> (f64, f64) {
+    if samples.is_empty() {
+        return (0.0, 0.0);
+    }
+    samples.sort_unstable();
+    let at = |q: f64| {
+        let i = ((samples.len() - 1) as f64 * q).round() as usize;
+        samples[i].as_secs_f64() * 1e6
+    };
+    (at(0.5), at(0.99))
+}
+
+/// What `symmem bench store` measures.
+#[derive(Clone, Debug)]
+pub struct StoreBenchOptions {
+    /// Concurrent client counts for the throughput runs.
+    pub clients: Vec<usize>,
+    /// Operations per client in each throughput run.
+    pub ops_per_client: usize,
+    /// Value size for `set` and `get`.
+    pub value_bytes: usize,
+    /// Simulated rank counts for the rendezvous runs.
+    pub rendezvous_ranks: Vec<usize>,
+    /// The largest rank count for which per-key gets are measured (they cost N² requests).
+    pub per_key_max_ranks: usize,
+    /// Benchmark the store at this address instead of starting one in this process.
+    pub addr: Option<String>,
+    /// The store's secret, if it has one.
+    pub secret: Option<Secret>,
+}
+
+impl Default for StoreBenchOptions {
+    fn default() -> Self {
+        StoreBenchOptions {
+            clients: vec![1, 4, 16, 64],
+            ops_per_client: 2000,
+            value_bytes: 64,
+            rendezvous_ranks: vec![2, 16, 128, 1024, 4096],
+            per_key_max_ranks: 1024,
+            addr: None,
+            secret: None,
+        }
+    }
+}
+
+/// Runs the store benchmarks, handing each result to `emit` as soon as it is measured.
+pub fn store(options: &StoreBenchOptions, mut emit: impl FnMut(BenchResult)) -> Result<()> {
+    crate::sys::raise_fd_limit();
+    crate::rt::block_on(async {
+        let server = match &options.addr {
+            Some(_) => None,
+            None => Some(
+                StoreServer::bind(
+                    "127.0.0.1:0",
+                    ServerOptions { secret: options.secret.clone(), ..Default::default() },
+                )
+                .await?,
+            ),
+        };
+        let addr = options
+            .addr
+            .clone()
+            .unwrap_or_else(|| server.as_ref().map(|s| s.local_addr().to_string()).unwrap_or_default());
+        let copts = ClientOptions { timeout: Duration::from_secs(120), secret: options.secret.clone() };
+        let mut run = 0u64;
+        for op in [Op::Set, Op::Get, Op::Add] {
+            for &k in &options.clients {
+                run += 1;
+                emit(throughput(&addr, &copts, op, k, options.ops_per_client, options.value_bytes, run).await?);
+            }
+        }
+        for &n in &options.rendezvous_ranks {
+            for multi in [false, true] {
+                if !multi && n > options.per_key_max_ranks {
+                    continue;
+                }
+                run += 1;
+                emit(rendezvous(&addr, &copts, n, multi, run).await?);
+            }
+        }
+        drop(server);
+        Ok(())
+    })
+}
+
+#[derive(Clone, Copy, Debug)]
+enum Op {
+    Set,
+    Get,
+    Add,
+}
+
+async fn connect_all(addr: &str, options: &ClientOptions, n: usize) -> Result<Vec<AsyncStoreClient>> {
+    // Connect in waves so the listen backlog never overflows into SYN retries.
+    let mut clients = Vec::with_capacity(n);
+    while clients.len() < n {
+        let wave = (n - clients.len()).min(256);
+        let batch = futures::future::join_all((0..wave).map(|_| AsyncStoreClient::connect(addr, options))).await;
+        for c in batch {
+            clients.push(c?);
+        }
+    }
+    Ok(clients)
+}
+
+fn join_error(e: tokio::task::JoinError) -> Error {
+    Error::InvalidArgument(format!("benchmark task failed: {e}"))
+}
+
+async fn throughput(
+    addr: &str,
+    options: &ClientOptions,
+    op: Op,
+    clients: usize,
+    ops: usize,
+    value_bytes: usize,
+    run: u64,
+) -> Result<BenchResult> {
+    let conns = connect_all(addr, options, clients).await?;
+    let value = Arc::new(vec![0xabu8; value_bytes]);
+    let start_line = Arc::new(tokio::sync::Barrier::new(clients + 1));
+    let mut tasks = Vec::new();
+    for (i, mut c) in conns.into_iter().enumerate() {
+        let (value, start_line) = (value.clone(), start_line.clone());
+        tasks.push(tokio::spawn(async move {
+            let key = format!("bench/{run}/{i}");
+            if matches!(op, Op::Get) {
+                c.set(&key, &value).await?;
+            }
+            start_line.wait().await;
+            let mut lat = Vec::with_capacity(ops);
+            for _ in 0..ops {
+                let t = Instant::now();
+                match op {
+                    Op::Set => {
+                        c.set(&key, &value).await?;
+                        // SET has no reply; the CHECK after it makes each iteration a round
+                        // trip, so the latency includes the store applying the SET.
+                        c.check(&[&key]).await?;
+                    }
+                    Op::Get => {
+                        c.get(&key, Duration::from_secs(10)).await?;
+                    }
+                    Op::Add => {
+                        c.add(&key, 1).await?;
+                    }
+                }
+                lat.push(t.elapsed());
+            }
+            Ok::<_, Error>(lat)
+        }));
+    }
+    start_line.wait().await;
+    let t0 = Instant::now();
+    let mut lat = Vec::with_capacity(clients * ops);
+    for t in tasks {
+        lat.extend(t.await.map_err(join_error)??);
+    }
+    let wall = t0.elapsed();
+    let (median, p99) = percentiles(&mut lat);
+    let mut extra = serde_json::Map::new();
+    extra.insert("ops_per_s".into(), ((clients * ops) as f64 / wall.as_secs_f64()).round().into());
+    let note = match op {
+        Op::Set => "set+check round trip",
+        Op::Get => "wait+get, as torch's get",
+        Op::Add => "add",
+    };
+    extra.insert("note".into(), note.into());
+    let name = match op {
+        Op::Set => "store_set",
+        Op::Get => "store_get",
+        Op::Add => "store_add",
+    };
+    Ok(BenchResult {
+        bench: name.into(),
+        ranks: clients,
+        bytes: (!matches!(op, Op::Add)).then_some(value_bytes as u64),
+        iters: ops as u64,
+        lat_us: median,
+        p99_us: p99,
+        gbps: None,
+        extra,
+    })
+}
+
+/// N simulated ranks each publish one value and read every other rank's: with one get per key
+/// (N-1 round trips of WAIT+GET each) or with one `multi_get`.
+async fn rendezvous(addr: &str, options: &ClientOptions, n: usize, multi: bool, run: u64) -> Result<BenchResult> {
+    let conns = connect_all(addr, options, n).await?;
+    let start_line = Arc::new(tokio::sync::Barrier::new(n + 1));
+    let mut tasks = Vec::new();
+    for (i, mut c) in conns.into_iter().enumerate() {
+        let start_line = start_line.clone();
+        tasks.push(tokio::spawn(async move {
+            let keys: Vec<String> = (0..n).filter(|&j| j != i).map(|j| format!("rdzv/{run}/{j}")).collect();
+            start_line.wait().await;
+            let t = Instant::now();
+            c.set(&format!("rdzv/{run}/{i}"), format!("handle-of-rank-{i}").as_bytes()).await?;
+            let timeout = Duration::from_secs(600);
+            if multi {
+                let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
+                let values = c.multi_get(&refs, timeout).await?;
+                debug_assert_eq!(values.len(), n - 1);
+            } else {
+                for k in &keys {
+                    c.get(k, timeout).await?;
+                }
+            }
+            Ok::<_, Error>(t.elapsed())
+        }));
+    }
+    start_line.wait().await;
+    let t0 = Instant::now();
+    let mut lat = Vec::with_capacity(n);
+    for t in tasks {
+        lat.push(t.await.map_err(join_error)??);
+    }
+    let wall = t0.elapsed();
+    let (median, p99) = percentiles(&mut lat);
+    // Requests on the wire: SET, then per key WAIT+GET, or one WAIT+MULTI_GET.
+    let requests = if multi { n * 3 } else { n + 2 * n * (n - 1) };
+    let mut extra = serde_json::Map::new();
+    extra.insert("total_ms".into(), (wall.as_secs_f64() * 1e3).into());
+    extra.insert("ops_per_s".into(), (requests as f64 / wall.as_secs_f64()).round().into());
+    Ok(BenchResult {
+        bench: if multi { "rendezvous_multi_get" } else { "rendezvous_get" }.into(),
+        ranks: n,
+        bytes: None,
+        iters: 1,
+        lat_us: median,
+        p99_us: p99,
+        gbps: None,
+        extra,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn percentiles_pick_ranks() {
+        let mut v: Vec<Duration> = (1..=100).rev().map(Duration::from_micros).collect();
+        let (m, p) = percentiles(&mut v);
+        assert_eq!((m.round(), p.round()), (51.0, 99.0));
+        assert_eq!(percentiles(&mut []), (0.0, 0.0));
+    }
+}

@@ -1,0 +1,47 @@
+//! Every configuration knob of symmem: its environment variable, default and meaning, in one
+//! table that `symmem info` prints and the code reads from.
+
+/// One configuration knob.
+#[derive(Clone, Copy, Debug)]
+pub struct Knob {
+    /// The environment variable.
+    pub env: &'static str,
+    /// The default, as text.
+    pub default: &'static str,
+    /// What it controls.
+    pub doc: &'static str,
+}
+
+/// Every knob, in the order `symmem info` lists them.
+pub const KNOBS: &[Knob] = &[
+    Knob {
+        env: "RANK",
+        default: "(required)",
+        doc: "this process's rank in the job; set by `symmem run` and torchrun",
+    },
+    Knob { env: "WORLD_SIZE", default: "(required)", doc: "the number of ranks in the job" },
+    Knob { env: "LOCAL_RANK", default: "RANK", doc: "this process's rank among the ranks on its host" },
+    Knob { env: "LOCAL_WORLD_SIZE", default: "WORLD_SIZE", doc: "the number of ranks on this host" },
+    Knob { env: "MASTER_ADDR", default: "(required)", doc: "host of the job's store" },
+    Knob { env: "MASTER_PORT", default: "(required)", doc: "port of the job's store" },
+    Knob {
+        env: "TORCHELASTIC_USE_AGENT_STORE",
+        default: "unset",
+        doc: "\"True\": the launcher hosts the store and every rank connects as a client; otherwise rank 0 hosts it",
+    },
+    Knob {
+        env: crate::store::SECRET_ENV,
+        default: "unset",
+        doc: "shared secret for the store: clients must prove they hold it (HMAC-SHA256) before any operation",
+    },
+    Knob {
+        env: crate::store::TIMEOUT_ENV,
+        default: "300",
+        doc: "seconds before store operations and connection attempts time out",
+    },
+    Knob {
+        env: "SYMMEM_LOG",
+        default: "warn",
+        doc: "log filter (tracing-subscriber EnvFilter syntax), e.g. `symmem=debug`",
+    },
+];

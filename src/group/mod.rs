@@ -1,0 +1,493 @@
+//! Who participates: a [`Group`] is a set of ranks with a name and a store scoped to it.
+//!
+//! A rank learns who it is from the environment variables torchrun and `symmem run` set
+//! (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`), so
+//! symmem programs run unchanged under either launcher. Under torchrun
+//! (`TORCHELASTIC_USE_AGENT_STORE=True`) every rank is a client of the agent's store; otherwise
+//! rank 0 hosts the store unless one is already listening there.
+//!
+//! Layer: uses `store`; never unsafe.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use crate::error::{Error, Result};
+use crate::store::{ClientOptions, PrefixStore, ServerOptions, Store, StoreServer, TcpStore};
+
+/// `RANK`: this process's rank in the job.
+pub const RANK_ENV: &str = "RANK";
+/// `WORLD_SIZE`: the number of ranks in the job.
+pub const WORLD_SIZE_ENV: &str = "WORLD_SIZE";
+/// `LOCAL_RANK`: this process's rank among the ranks on its host.
+pub const LOCAL_RANK_ENV: &str = "LOCAL_RANK";
+/// `LOCAL_WORLD_SIZE`: the number of ranks on this host.
+pub const LOCAL_WORLD_SIZE_ENV: &str = "LOCAL_WORLD_SIZE";
+/// `MASTER_ADDR`: the host of the job's store.
+pub const MASTER_ADDR_ENV: &str = "MASTER_ADDR";
+/// `MASTER_PORT`: the port of the job's store.
+pub const MASTER_PORT_ENV: &str = "MASTER_PORT";
+/// `TORCHELASTIC_USE_AGENT_STORE`: `True` when a launcher (torchrun, `symmem run`) hosts the
+/// store and every rank must connect to it as a client.
+pub const AGENT_STORE_ENV: &str = "TORCHELASTIC_USE_AGENT_STORE";
+
+/// The name of the group of every rank.
+pub const WORLD: &str = "world";
+
+/// The prefix of every key symmem writes, so its keys never collide with PyTorch's in a shared
+/// store.
+const KEY_ROOT: &str = "symmem";
+
+/// The identity of a rank, read from the environment.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RankEnv {
+    /// `RANK`.
+    pub rank: usize,
+    /// `WORLD_SIZE`.
+    pub world_size: usize,
+    /// `LOCAL_RANK` (defaults to `RANK` when unset).
+    pub local_rank: usize,
+    /// `LOCAL_WORLD_SIZE` (defaults to `WORLD_SIZE` when unset).
+    pub local_world_size: usize,
+    /// `MASTER_ADDR`.
+    pub master_addr: String,
+    /// `MASTER_PORT`.
+    pub master_port: u16,
+    /// Whether the launcher hosts the store (`TORCHELASTIC_USE_AGENT_STORE=True`).
+    pub agent_store: bool,
+}
+
+impl RankEnv {
+    /// Reads the variables from the process environment.
+    pub fn from_env() -> Result<RankEnv> {
+        RankEnv::from_lookup(|name| std::env::var(name).ok())
+    }
+
+    /// Reads the variables through `lookup`, so tests need not touch the process environment.
+    pub fn from_lookup(lookup: impl Fn(&str) -> Option<String>) -> Result<RankEnv> {
+        let required = |var: &'static str| {
+            lookup(var).ok_or_else(|| Error::Env { var, reason: "not set (run under `symmem run` or torchrun)".into() })
+        };
+        let number = |var: &'static str, s: String| -> Result<usize> {
+            s.trim()
+                .parse::<usize>()
+                .map_err(|_| Error::Env { var, reason: format!("{s:?} is not a non-negative integer") })
+        };
+        let rank = number(RANK_ENV, required(RANK_ENV)?)?;
+        let world_size = number(WORLD_SIZE_ENV, required(WORLD_SIZE_ENV)?)?;
+        if world_size == 0 {
+            return Err(Error::Env { var: WORLD_SIZE_ENV, reason: "must be at least 1".into() });
+        }
+        if rank >= world_size {
+            return Err(Error::Env { var: RANK_ENV, reason: format!("{rank} is not below WORLD_SIZE {world_size}") });
+        }
+        let local_rank = lookup(LOCAL_RANK_ENV).map(|s| number(LOCAL_RANK_ENV, s)).transpose()?.unwrap_or(rank);
+        let local_world_size =
+            lookup(LOCAL_WORLD_SIZE_ENV).map(|s| number(LOCAL_WORLD_SIZE_ENV, s)).transpose()?.unwrap_or(world_size);
+        if local_rank >= local_world_size {
+            return Err(Error::Env {
+                var: LOCAL_RANK_ENV,
+                reason: format!("{local_rank} is not below LOCAL_WORLD_SIZE {local_world_size}"),
+            });
+        }
+        let master_addr = required(MASTER_ADDR_ENV)?;
+        if master_addr.trim().is_empty() {
+            return Err(Error::Env { var: MASTER_ADDR_ENV, reason: "is empty".into() });
+        }
+        let port = required(MASTER_PORT_ENV)?;
+        let master_port = port.trim().parse::<u16>().ok().filter(|&p| p != 0).ok_or_else(|| Error::Env {
+            var: MASTER_PORT_ENV,
+            reason: format!("{port:?} is not a port number (1-65535)"),
+        })?;
+        let agent_store = lookup(AGENT_STORE_ENV).is_some_and(|v| v == "True");
+        Ok(RankEnv { rank, world_size, local_rank, local_world_size, master_addr, master_port, agent_store })
+    }
+
+    /// `MASTER_ADDR:MASTER_PORT`, with IPv6 literals bracketed.
+    pub fn store_addr(&self) -> String {
+        if self.master_addr.contains(':') && !self.master_addr.starts_with('[') {
+            format!("[{}]:{}", self.master_addr, self.master_port)
+        } else {
+            format!("{}:{}", self.master_addr, self.master_port)
+        }
+    }
+}
+
+/// A set of ranks that communicate, with a store scoped to the group.
+///
+/// ```
+/// use std::sync::Arc;
+/// use std::time::Duration;
+/// use symmem::{Group, store::MemoryStore};
+///
+/// let store = Arc::new(MemoryStore::new());
+/// let ranks: Vec<_> = (0..3)
+///     .map(|rank| {
+///         let store = store.clone();
+///         std::thread::spawn(move || {
+///             let group = Group::new(rank, 3, store)?;
+///             let all = group.all_gather_bytes("hello", format!("rank {rank}").as_bytes())?;
+///             group.barrier(Duration::from_secs(10))?;
+///             Ok::<_, symmem::Error>(all)
+///         })
+///     })
+///     .collect();
+/// for r in ranks {
+///     let all = r.join().unwrap()?;
+///     assert_eq!(all[2], b"rank 2");
+/// }
+/// # Ok::<(), symmem::Error>(())
+/// ```
+#[derive(Debug)]
+pub struct Group {
+    rank: usize,
+    world_size: usize,
+    local_rank: usize,
+    local_world_size: usize,
+    name: String,
+    /// The global ranks of the members; this group's rank `i` is global rank `members[i]`.
+    members: Vec<usize>,
+    /// The store scoped to this group.
+    store: Arc<dyn Store>,
+    /// The unscoped store, from which sub-groups scope their own.
+    root: Arc<dyn Store>,
+    barriers: AtomicU64,
+    gathers: AtomicU64,
+    splits: Mutex<HashMap<Vec<usize>, u64>>,
+    /// The store server, when this rank hosts it; it lives as long as the group.
+    _server: Option<Arc<StoreServer>>,
+}
+
+impl Group {
+    /// The world group of this process, from the environment (see the module docs).
+    pub fn from_env() -> Result<Group> {
+        let env = RankEnv::from_env()?;
+        let options = ClientOptions::from_env()?;
+        Group::from_rank_env(&env, options)
+    }
+
+    /// The world group of a rank described by `env`.
+    pub fn from_rank_env(env: &RankEnv, options: ClientOptions) -> Result<Group> {
+        let addr = env.store_addr();
+        let server = if env.rank == 0 && !env.agent_store {
+            let opts = ServerOptions { secret: options.secret.clone(), ..ServerOptions::default() };
+            match StoreServer::start(&addr, opts) {
+                Ok(s) => Some(Arc::new(s)),
+                Err(Error::Io { source, .. }) if source.kind() == std::io::ErrorKind::AddrInUse => {
+                    tracing::debug!("a store already listens at {addr}; connecting as a client");
+                    None
+                }
+                Err(e) => return Err(e),
+            }
+        } else {
+            None
+        };
+        let store: Arc<dyn Store> = Arc::new(TcpStore::connect(&addr, options)?);
+        let mut group = Group::with_name(env.rank, env.world_size, store, WORLD)?;
+        group.local_rank = env.local_rank;
+        group.local_world_size = env.local_world_size;
+        group._server = server;
+        Ok(group)
+    }
+
+    /// A group of `world_size` ranks named [`WORLD`], of which this is `rank`, meeting through
+    /// `store`.
+    pub fn new(rank: usize, world_size: usize, store: Arc<dyn Store>) -> Result<Group> {
+        Group::with_name(rank, world_size, store, WORLD)
+    }
+
+    /// A group with an explicit name; groups with different names never see each other's keys.
+    pub fn with_name(rank: usize, world_size: usize, store: Arc<dyn Store>, name: &str) -> Result<Group> {
+        if rank >= world_size {
+            return Err(Error::InvalidArgument(format!("rank {rank} is not below world size {world_size}")));
+        }
+        Ok(Group::scoped(rank, (0..world_size).collect(), store, name.to_string()))
+    }
+
+    fn scoped(rank: usize, members: Vec<usize>, root: Arc<dyn Store>, name: String) -> Group {
+        let world_size = members.len();
+        let store = Arc::new(PrefixStore::new(format!("{KEY_ROOT}/{name}"), root.clone()));
+        Group {
+            rank,
+            world_size,
+            local_rank: rank,
+            local_world_size: world_size,
+            name,
+            members,
+            store,
+            root,
+            barriers: AtomicU64::new(0),
+            gathers: AtomicU64::new(0),
+            splits: Mutex::new(HashMap::new()),
+            _server: None,
+        }
+    }
+
+    /// This rank's index in the group.
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// The number of ranks in the group.
+    pub fn world_size(&self) -> usize {
+        self.world_size
+    }
+
+    /// This rank's index among the ranks on its host (from `LOCAL_RANK`).
+    pub fn local_rank(&self) -> usize {
+        self.local_rank
+    }
+
+    /// The number of ranks on this host (from `LOCAL_WORLD_SIZE`).
+    pub fn local_world_size(&self) -> usize {
+        self.local_world_size
+    }
+
+    /// The group's name, unique among the groups of a job.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The global ranks of the members, in group-rank order.
+    pub fn members(&self) -> &[usize] {
+        &self.members
+    }
+
+    /// The store, scoped to this group.
+    pub fn store(&self) -> &Arc<dyn Store> {
+        &self.store
+    }
+
+    /// A sub-group of the given group ranks, in that order, with its own name and key prefix.
+    ///
+    /// Every member must call `split` with the same ranks, in the same order relative to its
+    /// other splits of the same ranks; ranks outside `ranks` may call it too and get `None`.
+    pub fn split(&self, ranks: &[usize]) -> Result<Option<Group>> {
+        if ranks.is_empty() {
+            return Err(Error::InvalidArgument("split of no ranks".into()));
+        }
+        let mut seen = vec![false; self.world_size];
+        for &r in ranks {
+            if r >= self.world_size {
+                return Err(Error::InvalidArgument(format!(
+                    "split rank {r} is not in group {:?} of {} ranks",
+                    self.name, self.world_size
+                )));
+            }
+            if std::mem::replace(&mut seen[r], true) {
+                return Err(Error::InvalidArgument(format!("split lists rank {r} twice")));
+            }
+        }
+        let n = {
+            let mut splits = self.splits.lock().unwrap_or_else(|p| p.into_inner());
+            let n = splits.entry(ranks.to_vec()).or_insert(0);
+            *n += 1;
+            *n
+        };
+        let Some(my_index) = ranks.iter().position(|&r| r == self.rank) else { return Ok(None) };
+        let list = ranks.iter().map(usize::to_string).collect::<Vec<_>>().join(",");
+        let name = format!("{}/split[{list}]#{n}", self.name);
+        let members = ranks.iter().map(|&r| self.members[r]).collect();
+        Ok(Some(Group::scoped(my_index, members, self.root.clone(), name)))
+    }
+
+    /// Waits until every rank of the group has called `barrier` (the same number of times), or
+    /// fails after `timeout` with an error naming the ranks that did not arrive.
+    pub fn barrier(&self, timeout: Duration) -> Result<()> {
+        let seq = self.barriers.fetch_add(1, Ordering::Relaxed);
+        let key = format!("barrier/{seq}");
+        let done = format!("{key}/done");
+        self.store.set(&format!("{key}/{}", self.rank), b"")?;
+        let arrived = self.store.add(&key, 1)?;
+        if arrived == self.world_size as i64 {
+            // Every rank has finished barrier `seq - 1` before arriving here, so its keys are
+            // no longer waited on.
+            if seq > 0 {
+                self.forget_barrier(seq - 1)?;
+            }
+            self.store.set(&done, b"")?;
+        }
+        match self.store.wait_timeout(&[&done], timeout) {
+            Err(e) if e.is_timeout() => Err(self.barrier_timeout(seq, timeout)),
+            r => r,
+        }
+    }
+
+    fn forget_barrier(&self, seq: u64) -> Result<()> {
+        let key = format!("barrier/{seq}");
+        self.store.delete(&key)?;
+        self.store.delete(&format!("{key}/done"))?;
+        for r in 0..self.world_size {
+            self.store.delete(&format!("{key}/{r}"))?;
+        }
+        Ok(())
+    }
+
+    #[cold]
+    fn barrier_timeout(&self, seq: u64, timeout: Duration) -> Error {
+        let missing: Vec<usize> = (0..self.world_size)
+            .filter(|r| !self.store.check(&[&format!("barrier/{seq}/{r}")]).unwrap_or(false))
+            .collect();
+        Error::timeout(
+            format!(
+                "barrier {seq} of group {:?}: rank(s) {missing:?} of {} did not arrive",
+                self.name, self.world_size
+            ),
+            timeout,
+        )
+    }
+
+    /// Every rank contributes `value`; every rank gets all values, indexed by rank. `tag` names
+    /// the exchange in errors; calls must happen in the same order on every rank.
+    pub fn all_gather_bytes(&self, tag: &str, value: &[u8]) -> Result<Vec<Vec<u8>>> {
+        let seq = self.gathers.fetch_add(1, Ordering::Relaxed);
+        let prefix = format!("gather/{seq}/{tag}");
+        self.store.set(&format!("{prefix}/{}", self.rank), value)?;
+        let keys: Vec<String> = (0..self.world_size).map(|r| format!("{prefix}/{r}")).collect();
+        let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
+        self.store.multi_get(&refs).map_err(|e| match e {
+            Error::Timeout { after, .. } => {
+                let missing: Vec<usize> =
+                    (0..self.world_size).filter(|&r| !self.store.check(&[refs[r]]).unwrap_or(false)).collect();
+                Error::timeout(
+                    format!("all-gather {tag:?} of group {:?}: rank(s) {missing:?} did not contribute", self.name),
+                    after,
+                )
+            }
+            e => e,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::MemoryStore;
+
+    fn env(pairs: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
+        let map: HashMap<String, String> = pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        move |k| map.get(k).cloned()
+    }
+
+    const OK: &[(&str, &str)] = &[
+        ("RANK", "1"),
+        ("WORLD_SIZE", "4"),
+        ("LOCAL_RANK", "1"),
+        ("LOCAL_WORLD_SIZE", "2"),
+        ("MASTER_ADDR", "127.0.0.1"),
+        ("MASTER_PORT", "29500"),
+    ];
+
+    #[test]
+    fn reads_torchrun_variables() {
+        let e = RankEnv::from_lookup(env(OK)).unwrap();
+        assert_eq!((e.rank, e.world_size, e.local_rank, e.local_world_size), (1, 4, 1, 2));
+        assert_eq!(e.store_addr(), "127.0.0.1:29500");
+        assert!(!e.agent_store);
+        let mut with_agent = OK.to_vec();
+        with_agent.push((AGENT_STORE_ENV, "True"));
+        assert!(RankEnv::from_lookup(env(&with_agent)).unwrap().agent_store);
+    }
+
+    #[test]
+    fn errors_name_the_variable() {
+        let cases: &[(&str, Option<&str>, &str)] = &[
+            ("RANK", None, "RANK"),
+            ("RANK", Some("x"), "RANK"),
+            ("RANK", Some("4"), "RANK"),
+            ("WORLD_SIZE", Some("0"), "WORLD_SIZE"),
+            ("MASTER_PORT", Some("70000"), "MASTER_PORT"),
+            ("MASTER_PORT", None, "MASTER_PORT"),
+            ("MASTER_ADDR", None, "MASTER_ADDR"),
+            ("LOCAL_RANK", Some("-1"), "LOCAL_RANK"),
+            ("LOCAL_RANK", Some("2"), "LOCAL_RANK"),
+        ];
+        for (var, value, named) in cases {
+            let mut pairs: Vec<(&str, &str)> = OK.iter().filter(|(k, _)| k != var).copied().collect();
+            if let Some(v) = value {
+                pairs.push((var, v));
+            }
+            let err = RankEnv::from_lookup(env(&pairs)).unwrap_err();
+            assert!(matches!(&err, Error::Env { var, .. } if var == named), "{var}={value:?}: {err}");
+            assert!(err.to_string().contains(named), "{err}");
+        }
+    }
+
+    fn run_ranks<T: Send + 'static>(n: usize, f: impl Fn(Group) -> T + Send + Sync + 'static) -> Vec<T> {
+        let store: Arc<dyn Store> = Arc::new(MemoryStore::new());
+        let f = Arc::new(f);
+        let handles: Vec<_> = (0..n)
+            .map(|r| {
+                let (store, f) = (store.clone(), f.clone());
+                std::thread::spawn(move || f(Group::new(r, n, store).unwrap()))
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    }
+
+    #[test]
+    fn barrier_and_gather_across_threads() {
+        let results = run_ranks(4, |g| {
+            let mut seen = Vec::new();
+            for round in 0..20u32 {
+                g.barrier(Duration::from_secs(10)).unwrap();
+                let all = g.all_gather_bytes("round", &(round * 10 + g.rank() as u32).to_le_bytes()).unwrap();
+                seen.push(all);
+            }
+            seen
+        });
+        for seen in results {
+            for (round, all) in seen.iter().enumerate() {
+                let want: Vec<Vec<u8>> = (0..4u32).map(|r| (round as u32 * 10 + r).to_le_bytes().to_vec()).collect();
+                assert_eq!(all, &want);
+            }
+        }
+    }
+
+    #[test]
+    fn barriers_clean_up_their_keys() {
+        let store: Arc<dyn Store> = Arc::new(MemoryStore::new());
+        let s = store.clone();
+        let g = Group::new(0, 1, s).unwrap();
+        for _ in 0..100 {
+            g.barrier(Duration::from_secs(1)).unwrap();
+        }
+        assert!(store.num_keys().unwrap() <= 3, "{} keys left", store.num_keys().unwrap());
+    }
+
+    #[test]
+    fn barrier_timeout_names_missing_ranks() {
+        let store: Arc<dyn Store> = Arc::new(MemoryStore::new());
+        let g0 = Group::new(0, 3, store.clone()).unwrap();
+        let g2 = Group::new(2, 3, store).unwrap();
+        let t = std::thread::spawn(move || g2.barrier(Duration::from_millis(300)));
+        let err = g0.barrier(Duration::from_millis(300)).unwrap_err();
+        assert!(err.is_timeout());
+        assert!(err.to_string().contains("[1]"), "{err}");
+        assert!(t.join().unwrap().unwrap_err().to_string().contains("[1]"));
+    }
+
+    #[test]
+    fn split_scopes_keys_and_renumbers() {
+        let results = run_ranks(4, |g| {
+            let odd = g.split(&[3, 1]).unwrap();
+            let even = g.split(&[0, 2]).unwrap();
+            let sub = odd.or(even).unwrap();
+            let all = sub.all_gather_bytes("x", g.rank().to_string().as_bytes()).unwrap();
+            sub.barrier(Duration::from_secs(10)).unwrap();
+            (g.rank(), sub.rank(), sub.world_size(), sub.members().to_vec(), all)
+        });
+        for (rank, sub_rank, size, members, all) in results {
+            assert_eq!(size, 2);
+            assert_eq!(members[sub_rank], rank);
+            let want: Vec<Vec<u8>> = members.iter().map(|m| m.to_string().into_bytes()).collect();
+            assert_eq!(all, want);
+        }
+        let g = Group::new(0, 2, Arc::new(MemoryStore::new())).unwrap();
+        assert!(g.split(&[0, 0]).is_err());
+        assert!(g.split(&[2]).is_err());
+        assert!(g.split(&[]).is_err());
+        assert!(g.split(&[1]).unwrap().is_none());
+    }
+}

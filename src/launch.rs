@@ -1,0 +1,508 @@
+//! The launcher behind `symmem run`: one host's share of a job.
+//!
+//! It starts the job's store (on node 0), starts one process per local rank with the variables
+//! torchrun sets, prefixes each line a rank prints with `[rank]`, forwards SIGINT and SIGTERM,
+//! and when a rank fails stops the others (SIGTERM, then SIGKILL half a second later) and
+//! reports which rank failed and how. Each rank runs in its own process group, so the ranks'
+//! own children are stopped with them; and each rank is killed by the kernel if the launcher
+//! itself dies, even by `kill -9`.
+//!
+//! Across hosts (`nnodes > 1`) the launchers meet in the store: a launcher whose rank fails
+//! raises an abort key that makes every other launcher stop its ranks, and node 0 keeps the
+//! store up until every node's ranks have finished.
+
+use std::ffi::OsString;
+use std::fmt;
+use std::io::Write;
+use std::os::unix::process::ExitStatusExt;
+use std::process::{ExitStatus, Stdio};
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::stream::{FuturesUnordered, StreamExt};
+use rustix::process::Signal;
+use tokio::io::{AsyncBufReadExt, AsyncRead, BufReader};
+use tokio::signal::unix::{SignalKind, signal};
+use tokio::time::Instant;
+
+use crate::error::{Error, Result};
+use crate::group;
+use crate::store::{AsyncStoreClient, ClientOptions, SECRET_ENV, Secret, ServerOptions, StoreServer};
+
+/// How long ranks get between SIGTERM and SIGKILL once the job is being stopped.
+pub const GRACE: Duration = Duration::from_millis(500);
+
+/// What to launch, and where this host stands in the job.
+#[derive(Clone, Debug)]
+pub struct LaunchOptions {
+    /// Ranks on this host.
+    pub nproc_per_node: usize,
+    /// Hosts in the job.
+    pub nnodes: usize,
+    /// This host's index, `0..nnodes`; node 0 hosts the store.
+    pub node_rank: usize,
+    /// The host of the store, as the ranks should reach it.
+    pub master_addr: String,
+    /// The store's port; 0 lets node 0 pick a free one (single-host jobs only).
+    pub master_port: u16,
+    /// Stop the job (exit code 124) if it runs longer than this.
+    pub timeout: Option<Duration>,
+    /// The store's shared secret, passed to the ranks in `SYMMEM_STORE_SECRET`.
+    pub secret: Option<Secret>,
+    /// The program each rank runs.
+    pub program: OsString,
+    /// Its arguments.
+    pub args: Vec<OsString>,
+    /// Extra environment variables for every rank.
+    pub env: Vec<(OsString, OsString)>,
+    /// A command that runs [`guard`] (e.g. `symmem __guard --`), to put in front of the rank
+    /// program. Without it a rank's own children outlive a `kill -9` of the launcher.
+    pub guard: Option<(OsString, Vec<OsString>)>,
+}
+
+impl LaunchOptions {
+    /// Options for `n` ranks of `program` on this host alone.
+    pub fn local(n: usize, program: impl Into<OsString>, args: Vec<OsString>) -> LaunchOptions {
+        LaunchOptions {
+            nproc_per_node: n,
+            nnodes: 1,
+            node_rank: 0,
+            master_addr: "127.0.0.1".into(),
+            master_port: 0,
+            timeout: None,
+            secret: None,
+            program: program.into(),
+            args,
+            env: Vec::new(),
+            guard: None,
+        }
+    }
+
+    fn validate(&self) -> Result<()> {
+        let bad = |s: String| Err(Error::InvalidArgument(s));
+        if self.nproc_per_node == 0 {
+            return bad("-n must be at least 1".into());
+        }
+        if self.nnodes == 0 {
+            return bad("--nnodes must be at least 1".into());
+        }
+        if self.node_rank >= self.nnodes {
+            return bad(format!("--node-rank {} is not below --nnodes {}", self.node_rank, self.nnodes));
+        }
+        if self.nnodes > 1 && self.master_port == 0 {
+            return bad("a multi-host job needs --master-port, the same on every host".into());
+        }
+        Ok(())
+    }
+}
+
+/// How a rank ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Termination {
+    /// It exited with this code.
+    Exit(i32),
+    /// It was killed by this signal.
+    Signal(i32),
+}
+
+impl Termination {
+    fn of(status: ExitStatus) -> Termination {
+        match (status.code(), status.signal()) {
+            (Some(c), _) => Termination::Exit(c),
+            (None, Some(s)) => Termination::Signal(s),
+            // An ExitStatus is either an exit or a signal on Unix.
+            (None, None) => Termination::Exit(1),
+        }
+    }
+
+    /// The shell's exit code for this termination: the code, or 128 + the signal.
+    pub fn exit_code(self) -> i32 {
+        match self {
+            Termination::Exit(c) => c,
+            Termination::Signal(s) => 128 + s,
+        }
+    }
+}
+
+impl fmt::Display for Termination {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match *self {
+            Termination::Exit(c) => write!(f, "exited with code {c}"),
+            Termination::Signal(s) => write!(f, "was killed by signal {s}{}", signal_name(s)),
+        }
+    }
+}
+
+/// How a job ended.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Outcome {
+    /// Every rank on this host exited with code 0.
+    Success,
+    /// A rank failed first; the others were stopped.
+    RankFailed {
+        /// The global rank.
+        rank: usize,
+        /// How it ended.
+        how: Termination,
+    },
+    /// Another host's launcher reported a failure and this host's ranks were stopped.
+    Aborted {
+        /// The other launcher's message.
+        reason: String,
+    },
+    /// The job ran past `--timeout`.
+    TimedOut {
+        /// The timeout.
+        after: Duration,
+    },
+    /// The launcher received this signal and forwarded it to the ranks.
+    Interrupted {
+        /// The signal number.
+        signal: i32,
+    },
+}
+
+impl Outcome {
+    /// The launcher's exit code: 0, the failed rank's code (128 + signal if it was killed),
+    /// 124 on timeout, 128 + signal when interrupted, 1 when aborted by another host.
+    pub fn exit_code(&self) -> i32 {
+        match self {
+            Outcome::Success => 0,
+            Outcome::RankFailed { how, .. } => how.exit_code(),
+            Outcome::Aborted { .. } => 1,
+            Outcome::TimedOut { .. } => 124,
+            Outcome::Interrupted { signal } => 128 + signal,
+        }
+    }
+}
+
+impl fmt::Display for Outcome {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Outcome::Success => write!(f, "all ranks succeeded"),
+            Outcome::RankFailed { rank, how } => write!(f, "rank {rank} {how}; stopped the other ranks"),
+            Outcome::Aborted { reason } => write!(f, "another host failed ({reason}); stopped this host's ranks"),
+            Outcome::TimedOut { after } => write!(f, "the job ran longer than {after:?}; stopped every rank"),
+            Outcome::Interrupted { signal } => write!(f, "interrupted by signal {signal}; forwarded it to every rank"),
+        }
+    }
+}
+
+const ABORT_KEY: &str = "symmem/launch/abort";
+const FINISHED_KEY: &str = "symmem/launch/finished";
+
+/// Runs this host's share of a job to completion and reports how it ended.
+///
+/// Errors are reserved for failures of the launcher itself (a port that cannot be bound, a
+/// program that cannot be started); how the ranks ended is the [`Outcome`].
+pub fn run(options: &LaunchOptions) -> Result<Outcome> {
+    options.validate()?;
+    crate::rt::block_on(run_async(options))
+}
+
+async fn run_async(o: &LaunchOptions) -> Result<Outcome> {
+    let server = if o.node_rank == 0 {
+        let host = if o.nnodes > 1 { "0.0.0.0" } else { o.master_addr.as_str() };
+        let addr = format!("{host}:{}", o.master_port);
+        let secret = o.secret.clone().or_else(Secret::from_env);
+        Some(StoreServer::bind(&addr, ServerOptions { secret, ..Default::default() }).await?)
+    } else {
+        None
+    };
+    let port = server.as_ref().map_or(o.master_port, |s| s.local_addr().port());
+    let env = group::RankEnv {
+        rank: 0,
+        world_size: o.nproc_per_node * o.nnodes,
+        local_rank: 0,
+        local_world_size: o.nproc_per_node,
+        master_addr: o.master_addr.clone(),
+        master_port: port,
+        agent_store: true,
+    };
+    let store_addr = env.store_addr();
+    // Across hosts: one connection to report, one to watch for other hosts' failures (a
+    // pending WAIT occupies its connection).
+    let (mut coordinator, watcher) = if o.nnodes > 1 {
+        let opts = ClientOptions { secret: o.secret.clone().or_else(Secret::from_env), ..ClientOptions::default() };
+        (
+            Some(AsyncStoreClient::connect(&store_addr, &opts).await?),
+            Some(AsyncStoreClient::connect(&store_addr, &opts).await?),
+        )
+    } else {
+        (None, None)
+    };
+
+    let out = Arc::new(std::sync::Mutex::new(()));
+    let mut pids = Vec::new();
+    let mut waits = FuturesUnordered::new();
+    let mut printers = Vec::new();
+    for local in 0..o.nproc_per_node {
+        let rank = o.node_rank * o.nproc_per_node + local;
+        let mut cmd = match &o.guard {
+            Some((guard, guard_args)) => {
+                let mut c = tokio::process::Command::new(guard);
+                c.args(guard_args).arg(&o.program);
+                c
+            }
+            None => tokio::process::Command::new(&o.program),
+        };
+        cmd.args(&o.args)
+            .envs(o.env.iter().map(|(k, v)| (k, v)))
+            .env(group::RANK_ENV, rank.to_string())
+            .env(group::WORLD_SIZE_ENV, env.world_size.to_string())
+            .env(group::LOCAL_RANK_ENV, local.to_string())
+            .env(group::LOCAL_WORLD_SIZE_ENV, o.nproc_per_node.to_string())
+            .env("GROUP_RANK", o.node_rank.to_string())
+            .env(group::MASTER_ADDR_ENV, &o.master_addr)
+            .env(group::MASTER_PORT_ENV, port.to_string())
+            .env(group::AGENT_STORE_ENV, "True")
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .process_group(0)
+            .kill_on_drop(true);
+        if let Some(secret) = &o.secret {
+            cmd.env(SECRET_ENV, secret.expose_os());
+        }
+        crate::sys::die_with_parent(&mut cmd);
+        let mut child = match cmd.spawn() {
+            Ok(c) => c,
+            Err(e) => {
+                stop(&pids, Signal::KILL);
+                return Err(Error::io(format!("start rank {rank}: {:?}", o.program), e));
+            }
+        };
+        // A spawned child has a pid until it is reaped, which happens only below.
+        let pid = child.id().unwrap_or(0);
+        pids.push(pid);
+        if let Some(stdout) = child.stdout.take() {
+            printers.push(tokio::spawn(forward(stdout, rank, false, out.clone())));
+        }
+        if let Some(stderr) = child.stderr.take() {
+            printers.push(tokio::spawn(forward(stderr, rank, true, out.clone())));
+        }
+        waits.push(async move { (rank, child.wait().await) });
+    }
+
+    let mut sigint = signal(SignalKind::interrupt()).map_err(|e| Error::io("install SIGINT handler", e))?;
+    let mut sigterm = signal(SignalKind::terminate()).map_err(|e| Error::io("install SIGTERM handler", e))?;
+    let job_deadline = o.timeout.map(|t| Instant::now() + t);
+    let mut kill_at: Option<Instant> = None;
+    let mut outcome: Option<Outcome> = None;
+    let far = Instant::now() + Duration::from_secs(100 * 365 * 24 * 3600);
+
+    // Across hosts, a failure elsewhere shows up as the abort key.
+    let abort_watch = async move {
+        match watcher {
+            Some(mut c) => loop {
+                match c.get(ABORT_KEY, Duration::from_secs(3600)).await {
+                    Ok(v) => return String::from_utf8_lossy(&v).into_owned(),
+                    Err(e) if e.is_timeout() => continue,
+                    Err(e) => {
+                        tracing::warn!("lost the job's store: {e}");
+                        return std::future::pending().await;
+                    }
+                }
+            },
+            None => std::future::pending().await,
+        }
+    };
+    tokio::pin!(abort_watch);
+    let mut aborted = false;
+
+    let mut remaining = pids.len();
+    while remaining > 0 {
+        tokio::select! {
+            Some((rank, status)) = waits.next() => {
+                remaining -= 1;
+                let how = match status {
+                    Ok(s) => Termination::of(s),
+                    Err(e) => return Err(Error::io(format!("wait for rank {rank}"), e)),
+                };
+                if how != Termination::Exit(0) && outcome.is_none() {
+                    outcome = Some(Outcome::RankFailed { rank, how });
+                    stop(&pids, Signal::TERM);
+                    kill_at = Some(Instant::now() + GRACE);
+                }
+            }
+            _ = sigint.recv() => {
+                stop(&pids, Signal::INT);
+                outcome.get_or_insert(Outcome::Interrupted { signal: Signal::INT.as_raw() });
+                kill_at.get_or_insert(Instant::now() + GRACE * 6);
+            }
+            _ = sigterm.recv() => {
+                stop(&pids, Signal::TERM);
+                outcome.get_or_insert(Outcome::Interrupted { signal: Signal::TERM.as_raw() });
+                kill_at.get_or_insert(Instant::now() + GRACE);
+            }
+            reason = &mut abort_watch, if !aborted => {
+                aborted = true;
+                if outcome.is_none() {
+                    outcome = Some(Outcome::Aborted { reason });
+                    stop(&pids, Signal::TERM);
+                    kill_at = Some(Instant::now() + GRACE);
+                }
+            }
+            _ = tokio::time::sleep_until(job_deadline.unwrap_or(far)), if job_deadline.is_some() && outcome.is_none() => {
+                outcome = Some(Outcome::TimedOut { after: o.timeout.unwrap_or_default() });
+                stop(&pids, Signal::TERM);
+                kill_at = Some(Instant::now() + GRACE);
+            }
+            _ = tokio::time::sleep_until(kill_at.unwrap_or(far)), if kill_at.is_some() => {
+                stop(&pids, Signal::KILL);
+                kill_at = None;
+            }
+        }
+    }
+    // Whatever the ranks left running in their process groups goes with them.
+    stop(&pids, Signal::KILL);
+    for p in printers {
+        // A grandchild that escaped its group could hold a pipe open; do not wait for it.
+        let _ = tokio::time::timeout(Duration::from_secs(1), p).await;
+    }
+    let outcome = outcome.unwrap_or(Outcome::Success);
+
+    if let Some(c) = &mut coordinator {
+        if let Outcome::RankFailed { rank, how } = &outcome {
+            let _ = c.set(ABORT_KEY, format!("rank {rank} {how} on node {}", o.node_rank).as_bytes()).await;
+        }
+        let _ = c.add(FINISHED_KEY, 1).await;
+        if server.is_some() {
+            // Keep the store up until every host's ranks are done with it.
+            let wait = async {
+                while c.add(FINISHED_KEY, 0).await.is_ok_and(|n| n < o.nnodes as i64) {
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+            };
+            if tokio::time::timeout(Duration::from_secs(60), wait).await.is_err() {
+                tracing::warn!("gave up after 60 s waiting for the other hosts to finish");
+            }
+        }
+    }
+    drop(server);
+    Ok(outcome)
+}
+
+fn stop(pids: &[u32], signal: Signal) {
+    for &pid in pids {
+        crate::sys::signal_group(pid, signal);
+    }
+}
+
+/// Copies a rank's output line by line, each line prefixed with `[rank] `.
+async fn forward(stream: impl AsyncRead + Unpin, rank: usize, stderr: bool, lock: Arc<std::sync::Mutex<()>>) {
+    let mut reader = BufReader::new(stream);
+    let mut line = Vec::with_capacity(256);
+    let prefix = format!("[{rank}] ");
+    loop {
+        line.clear();
+        match reader.read_until(b'\n', &mut line).await {
+            Ok(0) | Err(_) => return,
+            Ok(_) => {}
+        }
+        if line.last() != Some(&b'\n') {
+            line.push(b'\n');
+        }
+        // One line at a time, whole, so ranks' lines never interleave mid-line.
+        let _guard = lock.lock().unwrap_or_else(|p| p.into_inner());
+        let r = if stderr {
+            let mut e = std::io::stderr().lock();
+            e.write_all(prefix.as_bytes()).and_then(|()| e.write_all(&line))
+        } else {
+            let mut s = std::io::stdout().lock();
+            s.write_all(prefix.as_bytes()).and_then(|()| s.write_all(&line)).and_then(|()| s.flush())
+        };
+        if r.is_err() {
+            return;
+        }
+    }
+}
+
+fn signal_name(s: i32) -> &'static str {
+    match s {
+        1 => " (SIGHUP)",
+        2 => " (SIGINT)",
+        3 => " (SIGQUIT)",
+        4 => " (SIGILL)",
+        6 => " (SIGABRT)",
+        7 => " (SIGBUS)",
+        8 => " (SIGFPE)",
+        9 => " (SIGKILL)",
+        11 => " (SIGSEGV)",
+        13 => " (SIGPIPE)",
+        15 => " (SIGTERM)",
+        _ => "",
+    }
+}
+
+/// Runs `program` as the guard of a rank's process group, and returns the exit code to exit
+/// with. The launcher starts the guard as the leader of a new process group; the guard starts
+/// the rank program in that group and waits for it.
+///
+/// The guard asks the kernel for SIGTERM when the launcher dies. On SIGTERM or SIGINT it checks
+/// whether the launcher is still its parent: if so, the signal was the launcher stopping the
+/// job, which the rank received too, and the guard keeps waiting; if not, the launcher is gone
+/// and the guard kills its whole process group, rank and descendants, with SIGKILL.
+///
+/// A rank killed by a signal is reported by the guard killing itself with the same signal (or,
+/// for SIGTERM and SIGINT, which it handles, exiting with 128 + the signal).
+pub fn guard(program: &OsString, args: &[OsString]) -> i32 {
+    let launcher = rustix::process::getppid();
+    if let Err(e) = rustix::process::set_parent_process_death_signal(Some(Signal::TERM)) {
+        eprintln_guard(&format!("cannot watch the launcher: {e}"));
+    }
+    if rustix::process::getppid() != launcher {
+        return 1;
+    }
+    let rt = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln_guard(&format!("cannot start: {e}"));
+            return 1;
+        }
+    };
+    rt.block_on(async {
+        let mut cmd = tokio::process::Command::new(program);
+        cmd.args(args);
+        crate::sys::die_with_parent(&mut cmd);
+        let mut child = match cmd.spawn() {
+            Ok(c) => c,
+            Err(e) => {
+                eprintln_guard(&format!("cannot start {program:?}: {e}"));
+                return 127;
+            }
+        };
+        let (Ok(mut term), Ok(mut int)) = (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) else {
+            eprintln_guard("cannot install signal handlers");
+            return 1;
+        };
+        loop {
+            let sig = tokio::select! {
+                status = child.wait() => {
+                    return match status.map(Termination::of) {
+                        Ok(Termination::Exit(c)) => c,
+                        Ok(Termination::Signal(s)) => {
+                            if let Some(sig) = Signal::from_named_raw(s).filter(|&g| g != Signal::TERM && g != Signal::INT) {
+                                let _ = rustix::process::kill_process(rustix::process::getpid(), sig);
+                            }
+                            128 + s
+                        }
+                        Err(_) => 1,
+                    };
+                }
+                _ = term.recv() => Signal::TERM,
+                _ = int.recv() => Signal::INT,
+            };
+            if rustix::process::getppid() != launcher {
+                // The launcher is gone: take the whole group down, this guard included.
+                crate::sys::signal_group(std::process::id(), Signal::KILL);
+            }
+            tracing::trace!("guard: {sig:?} from the launcher; waiting for the rank");
+        }
+    })
+}
+
+#[allow(clippy::print_stderr, reason = "the guard has no caller to return errors to but its rank's stderr")]
+fn eprintln_guard(msg: &str) {
+    eprintln!("symmem guard: {msg}");
+}

@@ -1,0 +1,50 @@
+//! symmem: symmetric memory and one-sided tensor transports for CPU processes.
+//!
+//! symmem is PyTorch's `torch.distributed._symmetric_memory` and `torch.distributed._transport`
+//! in Rust: processes on one host share memory directly, and hosts reach each other over TCP.
+//!
+//! # Layers
+//!
+//! Each layer uses only the ones below it:
+//!
+//! ```text
+//!   cli        symmem run | demo | bench | store | info (the binary; parses arguments only)
+//!   launch     the one-host launcher behind `symmem run`;   bench: the measurements
+//!   group      who participates: rank, world size, name, scoped store; from the environment
+//!   store      rendezvous key-value store: TCP server and client (PyTorch's TCPStore
+//!              protocol), in-process store, prefix store
+//!   wire       every byte that crosses a process boundary; pure, never panics on input
+//!   sys        the only place that calls the OS unsafely
+//! ```
+//!
+//! `transport`, `symm` and `ops` (one-sided transports, symmetric allocations, and the
+//! operators on them) arrive in later releases between `group` and `launch`.
+//!
+//! # The paved path
+//!
+//! A rank started by `symmem run` or torchrun joins its job with [`Group::from_env`], then uses
+//! the group's store and barrier:
+//!
+//! ```no_run
+//! use std::time::Duration;
+//!
+//! let group = symmem::Group::from_env()?;
+//! let peers = group.all_gather_bytes("hostname", b"my-host")?;
+//! group.barrier(Duration::from_secs(30))?;
+//! # Ok::<(), symmem::Error>(())
+//! ```
+
+pub mod bench;
+pub mod config;
+mod error;
+pub mod group;
+pub mod launch;
+mod rt;
+pub mod store;
+mod sys;
+pub mod wire;
+
+// The paved path.
+pub use error::{Error, Result};
+pub use group::Group;
+pub use store::{MemoryStore, PrefixStore, Store, TcpStore};

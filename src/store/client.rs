@@ -1,0 +1,579 @@
+//! The store client: [`AsyncStoreClient`] speaks the protocol over one connection, and
+//! [`TcpStore`] wraps it as a synchronous, thread-safe [`Store`].
+//!
+//! Like torch's client, user keys go on the wire with a leading `/`, so `set("x")` here and
+//! `store.set("x")` in Python touch the same key; `get` is WAIT then GET; and a timed-out wait
+//! sends CANCEL_WAIT and consumes the reply (and a racing STOP_WAITING), so the connection stays
+//! usable after a timeout.
+
+use std::net::SocketAddr;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+use crate::error::{Error, Result};
+use crate::store::Store;
+use crate::store::auth::{self, Role, Secret};
+use crate::wire::store::{self as wire, DecodeError, Limits, Reply, ReplyShape, Request};
+
+/// The environment variable that overrides the default store timeout, in seconds.
+pub const TIMEOUT_ENV: &str = "SYMMEM_STORE_TIMEOUT";
+
+/// The default timeout of store operations and of connecting (torch's is also 300 s).
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
+
+/// How a client connects and behaves.
+#[derive(Clone, Debug)]
+pub struct ClientOptions {
+    /// Bounds connecting (with retries while the server is not up yet) and every operation
+    /// that has no explicit timeout.
+    pub timeout: Duration,
+    /// Authenticate with this secret; required when the server has one.
+    pub secret: Option<Secret>,
+}
+
+impl Default for ClientOptions {
+    fn default() -> Self {
+        ClientOptions { timeout: DEFAULT_TIMEOUT, secret: None }
+    }
+}
+
+impl ClientOptions {
+    /// Options from the environment: `SYMMEM_STORE_TIMEOUT` (seconds) and `SYMMEM_STORE_SECRET`.
+    pub fn from_env() -> Result<ClientOptions> {
+        let timeout = match std::env::var(TIMEOUT_ENV) {
+            Ok(s) => parse_seconds(&s).ok_or_else(|| Error::Env {
+                var: TIMEOUT_ENV,
+                reason: format!("{s:?} is not a non-negative number of seconds"),
+            })?,
+            Err(_) => DEFAULT_TIMEOUT,
+        };
+        Ok(ClientOptions { timeout, secret: Secret::from_env() })
+    }
+}
+
+fn parse_seconds(s: &str) -> Option<Duration> {
+    let secs: f64 = s.trim().parse().ok()?;
+    Duration::try_from_secs_f64(secs).ok()
+}
+
+/// The wire form of a user key: torch's client prefixes every key with `/`.
+fn wire_key(key: &str) -> Vec<u8> {
+    let mut k = Vec::with_capacity(key.len() + 1);
+    k.push(b'/');
+    k.extend_from_slice(key.as_bytes());
+    k
+}
+
+/// One connection to a store server, for async callers. Each method sends one request and
+/// waits for its reply; one request is in flight at a time, as with torch's client.
+#[derive(Debug)]
+pub struct AsyncStoreClient {
+    stream: TcpStream,
+    peer: String,
+    buf: Vec<u8>,
+    out: Vec<u8>,
+    timeout: Duration,
+    /// Set when a request timed out with its reply still due: the connection is out of step.
+    broken: bool,
+}
+
+impl AsyncStoreClient {
+    /// Connects to `addr` (`host:port`), retrying while nothing listens yet, and performs the
+    /// handshake (VALIDATE, then PING or authentication).
+    pub async fn connect(addr: &str, options: &ClientOptions) -> Result<AsyncStoreClient> {
+        let deadline = Instant::now() + options.timeout;
+        let mut backoff = Duration::from_millis(5);
+        let stream = loop {
+            let attempt = tokio::time::timeout_at(deadline.into(), TcpStream::connect(addr)).await;
+            match attempt {
+                Ok(Ok(s)) => break s,
+                Ok(Err(e)) if Instant::now() + backoff < deadline => {
+                    tracing::trace!("connect to store at {addr}: {e}; retrying");
+                    tokio::time::sleep(backoff).await;
+                    backoff = (backoff * 2).min(Duration::from_millis(500));
+                }
+                Ok(Err(e)) => return Err(Error::io(format!("connect to store at {addr}"), e)),
+                Err(_) => return Err(Error::timeout(format!("the store at {addr} to accept"), options.timeout)),
+            }
+        };
+        let _ = stream.set_nodelay(true);
+        let peer = stream.peer_addr().map_or_else(|_| addr.to_string(), |a: SocketAddr| a.to_string());
+        let mut c = AsyncStoreClient {
+            stream,
+            peer,
+            buf: Vec::with_capacity(256),
+            out: Vec::with_capacity(256),
+            timeout: options.timeout,
+            broken: false,
+        };
+        c.handshake(options.secret.as_ref(), deadline).await?;
+        Ok(c)
+    }
+
+    async fn handshake(&mut self, secret: Option<&Secret>, deadline: Instant) -> Result<()> {
+        self.send(&Request::Validate { magic: wire::VALIDATION_MAGIC }, deadline).await?;
+        let Some(secret) = secret else {
+            let nonce = std::process::id();
+            return match self.call(&Request::Ping { nonce }, deadline).await {
+                Ok(Reply::U32(n)) if n == nonce => Ok(()),
+                Ok(other) => Err(self.bad_reply("PING", &other)),
+                Err(Error::ConnectionClosed { .. }) => Err(Error::Auth {
+                    peer: self.peer.clone(),
+                    reason: format!(
+                        "the store closed the connection after the handshake; it may require a shared secret ({})",
+                        auth::SECRET_ENV
+                    ),
+                }),
+                Err(e) => Err(e),
+            };
+        };
+        let client_nonce = auth::nonce().map_err(|e| Error::io("draw a random nonce", e))?;
+        let challenge = self.call(&Request::AuthBegin { client_nonce: client_nonce.to_vec() }, deadline).await;
+        let (server_nonce, proof) = match challenge {
+            Ok(Reply::AuthChallenge { server_nonce, proof }) => (server_nonce, proof),
+            Ok(other) => return Err(self.bad_reply("AUTH_BEGIN", &other)),
+            Err(Error::ConnectionClosed { .. }) => {
+                return Err(Error::Auth {
+                    peer: self.peer.clone(),
+                    reason: "the store does not accept authentication (it has no secret, or is a PyTorch store)".into(),
+                });
+            }
+            Err(e) => return Err(e),
+        };
+        if !secret.verify(Role::Server, &client_nonce, &server_nonce, &proof) {
+            return Err(Error::Auth {
+                peer: self.peer.clone(),
+                reason: "the store's proof does not match our secret".into(),
+            });
+        }
+        let mine = secret.proof(Role::Client, &client_nonce, &server_nonce).to_vec();
+        match self.call(&Request::AuthProof { proof: mine }, deadline).await {
+            Ok(Reply::U8(0)) => Ok(()),
+            Ok(other) => Err(self.bad_reply("AUTH_PROOF", &other)),
+            Err(Error::ConnectionClosed { .. }) => {
+                Err(Error::Auth { peer: self.peer.clone(), reason: "the store rejected our secret".into() })
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    /// The server's address.
+    pub fn peer(&self) -> &str {
+        &self.peer
+    }
+
+    /// Sets `key` to `value`.
+    pub async fn set(&mut self, key: &str, value: &[u8]) -> Result<()> {
+        let req = Request::Set { key: wire_key(key), value: value.to_vec() };
+        self.send(&req, self.deadline()).await
+    }
+
+    /// Waits up to `timeout` for `key` to exist, then returns its value.
+    pub async fn get(&mut self, key: &str, timeout: Duration) -> Result<Vec<u8>> {
+        self.wait(&[key], timeout).await?;
+        match self.call(&Request::Get { key: wire_key(key) }, self.deadline()).await? {
+            Reply::Bytes(v) => Ok(v),
+            other => Err(self.bad_reply("GET", &other)),
+        }
+    }
+
+    /// Adds `delta` to the integer at `key` (absent counts as 0) and returns the new value.
+    pub async fn add(&mut self, key: &str, delta: i64) -> Result<i64> {
+        self.call_i64(Request::Add { key: wire_key(key), delta }, "ADD").await
+    }
+
+    /// Sets `key` to `desired` if it holds `expected` (or is absent and `expected` is empty);
+    /// returns the value now stored, with torch's semantics for an absent key.
+    pub async fn compare_set(&mut self, key: &str, expected: &[u8], desired: &[u8]) -> Result<Vec<u8>> {
+        let req = Request::CompareSet { key: wire_key(key), expected: expected.to_vec(), desired: desired.to_vec() };
+        match self.call(&req, self.deadline()).await? {
+            Reply::Bytes(v) => Ok(v),
+            other => Err(self.bad_reply("COMPARE_SET", &other)),
+        }
+    }
+
+    /// Waits up to `timeout` until every key exists.
+    pub async fn wait(&mut self, keys: &[&str], timeout: Duration) -> Result<()> {
+        let req = Request::Wait { keys: keys.iter().map(|k| wire_key(k)).collect() };
+        let deadline = Instant::now() + timeout;
+        self.send(&req, deadline).await?;
+        match self.read_reply(ReplyShape::U8, deadline, "WAIT").await {
+            Ok(Reply::U8(wire::STOP_WAITING)) => Ok(()),
+            Ok(other) => Err(self.bad_reply("WAIT", &other)),
+            Err(e) if e.is_timeout() => {
+                self.cancel_wait().await?;
+                Err(Error::timeout(format!("store keys {keys:?} at {}", self.peer), timeout))
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    /// After a wait timed out: CANCEL_WAIT, then consume WAIT_CANCELED, and a STOP_WAITING
+    /// that may have raced ahead of it (torch's `doWait`).
+    async fn cancel_wait(&mut self) -> Result<()> {
+        let deadline = self.deadline();
+        self.broken = true;
+        self.send(&Request::CancelWait, deadline).await?;
+        let mut byte = self.read_reply(ReplyShape::U8, deadline, "CANCEL_WAIT").await?;
+        if byte == Reply::U8(wire::STOP_WAITING) {
+            byte = self.read_reply(ReplyShape::U8, deadline, "CANCEL_WAIT").await?;
+        }
+        if byte != Reply::U8(wire::WAIT_CANCELED) {
+            return Err(self.bad_reply("CANCEL_WAIT", &byte));
+        }
+        self.broken = false;
+        Ok(())
+    }
+
+    /// Whether every key exists now; never blocks on the keys.
+    pub async fn check(&mut self, keys: &[&str]) -> Result<bool> {
+        let req = Request::Check { keys: keys.iter().map(|k| wire_key(k)).collect() };
+        match self.call(&req, self.deadline()).await? {
+            Reply::U8(wire::READY) => Ok(true),
+            Reply::U8(wire::NOT_READY) => Ok(false),
+            other => Err(self.bad_reply("CHECK", &other)),
+        }
+    }
+
+    /// Deletes `key`; returns whether it existed.
+    pub async fn delete(&mut self, key: &str) -> Result<bool> {
+        Ok(self.call_i64(Request::DeleteKey { key: wire_key(key) }, "DELETE_KEY").await? > 0)
+    }
+
+    /// The number of keys in the store, of every prefix (as torch counts them).
+    pub async fn num_keys(&mut self) -> Result<i64> {
+        self.call_i64(Request::GetNumKeys, "GETNUMKEYS").await
+    }
+
+    /// Waits up to `timeout` for every key, then returns their values in order.
+    pub async fn multi_get(&mut self, keys: &[&str], timeout: Duration) -> Result<Vec<Vec<u8>>> {
+        self.wait(keys, timeout).await?;
+        let req = Request::MultiGet { keys: keys.iter().map(|k| wire_key(k)).collect() };
+        match self.call(&req, self.deadline()).await? {
+            Reply::Values(v) => Ok(v),
+            other => Err(self.bad_reply("MULTI_GET", &other)),
+        }
+    }
+
+    /// Sets several keys in one message.
+    pub async fn multi_set(&mut self, pairs: &[(&str, &[u8])]) -> Result<()> {
+        let req = Request::MultiSet { pairs: pairs.iter().map(|(k, v)| (wire_key(k), v.to_vec())).collect() };
+        self.send(&req, self.deadline()).await
+    }
+
+    /// Appends `value` to the value at `key`, creating it if absent.
+    pub async fn append(&mut self, key: &str, value: &[u8]) -> Result<()> {
+        let req = Request::Append { key: wire_key(key), value: value.to_vec() };
+        self.send(&req, self.deadline()).await
+    }
+
+    /// The user keys in the store (wire keys with the `/` prefix, stripped; others are hidden,
+    /// as torch's `list_keys` does).
+    pub async fn list_keys(&mut self) -> Result<Vec<String>> {
+        match self.call(&Request::ListKeys, self.deadline()).await? {
+            Reply::Keys(keys) => Ok(keys
+                .into_iter()
+                .filter_map(|k| k.strip_prefix(b"/").map(|k| String::from_utf8_lossy(k).into_owned()))
+                .collect()),
+            other => Err(self.bad_reply("LIST_KEYS", &other)),
+        }
+    }
+
+    /// Checks the server is alive; returns the round-trip time.
+    pub async fn ping(&mut self) -> Result<Duration> {
+        let start = Instant::now();
+        let nonce = std::process::id() ^ 0x5a5a_5a5a;
+        match self.call(&Request::Ping { nonce }, self.deadline()).await? {
+            Reply::U32(n) if n == nonce => Ok(start.elapsed()),
+            other => Err(self.bad_reply("PING", &other)),
+        }
+    }
+
+    fn deadline(&self) -> Instant {
+        Instant::now() + self.timeout
+    }
+
+    async fn call_i64(&mut self, req: Request, what: &'static str) -> Result<i64> {
+        match self.call(&req, self.deadline()).await? {
+            Reply::I64(v) => Ok(v),
+            other => Err(self.bad_reply(what, &other)),
+        }
+    }
+
+    async fn call(&mut self, req: &Request, deadline: Instant) -> Result<Reply> {
+        self.send(req, deadline).await?;
+        // `call` is used only for requests that have replies.
+        let shape =
+            req.reply_shape().ok_or_else(|| Error::InvalidArgument(format!("{} has no reply", req.query_type())))?;
+        let name = req.query_type();
+        match self.read_reply(shape, deadline, name_of(name)).await {
+            Err(e) if e.is_timeout() => {
+                // The reply may still come and would be taken for the next request's.
+                self.broken = true;
+                Err(e)
+            }
+            r => r,
+        }
+    }
+
+    async fn send(&mut self, req: &Request, deadline: Instant) -> Result<()> {
+        if self.broken {
+            return Err(Error::Closed("store connection (an earlier request timed out; reconnect)"));
+        }
+        check_limits(req)?;
+        self.out.clear();
+        req.encode(&mut self.out);
+        let write = self.stream.write_all(&self.out);
+        match tokio::time::timeout_at(deadline.into(), write).await {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(e)) => {
+                self.broken = true;
+                Err(Error::io(format!("send {} to store at {}", req.query_type(), self.peer), e))
+            }
+            Err(_) => {
+                self.broken = true;
+                Err(Error::timeout(format!("the store at {} to take {}", self.peer, req.query_type()), self.timeout))
+            }
+        }
+    }
+
+    async fn read_reply(&mut self, shape: ReplyShape, deadline: Instant, what: &str) -> Result<Reply> {
+        let started = Instant::now();
+        loop {
+            match Reply::decode(shape, &self.buf, &Limits::CLIENT) {
+                Ok(Some((reply, used))) => {
+                    self.buf.drain(..used);
+                    return Ok(reply);
+                }
+                Ok(None) => {}
+                Err(source) => {
+                    self.broken = true;
+                    return Err(Error::Protocol { peer: self.peer.clone(), source });
+                }
+            }
+            if self.buf.capacity() - self.buf.len() < 1024 {
+                self.buf.reserve(64 * 1024);
+            }
+            let read = self.stream.read_buf(&mut self.buf);
+            match tokio::time::timeout_at(deadline.into(), read).await {
+                Ok(Ok(0)) => {
+                    self.broken = true;
+                    return Err(Error::ConnectionClosed { peer: self.peer.clone(), during: what.to_string() });
+                }
+                Ok(Ok(_)) => {}
+                Ok(Err(e)) => {
+                    self.broken = true;
+                    return Err(Error::io(format!("read {what} reply from store at {}", self.peer), e));
+                }
+                Err(_) => {
+                    return Err(Error::timeout(
+                        format!("the reply to {what} from the store at {}", self.peer),
+                        started.elapsed(),
+                    ));
+                }
+            }
+        }
+    }
+
+    #[cold]
+    fn bad_reply(&mut self, what: &str, reply: &Reply) -> Error {
+        self.broken = true;
+        Error::UnexpectedReply { peer: self.peer.clone(), request: what.to_string(), reply: format!("{reply:?}") }
+    }
+}
+
+fn name_of(q: wire::QueryType) -> &'static str {
+    use wire::QueryType::*;
+    match q {
+        Validate => "VALIDATE",
+        Set => "SET",
+        CompareSet => "COMPARE_SET",
+        Get => "GET",
+        Add => "ADD",
+        Check => "CHECK",
+        Wait => "WAIT",
+        GetNumKeys => "GETNUMKEYS",
+        DeleteKey => "DELETE_KEY",
+        Append => "APPEND",
+        MultiGet => "MULTI_GET",
+        MultiSet => "MULTI_SET",
+        CancelWait => "CANCEL_WAIT",
+        Ping => "PING",
+        QueuePush => "QUEUE_PUSH",
+        QueuePop => "QUEUE_POP",
+        QueueLen => "QUEUE_LEN",
+        ListKeys => "LIST_KEYS",
+        Barrier => "BARRIER",
+        AuthBegin => "AUTH_BEGIN",
+        AuthProof => "AUTH_PROOF",
+    }
+}
+
+/// Refuses, before sending, what the server would refuse by closing the connection.
+fn check_limits(req: &Request) -> Result<()> {
+    let l = Limits::SERVER;
+    let key = |k: &Vec<u8>| {
+        if k.len() as u64 > l.max_key_len {
+            return Err(Error::TooLarge(DecodeError::KeyTooLong { len: k.len() as u64, max: l.max_key_len }));
+        }
+        Ok(())
+    };
+    let value = |v: &Vec<u8>| {
+        if v.len() as u64 > l.max_value_len {
+            return Err(Error::TooLarge(DecodeError::ValueTooLong { len: v.len() as u64, max: l.max_value_len }));
+        }
+        Ok(())
+    };
+    let count = |n: usize| {
+        if n as u64 > l.max_keys {
+            return Err(Error::TooLarge(DecodeError::TooManyKeys { count: n as u64, max: l.max_keys }));
+        }
+        Ok(())
+    };
+    match req {
+        Request::Set { key: k, value: v }
+        | Request::Append { key: k, value: v }
+        | Request::QueuePush { key: k, value: v } => {
+            key(k)?;
+            value(v)
+        }
+        Request::CompareSet { key: k, expected, desired } => {
+            key(k)?;
+            value(expected)?;
+            value(desired)
+        }
+        Request::Get { key: k }
+        | Request::Add { key: k, .. }
+        | Request::DeleteKey { key: k }
+        | Request::QueuePop { key: k }
+        | Request::QueueLen { key: k }
+        | Request::Barrier { key: k, .. } => key(k),
+        Request::Check { keys } | Request::Wait { keys } | Request::MultiGet { keys } => {
+            count(keys.len())?;
+            keys.iter().try_for_each(key)
+        }
+        Request::MultiSet { pairs } => {
+            count(pairs.len())?;
+            pairs.iter().try_for_each(|(k, v)| {
+                key(k)?;
+                value(v)
+            })
+        }
+        _ => Ok(()),
+    }
+}
+
+/// A synchronous, thread-safe client of a TCP store: the [`Store`] that ranks use.
+///
+/// Calls from several threads are serialized over one connection. A connection that fell out
+/// of step (a reply that timed out) is replaced on the next call.
+///
+/// ```
+/// use std::time::Duration;
+/// use symmem::store::{ClientOptions, ServerOptions, Store, StoreServer, TcpStore};
+///
+/// let server = StoreServer::start("127.0.0.1:0", ServerOptions::default())?;
+/// let store = TcpStore::connect(&server.local_addr().to_string(), ClientOptions::default())?;
+/// store.set("greeting", b"hello")?;
+/// assert_eq!(store.get("greeting")?, b"hello");
+/// assert_eq!(store.add("counter", 5)?, 5);
+/// assert!(store.wait_timeout(&["never"], Duration::from_millis(50)).unwrap_err().is_timeout());
+/// # Ok::<(), symmem::Error>(())
+/// ```
+#[derive(Debug)]
+pub struct TcpStore {
+    addr: String,
+    options: ClientOptions,
+    conn: Mutex<Option<AsyncStoreClient>>,
+}
+
+impl TcpStore {
+    /// Connects to the store at `addr` (`host:port`), retrying until `options.timeout` while
+    /// the server is not up yet.
+    pub fn connect(addr: &str, options: ClientOptions) -> Result<TcpStore> {
+        let conn = crate::rt::block_on(AsyncStoreClient::connect(addr, &options))?;
+        Ok(TcpStore { addr: addr.to_string(), options, conn: Mutex::new(Some(conn)) })
+    }
+
+    /// The server's address, as given to `connect`.
+    pub fn addr(&self) -> &str {
+        &self.addr
+    }
+
+    /// Checks that the server answers; returns the round-trip time.
+    pub fn ping(&self) -> Result<Duration> {
+        self.with(async |c| c.ping().await)
+    }
+
+    /// The user keys in the store.
+    pub fn list_keys(&self) -> Result<Vec<String>> {
+        self.with(async |c| c.list_keys().await)
+    }
+
+    fn with<T>(&self, f: impl AsyncFnOnce(&mut AsyncStoreClient) -> Result<T>) -> Result<T> {
+        // A panic inside `f` leaves at worst a broken connection, which is replaced below.
+        let mut guard = self.conn.lock().unwrap_or_else(|p| p.into_inner());
+        crate::rt::block_on(async {
+            if guard.as_ref().is_none_or(|c| c.broken) {
+                *guard = None;
+                *guard = Some(AsyncStoreClient::connect(&self.addr, &self.options).await?);
+            }
+            // Just set above when it was None.
+            let conn = guard.as_mut().expect("connection present");
+            f(conn).await
+        })
+    }
+}
+
+impl Store for TcpStore {
+    fn set(&self, key: &str, value: &[u8]) -> Result<()> {
+        self.with(async |c| c.set(key, value).await)
+    }
+
+    fn get_timeout(&self, key: &str, timeout: Duration) -> Result<Vec<u8>> {
+        self.with(async |c| c.get(key, timeout).await)
+    }
+
+    fn add(&self, key: &str, delta: i64) -> Result<i64> {
+        self.with(async |c| c.add(key, delta).await)
+    }
+
+    fn compare_set(&self, key: &str, expected: &[u8], desired: &[u8]) -> Result<Vec<u8>> {
+        self.with(async |c| c.compare_set(key, expected, desired).await)
+    }
+
+    fn wait_timeout(&self, keys: &[&str], timeout: Duration) -> Result<()> {
+        self.with(async |c| c.wait(keys, timeout).await)
+    }
+
+    fn check(&self, keys: &[&str]) -> Result<bool> {
+        self.with(async |c| c.check(keys).await)
+    }
+
+    fn delete(&self, key: &str) -> Result<bool> {
+        self.with(async |c| c.delete(key).await)
+    }
+
+    fn num_keys(&self) -> Result<i64> {
+        self.with(async |c| c.num_keys().await)
+    }
+
+    fn multi_get_timeout(&self, keys: &[&str], timeout: Duration) -> Result<Vec<Vec<u8>>> {
+        self.with(async |c| c.multi_get(keys, timeout).await)
+    }
+
+    fn multi_set(&self, pairs: &[(&str, &[u8])]) -> Result<()> {
+        self.with(async |c| c.multi_set(pairs).await)
+    }
+
+    fn append(&self, key: &str, value: &[u8]) -> Result<()> {
+        self.with(async |c| c.append(key, value).await)
+    }
+
+    fn timeout(&self) -> Duration {
+        self.options.timeout
+    }
+}

@@ -1,0 +1,50 @@
+//! The only place symmem calls the operating system unsafely.
+//!
+//! Today: arranging for a launched rank to die with its launcher, so that not even `kill -9` of
+//! `symmem run` leaves ranks behind.
+
+use rustix::process::{Pid, Signal};
+
+/// Makes the child started by `cmd` receive SIGKILL when this process dies, and exit at once if
+/// this process is already gone by the time it starts.
+pub(crate) fn die_with_parent(cmd: &mut tokio::process::Command) {
+    let parent = rustix::process::getpid();
+    // SAFETY: `pre_exec` runs this closure in the forked child before exec, where only
+    // async-signal-safe calls are allowed. It makes two raw syscalls through rustix (prctl and
+    // getppid), allocates nothing and takes no lock, so it is async-signal-safe.
+    unsafe {
+        cmd.pre_exec(move || {
+            rustix::process::set_parent_process_death_signal(Some(Signal::KILL))?;
+            // The parent may have died between fork and prctl; then no signal will come.
+            if rustix::process::getppid() != Some(parent) {
+                return Err(std::io::Error::other("launcher exited before the rank started"));
+            }
+            Ok(())
+        });
+    }
+}
+
+/// Sends `signal` to every process in the process group led by `pid`; a group that is already
+/// gone is not an error.
+pub(crate) fn signal_group(pid: u32, signal: Signal) {
+    let Some(pid) = i32::try_from(pid).ok().and_then(Pid::from_raw) else { return };
+    if let Err(e) = rustix::process::kill_process_group(pid, signal)
+        && e != rustix::io::Errno::SRCH
+    {
+        tracing::warn!("signal process group {pid:?} with {signal:?}: {e}");
+    }
+}
+
+/// Raises the soft limit on open files to the hard limit, for servers and benchmarks that hold
+/// thousands of connections. Returns the new soft limit.
+pub(crate) fn raise_fd_limit() -> u64 {
+    use rustix::process::{Resource, getrlimit, setrlimit};
+    let mut limit = getrlimit(Resource::Nofile);
+    if limit.current < limit.maximum {
+        limit.current = limit.maximum;
+        if let Err(e) = setrlimit(Resource::Nofile, limit) {
+            tracing::debug!("raise RLIMIT_NOFILE: {e}");
+        }
+    }
+    getrlimit(Resource::Nofile).current.unwrap_or(u64::MAX)
+}

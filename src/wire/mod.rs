@@ -1,0 +1,6 @@
+//! Every byte that crosses a process boundary: today the store protocol.
+//!
+//! Layer: the bottom of the safe layers. Pure encoding and decoding, no I/O, no unsafe code;
+//! decoding never panics on any input.
+
+pub mod store;

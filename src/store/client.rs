@@ -215,17 +215,23 @@ impl AsyncStoreClient {
     /// that may have raced ahead of it (torch's `doWait`).
     async fn cancel_wait(&mut self) -> Result<()> {
         let deadline = self.deadline();
-        self.broken = true;
-        self.send(&Request::CancelWait, deadline).await?;
-        let mut byte = self.read_reply(ReplyShape::U8, deadline, "CANCEL_WAIT").await?;
-        if byte == Reply::U8(wire::STOP_WAITING) {
-            byte = self.read_reply(ReplyShape::U8, deadline, "CANCEL_WAIT").await?;
+        let result = async {
+            self.send(&Request::CancelWait, deadline).await?;
+            let mut byte = self.read_reply(ReplyShape::U8, deadline, "CANCEL_WAIT").await?;
+            if byte == Reply::U8(wire::STOP_WAITING) {
+                byte = self.read_reply(ReplyShape::U8, deadline, "CANCEL_WAIT").await?;
+            }
+            if byte != Reply::U8(wire::WAIT_CANCELED) {
+                return Err(self.bad_reply("CANCEL_WAIT", &byte));
+            }
+            Ok(())
         }
-        if byte != Reply::U8(wire::WAIT_CANCELED) {
-            return Err(self.bad_reply("CANCEL_WAIT", &byte));
+        .await;
+        if result.is_err() {
+            // Out of step with the server: the next call reconnects.
+            self.broken = true;
         }
-        self.broken = false;
-        Ok(())
+        result
     }
 
     /// Whether every key exists now; never blocks on the keys.

@@ -1,0 +1,274 @@
+//! The `symmem` command end to end: the launcher's contract (output, exit codes, failure,
+//! signals, no orphans), the demo, the standalone store, info and the store benchmark.
+
+use std::path::Path;
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+const BIN: &str = env!("CARGO_BIN_EXE_symmem");
+
+fn symmem(args: &[&str]) -> Output {
+    Command::new(BIN).args(args).env_remove("SYMMEM_STORE_SECRET").output().unwrap()
+}
+
+fn text(b: &[u8]) -> String {
+    String::from_utf8_lossy(b).into_owned()
+}
+
+/// Whether a process is still running (a zombie counts as gone: it runs nothing).
+fn alive(pid: u32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Ok(stat) => stat.rsplit(')').next().and_then(|s| s.split_whitespace().next()) != Some("Z"),
+        Err(_) => false,
+    }
+}
+
+/// The pids each rank wrote into `dir` (a file per pid).
+fn pids_in(dir: &Path) -> Vec<u32> {
+    std::fs::read_dir(dir)
+        .unwrap()
+        .filter_map(|e| std::fs::read_to_string(e.unwrap().path()).ok())
+        .filter_map(|s| s.trim().parse().ok())
+        .collect()
+}
+
+fn assert_all_gone(pids: &[u32]) {
+    let deadline = Instant::now() + Duration::from_secs(2);
+    while pids.iter().any(|&p| alive(p)) && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let left: Vec<u32> = pids.iter().copied().filter(|&p| alive(p)).collect();
+    assert!(left.is_empty(), "processes left running: {left:?}");
+}
+
+#[test]
+fn run_sets_the_torchrun_variables_and_prefixes_output() {
+    let out = symmem(&["run", "-n", "4", "--", "sh", "-c", "echo $RANK/$WORLD_SIZE; echo err$LOCAL_RANK >&2"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let mut lines: Vec<String> = text(&out.stdout).lines().map(str::to_string).collect();
+    lines.sort();
+    assert_eq!(lines, vec!["[0] 0/4", "[1] 1/4", "[2] 2/4", "[3] 3/4"]);
+    let mut errs: Vec<String> = text(&out.stderr).lines().map(str::to_string).collect();
+    errs.sort();
+    assert_eq!(errs, vec!["[0] err0", "[1] err1", "[2] err2", "[3] err3"]);
+
+    let out = symmem(&[
+        "run",
+        "-n",
+        "2",
+        "--",
+        "sh",
+        "-c",
+        "echo $LOCAL_WORLD_SIZE $MASTER_ADDR $TORCHELASTIC_USE_AGENT_STORE ${MASTER_PORT:+port}",
+    ]);
+    assert_eq!(text(&out.stdout).lines().filter(|l| l.ends_with("2 127.0.0.1 True port")).count(), 2);
+}
+
+#[test]
+fn a_failing_rank_stops_the_job_with_its_exit_code() {
+    let dir = tempfile::tempdir().unwrap();
+    let script =
+        format!("echo $$ > {}/$RANK; if [ $RANK = 1 ]; then sleep 0.3; exit 3; fi; sleep 30", dir.path().display());
+    let t = Instant::now();
+    let out = symmem(&["run", "-n", "3", "--", "sh", "-c", &script]);
+    let took = t.elapsed();
+    assert_eq!(out.status.code(), Some(3), "{}", text(&out.stderr));
+    assert!(took < Duration::from_secs(2) + Duration::from_millis(300), "took {took:?}");
+    let err = text(&out.stderr);
+    assert!(err.contains("rank 1 exited with code 3"), "{err}");
+    let pids = pids_in(dir.path());
+    assert_eq!(pids.len(), 3);
+    assert_all_gone(&pids);
+}
+
+#[test]
+fn a_rank_killed_by_sigkill_stops_the_job() {
+    let dir = tempfile::tempdir().unwrap();
+    let script = format!("echo $$ > {}/$RANK; sleep 30; true", dir.path().display());
+    let child = Command::new(BIN)
+        .args(["run", "-n", "3", "--", "sh", "-c", &script])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let victim = dir.path().join("2");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while pids_in(dir.path()).len() < 3 && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let pid: i32 = std::fs::read_to_string(victim).unwrap().trim().parse().unwrap();
+    let t = Instant::now();
+    Command::new("kill").args(["-9", &pid.to_string()]).status().unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(t.elapsed() < Duration::from_secs(2), "took {:?}", t.elapsed());
+    assert_eq!(out.status.code(), Some(128 + 9));
+    assert!(text(&out.stderr).contains("rank 2 was killed by signal 9 (SIGKILL)"), "{}", text(&out.stderr));
+    // The ranks' own children (the sleeps) must be gone too.
+    let out = Command::new("pgrep").args(["-f", &format!("echo \\$\\$ > {}", dir.path().display())]).output().unwrap();
+    assert!(text(&out.stdout).trim().is_empty(), "left: {}", text(&out.stdout));
+    assert_all_gone(&pids_in(dir.path()));
+}
+
+#[test]
+fn killing_the_launcher_with_sigkill_leaves_no_process() {
+    let dir = tempfile::tempdir().unwrap();
+    // Each rank records its own pid and its child's; neither may survive the launcher.
+    let script = format!("sleep 30 & echo $! > {d}/child$RANK; echo $$ > {d}/$RANK; wait", d = dir.path().display());
+    let mut launcher = Command::new(BIN)
+        .args(["run", "-n", "2", "--", "sh", "-c", &script])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while pids_in(dir.path()).len() < 4 && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let pids = pids_in(dir.path());
+    assert_eq!(pids.len(), 4);
+    launcher.kill().unwrap(); // SIGKILL
+    launcher.wait().unwrap();
+    assert_all_gone(&pids);
+}
+
+#[test]
+fn sigterm_is_forwarded_to_the_ranks() {
+    let dir = tempfile::tempdir().unwrap();
+    let script = format!(
+        "trap 'echo got > {d}/term$RANK; exit 0' TERM; echo $$ > {d}/$RANK; while true; do sleep 0.05; done",
+        d = dir.path().display()
+    );
+    let mut launcher = Command::new(BIN)
+        .args(["run", "-n", "2", "--", "sh", "-c", &script])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while pids_in(dir.path()).len() < 2 && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    Command::new("kill").args(["-TERM", &launcher.id().to_string()]).status().unwrap();
+    let status = launcher.wait().unwrap();
+    assert_eq!(status.code(), Some(128 + 15));
+    assert!(dir.path().join("term0").exists() && dir.path().join("term1").exists(), "the ranks saw SIGTERM");
+}
+
+#[test]
+fn timeout_stops_the_job() {
+    let t = Instant::now();
+    let out = symmem(&["run", "-n", "2", "--timeout", "0.3", "--", "sleep", "30"]);
+    assert_eq!(out.status.code(), Some(124));
+    assert!(t.elapsed() < Duration::from_secs(3));
+    assert!(text(&out.stderr).contains("longer than"), "{}", text(&out.stderr));
+}
+
+#[test]
+fn a_missing_program_is_a_clear_error() {
+    let out = symmem(&["run", "-n", "2", "--", "/nonexistent/program"]);
+    assert!(!out.status.success());
+    let err = text(&out.stderr);
+    assert!(err.contains("/nonexistent/program"), "{err}");
+    let out = symmem(&["run", "-n", "0", "--", "true"]);
+    assert!(text(&out.stderr).contains("-n must be at least 1"), "{}", text(&out.stderr));
+}
+
+#[test]
+fn ranks_rendezvous_through_the_launchers_store() {
+    // The demo is a real multi-process job: ranks join through Group::from_env, all-gather
+    // through the store and barrier.
+    let out = symmem(&["demo", "-n", "3"]);
+    let stdout = text(&out.stdout);
+    assert!(out.status.success(), "{stdout}\n{}", text(&out.stderr));
+    assert!(stdout.contains("[0] rank 0: done: 3 ranks joined"), "{stdout}");
+    for r in 0..3 {
+        assert!(stdout.contains(&format!("[{r}] rank {r}: 200 store barriers")), "{stdout}");
+    }
+    assert!(stdout.contains("2="), "all-gather lists every rank: {stdout}");
+}
+
+#[test]
+fn a_multi_host_job_runs_as_two_launchers() {
+    // Two launchers on this host play two hosts of one job.
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port().to_string();
+    let node = |i: &str| {
+        Command::new(BIN)
+            .args(["run", "-n", "2", "--nnodes", "2", "--node-rank", i, "--master-port", &port, "--", "sh", "-c"])
+            .arg("echo $RANK/$WORLD_SIZE/$LOCAL_RANK")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+    let (a, b) = (node("0"), node("1"));
+    let (a, b) = (a.wait_with_output().unwrap(), b.wait_with_output().unwrap());
+    assert!(a.status.success() && b.status.success(), "{}\n{}", text(&a.stderr), text(&b.stderr));
+    let mut lines: Vec<String> = text(&a.stdout).lines().chain(text(&b.stdout).lines()).map(str::to_string).collect();
+    lines.sort();
+    assert_eq!(lines, vec!["[0] 0/4/0", "[1] 1/4/1", "[2] 2/4/0", "[3] 3/4/1"]);
+}
+
+#[test]
+fn a_failure_on_one_host_stops_the_other() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port().to_string();
+    let node = |i: &str, script: &str| {
+        Command::new(BIN)
+            .args(["run", "-n", "1", "--nnodes", "2", "--node-rank", i, "--master-port", &port, "--", "sh", "-c"])
+            .arg(script)
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+    let t = Instant::now();
+    let (a, b) = (node("0", "sleep 30"), node("1", "sleep 0.3; exit 5"));
+    let (a, b) = (a.wait_with_output().unwrap(), b.wait_with_output().unwrap());
+    assert_eq!(b.status.code(), Some(5));
+    assert_eq!(a.status.code(), Some(1), "{}", text(&a.stderr));
+    assert!(text(&a.stderr).contains("rank 1 exited with code 5 on node 1"), "{}", text(&a.stderr));
+    assert!(t.elapsed() < Duration::from_secs(5), "took {:?}", t.elapsed());
+}
+
+#[test]
+fn standalone_store_serves_clients() {
+    let mut server =
+        Command::new(BIN).args(["store", "--host", "127.0.0.1", "--port", "0"]).stdout(Stdio::piped()).spawn().unwrap();
+    let mut line = String::new();
+    std::io::BufRead::read_line(&mut std::io::BufReader::new(server.stdout.take().unwrap()), &mut line).unwrap();
+    let addr = line.split_whitespace().nth(4).unwrap().to_string();
+    let store = symmem::TcpStore::connect(&addr, Default::default()).unwrap();
+    use symmem::Store;
+    store.set("k", b"v").unwrap();
+    assert_eq!(store.get("k").unwrap(), b"v");
+    Command::new("kill").args(["-TERM", &server.id().to_string()]).status().unwrap();
+    assert!(server.wait().unwrap().success());
+}
+
+#[test]
+fn info_lists_every_knob() {
+    let out = symmem(&["info"]);
+    assert!(out.status.success());
+    let s = text(&out.stdout);
+    for k in symmem::config::KNOBS {
+        assert!(s.contains(k.env), "info does not mention {}", k.env);
+    }
+    assert!(s.contains("/dev/shm"), "{s}");
+}
+
+#[test]
+fn bench_store_emits_json_lines() {
+    let out =
+        symmem(&["bench", "store", "--json", "--clients", "2", "--ops", "50", "--ranks", "4,8", "--per-key-max", "4"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let rows: Vec<serde_json::Value> = text(&out.stdout).lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let names: Vec<&str> = rows.iter().map(|r| r["bench"].as_str().unwrap()).collect();
+    assert_eq!(
+        names,
+        vec!["store_set", "store_get", "store_add", "rendezvous_get", "rendezvous_multi_get", "rendezvous_multi_get"]
+    );
+    for r in &rows {
+        for field in ["ranks", "iters", "lat_us", "p99_us", "ops_per_s"] {
+            assert!(r[field].as_f64().is_some_and(|v| v > 0.0), "{field} in {r}");
+        }
+    }
+}

@@ -1,0 +1,381 @@
+//! The TCP store end to end: our client against our server over loopback, raw sockets playing
+//! PyTorch's client and hostile peers.
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use symmem::Error;
+use symmem::store::{
+    AsyncStoreClient, ClientOptions, MemoryStore, PrefixStore, Secret, ServerOptions, Store, StoreServer, TcpStore,
+};
+use symmem::wire::store::{Request, VALIDATION_MAGIC};
+
+fn server() -> StoreServer {
+    StoreServer::start("127.0.0.1:0", ServerOptions::default()).unwrap()
+}
+
+fn quick() -> ClientOptions {
+    ClientOptions { timeout: Duration::from_secs(10), secret: None }
+}
+
+fn client(s: &StoreServer) -> TcpStore {
+    TcpStore::connect(&s.local_addr().to_string(), quick()).unwrap()
+}
+
+/// Runs the same checks against any store: the TCP client and the in-process store must agree.
+fn every_operation(store: &dyn Store) {
+    store.set("k1", b"v1").unwrap();
+    assert_eq!(store.get("k1").unwrap(), b"v1");
+    store.set("k1", b"v2").unwrap();
+    assert_eq!(store.get("k1").unwrap(), b"v2", "set overwrites");
+
+    assert_eq!(store.add("cnt", 7).unwrap(), 7);
+    assert_eq!(store.add("cnt", -10).unwrap(), -3);
+    assert_eq!(store.get("cnt").unwrap(), b"-3", "add stores ASCII decimal");
+
+    // compare_set, the four cases of torch's server.
+    assert_eq!(store.compare_set("cs", b"x", b"y").unwrap(), b"x", "absent, non-empty expected");
+    assert!(!store.check(&["cs"]).unwrap());
+    assert_eq!(store.compare_set("cs", b"", b"first").unwrap(), b"first", "absent, empty expected");
+    assert_eq!(store.compare_set("cs", b"nope", b"second").unwrap(), b"first", "mismatch");
+    assert_eq!(store.compare_set("cs", b"first", b"second").unwrap(), b"second", "match");
+
+    assert!(store.check(&["k1", "cnt"]).unwrap());
+    assert!(!store.check(&["k1", "missing"]).unwrap());
+    assert!(store.check(&[]).unwrap());
+
+    store.append("log", b"ab").unwrap();
+    store.append("log", b"cd").unwrap();
+    assert_eq!(store.get("log").unwrap(), b"abcd");
+
+    store.multi_set(&[("m1", b"1"), ("m2", b""), ("m3", b"333")]).unwrap();
+    assert_eq!(store.multi_get(&["m3", "m1", "m2"]).unwrap(), vec![b"333".to_vec(), b"1".to_vec(), vec![]]);
+    assert_eq!(store.multi_get(&[]).unwrap(), Vec::<Vec<u8>>::new());
+
+    let n = store.num_keys().unwrap();
+    assert!(store.delete("m2").unwrap());
+    assert!(!store.delete("m2").unwrap());
+    assert_eq!(store.num_keys().unwrap(), n - 1);
+
+    store.wait(&["k1", "m1"]).unwrap();
+    let t = Instant::now();
+    let err = store.wait_timeout(&["k1", "never"], Duration::from_millis(100)).unwrap_err();
+    assert!(err.is_timeout(), "{err}");
+    assert!(t.elapsed() >= Duration::from_millis(100) && t.elapsed() < Duration::from_secs(5));
+    assert!(store.get_timeout("never", Duration::from_millis(50)).unwrap_err().is_timeout());
+    assert!(store.multi_get_timeout(&["k1", "never"], Duration::from_millis(50)).unwrap_err().is_timeout());
+    // Still usable after timeouts.
+    assert_eq!(store.get("k1").unwrap(), b"v2");
+
+    // Values are arbitrary bytes.
+    let bin: Vec<u8> = (0..=255).collect();
+    store.set("bin", &bin).unwrap();
+    assert_eq!(store.get("bin").unwrap(), bin);
+}
+
+#[test]
+fn tcp_store_supports_every_operation() {
+    let s = server();
+    every_operation(&client(&s));
+}
+
+#[test]
+fn memory_store_matches_tcp_store() {
+    every_operation(&MemoryStore::with_timeout(Duration::from_secs(10)));
+}
+
+#[test]
+fn prefix_store_scopes_keys() {
+    let s = server();
+    let base: Arc<dyn Store> = Arc::new(client(&s));
+    let a = PrefixStore::new("a", base.clone());
+    let b = PrefixStore::new("b", base.clone());
+    a.set("x", b"from a").unwrap();
+    b.set("x", b"from b").unwrap();
+    assert_eq!(a.get("x").unwrap(), b"from a");
+    assert_eq!(base.get("b/x").unwrap(), b"from b");
+    a.multi_set(&[("y", b"1"), ("z", b"2")]).unwrap();
+    assert_eq!(base.multi_get(&["a/y", "a/z"]).unwrap(), vec![b"1".to_vec(), b"2".to_vec()]);
+    assert!(!b.check(&["y"]).unwrap());
+}
+
+#[test]
+fn keys_carry_torchs_slash_prefix_on_the_wire() {
+    let s = server();
+    let store = client(&s);
+    store.set("x", b"1").unwrap();
+    // SET has no reply; a round trip on the same connection orders it before what follows.
+    assert!(store.check(&["x"]).unwrap());
+    // A raw client sees the wire key "/x", as a PyTorch client would send it.
+    let mut raw = raw_client(&s);
+    send(&mut raw, &Request::Get { key: b"/x".to_vec() });
+    let mut reply = [0u8; 9];
+    raw.read_exact(&mut reply).unwrap();
+    assert_eq!(&reply[..8], &1u64.to_le_bytes());
+    assert_eq!(reply[8], b'1');
+    assert_eq!(store.list_keys().unwrap(), vec!["x".to_string()]);
+}
+
+#[test]
+fn a_timed_out_wait_leaves_no_stray_byte() {
+    let s = server();
+    let waiter = client(&s);
+    let setter = client(&s);
+    for round in 0..20 {
+        let key = format!("late{round}");
+        assert!(waiter.wait_timeout(&[&key], Duration::from_millis(5)).unwrap_err().is_timeout());
+        setter.set(&key, b"now").unwrap();
+        // If a stray STOP_WAITING byte were left, this reply would be misread.
+        assert_eq!(waiter.add("counter", 1).unwrap(), round + 1);
+    }
+}
+
+#[test]
+fn one_set_wakes_every_concurrent_waiter() {
+    let s = server();
+    let addr = s.local_addr().to_string();
+    let n = 64;
+    let ready = Arc::new(std::sync::Barrier::new(n + 1));
+    let waiters: Vec<_> = (0..n)
+        .map(|_| {
+            let (addr, ready) = (addr.clone(), ready.clone());
+            std::thread::spawn(move || {
+                let c = TcpStore::connect(&addr, quick()).unwrap();
+                ready.wait();
+                c.get_timeout("go", Duration::from_secs(20)).unwrap()
+            })
+        })
+        .collect();
+    ready.wait();
+    std::thread::sleep(Duration::from_millis(50));
+    let t = Instant::now();
+    client(&s).set("go", b"now").unwrap();
+    for w in waiters {
+        assert_eq!(w.join().unwrap(), b"now");
+    }
+    assert!(t.elapsed() < Duration::from_secs(10), "waking took {:?}", t.elapsed());
+}
+
+#[test]
+fn a_thousand_simultaneous_clients() {
+    let s = server();
+    let addr = s.local_addr().to_string();
+    let n = 1000;
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    let values = rt.block_on(async {
+        let mut clients = Vec::new();
+        for _ in 0..n {
+            clients.push(AsyncStoreClient::connect(&addr, &quick()).await.unwrap());
+        }
+        let tasks: Vec<_> = clients
+            .into_iter()
+            .enumerate()
+            .map(|(i, mut c)| {
+                tokio::spawn(async move {
+                    c.set(&format!("c/{i}"), i.to_string().as_bytes()).await.unwrap();
+                    // Every client reads a neighbour's key, waiting for it if need be.
+                    let v = c.get(&format!("c/{}", (i + 1) % n), Duration::from_secs(30)).await.unwrap();
+                    (c, v)
+                })
+            })
+            .collect();
+        let mut out = Vec::new();
+        for t in tasks {
+            out.push(t.await.unwrap());
+        }
+        assert_eq!(s.connections(), n, "all {n} connections open at once");
+        out.into_iter().map(|(_, v)| v).collect::<Vec<_>>()
+    });
+    for (i, v) in values.iter().enumerate() {
+        assert_eq!(v, &((i + 1) % n).to_string().into_bytes());
+    }
+}
+
+fn secret_server(secret: &str) -> StoreServer {
+    StoreServer::start("127.0.0.1:0", ServerOptions { secret: Secret::new(secret), ..Default::default() }).unwrap()
+}
+
+#[test]
+fn authentication_admits_only_the_secret_holder() {
+    let s = secret_server("correct horse");
+    let addr = s.local_addr().to_string();
+    let good = TcpStore::connect(&addr, ClientOptions { secret: Secret::new("correct horse"), ..quick() }).unwrap();
+    good.set("k", b"v").unwrap();
+    assert_eq!(good.get("k").unwrap(), b"v");
+
+    let wrong = TcpStore::connect(&addr, ClientOptions { secret: Secret::new("battery staple"), ..quick() });
+    assert!(matches!(wrong, Err(Error::Auth { .. })), "{wrong:?}");
+    let none = TcpStore::connect(&addr, quick());
+    let msg = none.unwrap_err().to_string();
+    assert!(msg.contains("SYMMEM_STORE_SECRET"), "{msg}");
+
+    // A raw client that skips authentication can neither write nor read.
+    let mut raw = raw_client(&s);
+    send(&mut raw, &Request::Set { key: b"/k".to_vec(), value: b"evil".to_vec() });
+    send(&mut raw, &Request::Get { key: b"/k".to_vec() });
+    assert_closed(&mut raw);
+    assert_eq!(good.get("k").unwrap(), b"v");
+
+    // A client with a secret refuses a server without one.
+    let open = server();
+    let r = TcpStore::connect(&open.local_addr().to_string(), ClientOptions { secret: Secret::new("x"), ..quick() });
+    assert!(matches!(r, Err(Error::Auth { .. })), "{r:?}");
+}
+
+fn raw_client(s: &StoreServer) -> TcpStream {
+    let mut c = TcpStream::connect(s.local_addr()).unwrap();
+    c.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    c.write_all(&[0x00]).unwrap();
+    c.write_all(&VALIDATION_MAGIC.to_le_bytes()).unwrap();
+    c
+}
+
+fn send(c: &mut TcpStream, r: &Request) {
+    let mut b = Vec::new();
+    r.encode(&mut b);
+    // The peer may already have closed; the test then checks for the close.
+    let _ = c.write_all(&b);
+}
+
+fn assert_closed(c: &mut TcpStream) {
+    let mut buf = [0u8; 64];
+    match c.read(&mut buf) {
+        Ok(0) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => {}
+        other => panic!("expected the server to close the connection, got {other:?}"),
+    }
+}
+
+#[test]
+fn malformed_input_closes_only_that_connection() {
+    let s = server();
+    let healthy = client(&s);
+    healthy.set("alive", b"yes").unwrap();
+
+    let mut unknown = raw_client(&s);
+    unknown.write_all(&[0x63]).unwrap();
+    assert_closed(&mut unknown);
+
+    let mut bad_magic = TcpStream::connect(s.local_addr()).unwrap();
+    bad_magic.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    bad_magic.write_all(&[0x00, 1, 2, 3, 4]).unwrap();
+    assert_closed(&mut bad_magic);
+
+    let mut no_handshake = TcpStream::connect(s.local_addr()).unwrap();
+    no_handshake.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    send(&mut no_handshake, &Request::GetNumKeys);
+    assert_closed(&mut no_handshake);
+
+    // A length header past the limit is refused before any of the bytes arrive.
+    let mut oversized = raw_client(&s);
+    let mut b = vec![0x01];
+    b.extend_from_slice(&(1u64 << 40).to_le_bytes());
+    oversized.write_all(&b).unwrap();
+    assert_closed(&mut oversized);
+
+    let mut twice = raw_client(&s);
+    twice.write_all(&[0x00]).unwrap();
+    twice.write_all(&VALIDATION_MAGIC.to_le_bytes()).unwrap();
+    assert_closed(&mut twice);
+
+    assert_eq!(healthy.get("alive").unwrap(), b"yes");
+    assert!(healthy.ping().is_ok());
+}
+
+#[test]
+fn split_and_pipelined_requests_are_served() {
+    let s = server();
+    let mut c = raw_client(&s);
+    // One request, one byte per segment.
+    let mut b = Vec::new();
+    Request::Add { key: b"/n".to_vec(), delta: 5 }.encode(&mut b);
+    for byte in &b {
+        c.write_all(&[*byte]).unwrap();
+        c.flush().unwrap();
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let mut r = [0u8; 8];
+    c.read_exact(&mut r).unwrap();
+    assert_eq!(i64::from_le_bytes(r), 5);
+    // Three requests in one segment.
+    let mut b = Vec::new();
+    for d in [1, 2, 3] {
+        Request::Add { key: b"/n".to_vec(), delta: d }.encode(&mut b);
+    }
+    c.write_all(&b).unwrap();
+    let mut r = [0u8; 24];
+    c.read_exact(&mut r).unwrap();
+    let got: Vec<i64> = r.chunks(8).map(|c| i64::from_le_bytes(c.try_into().unwrap())).collect();
+    assert_eq!(got, vec![6, 8, 11]);
+}
+
+#[test]
+fn a_client_dying_mid_wait_is_forgotten() {
+    let s = server();
+    {
+        let mut c = raw_client(&s);
+        send(&mut c, &Request::Wait { keys: vec![b"/k".to_vec()] });
+        std::thread::sleep(Duration::from_millis(50));
+    } // dropped: the connection closes while it waits
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while s.connections() > 0 && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert_eq!(s.connections(), 0);
+    let store = client(&s);
+    store.set("k", b"v").unwrap();
+    assert_eq!(store.get("k").unwrap(), b"v");
+}
+
+#[test]
+fn add_on_text_reports_the_close_and_the_client_recovers() {
+    let s = server();
+    let store = client(&s);
+    store.set("text", b"hello").unwrap();
+    let err = store.add("text", 1).unwrap_err();
+    assert!(matches!(err, Error::ConnectionClosed { .. }), "{err}");
+    // The next call reconnects.
+    assert_eq!(store.add("fine", 1).unwrap(), 1);
+}
+
+#[test]
+fn oversized_requests_are_refused_before_sending() {
+    let s = server();
+    let store = client(&s);
+    let err = store.set(&"k".repeat(9000), b"v").unwrap_err();
+    assert!(matches!(err, Error::TooLarge(_)), "{err}");
+    assert!(err.to_string().contains("8192"), "{err}");
+    let big = vec![0u8; 8 * 1024 * 1024 + 1];
+    assert!(matches!(store.set("k", &big).unwrap_err(), Error::TooLarge(_)));
+    // Exactly 8 MiB is allowed, as by torch's server.
+    let max = vec![7u8; 8 * 1024 * 1024];
+    store.set("big", &max).unwrap();
+    assert_eq!(store.get("big").unwrap(), max);
+}
+
+#[test]
+fn connecting_retries_until_the_server_is_up_then_times_out() {
+    // Find a free port, then start the server on it only after the client began connecting.
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let addr = format!("127.0.0.1:{port}");
+    let a = addr.clone();
+    let late = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(300));
+        StoreServer::start(&a, ServerOptions::default()).unwrap()
+    });
+    let store = TcpStore::connect(&addr, quick()).unwrap();
+    let _server = late.join().unwrap();
+    store.set("up", b"1").unwrap();
+
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let t = Instant::now();
+    let err = TcpStore::connect(
+        &format!("127.0.0.1:{port}"),
+        ClientOptions { timeout: Duration::from_millis(300), secret: None },
+    )
+    .unwrap_err();
+    assert!(t.elapsed() < Duration::from_secs(5));
+    assert!(err.to_string().contains(&port.to_string()), "{err}");
+}

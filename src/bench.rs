@@ -84,24 +84,25 @@ impl Default for StoreBenchOptions {
 }
 
 /// Runs the store benchmarks, handing each result to `emit` as soon as it is measured.
+///
+/// The first two lines set the scale: `tcp_pingpong` is a plain blocking TCP round trip between
+/// two threads (the floor for any request/reply store on this machine), and `store_add_sync` is
+/// the same round trip through [`TcpStore`](crate::TcpStore), the path ranks use.
 pub fn store(options: &StoreBenchOptions, mut emit: impl FnMut(BenchResult)) -> Result<()> {
     crate::sys::raise_fd_limit();
+    let server = match &options.addr {
+        Some(_) => None,
+        None => Some(StoreServer::start(
+            "127.0.0.1:0",
+            ServerOptions { secret: options.secret.clone(), ..Default::default() },
+        )?),
+    };
+    let addr =
+        options.addr.clone().unwrap_or_else(|| server.as_ref().map(|s| s.local_addr().to_string()).unwrap_or_default());
+    let copts = ClientOptions { timeout: Duration::from_secs(120), secret: options.secret.clone() };
+    emit(tcp_pingpong(options.ops_per_client)?);
+    emit(sync_add(&addr, &copts, options.ops_per_client)?);
     crate::rt::block_on(async {
-        let server = match &options.addr {
-            Some(_) => None,
-            None => Some(
-                StoreServer::bind(
-                    "127.0.0.1:0",
-                    ServerOptions { secret: options.secret.clone(), ..Default::default() },
-                )
-                .await?,
-            ),
-        };
-        let addr = options
-            .addr
-            .clone()
-            .unwrap_or_else(|| server.as_ref().map(|s| s.local_addr().to_string()).unwrap_or_default());
-        let copts = ClientOptions { timeout: Duration::from_secs(120), secret: options.secret.clone() };
         let mut run = 0u64;
         for op in [Op::Set, Op::Get, Op::Add] {
             for &k in &options.clients {
@@ -118,9 +119,67 @@ pub fn store(options: &StoreBenchOptions, mut emit: impl FnMut(BenchResult)) -> 
                 emit(rendezvous(&addr, &copts, n, multi, run).await?);
             }
         }
-        drop(server);
+        Ok::<_, Error>(())
+    })?;
+    drop(server);
+    Ok(())
+}
+
+fn latency_row(bench: &str, bytes: Option<u64>, lat: &mut [Duration], note: &str) -> BenchResult {
+    let iters = lat.len() as u64;
+    let total: Duration = lat.iter().sum();
+    let (median, p99) = percentiles(lat);
+    let mut extra = serde_json::Map::new();
+    extra.insert("ops_per_s".into(), (iters as f64 / total.as_secs_f64()).round().into());
+    extra.insert("note".into(), note.into());
+    BenchResult { bench: bench.into(), ranks: 1, bytes, iters, lat_us: median, p99_us: p99, gbps: None, extra }
+}
+
+/// The floor: an 8-byte blocking TCP ping-pong between two threads over loopback.
+fn tcp_pingpong(iters: usize) -> Result<BenchResult> {
+    use std::io::{Read, Write};
+    let io = |e| Error::io("tcp ping-pong baseline", e);
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").map_err(io)?;
+    let addr = listener.local_addr().map_err(io)?;
+    let echo = std::thread::spawn(move || -> std::io::Result<()> {
+        let (mut s, _) = listener.accept()?;
+        s.set_nodelay(true)?;
+        let mut b = [0u8; 8];
+        while s.read_exact(&mut b).is_ok() {
+            s.write_all(&b)?;
+        }
         Ok(())
-    })
+    });
+    let mut c = std::net::TcpStream::connect(addr).map_err(io)?;
+    c.set_nodelay(true).map_err(io)?;
+    let mut b = [0u8; 8];
+    let mut lat = Vec::with_capacity(iters);
+    for i in 0..iters + iters / 10 {
+        let t = Instant::now();
+        c.write_all(&b).map_err(io)?;
+        c.read_exact(&mut b).map_err(io)?;
+        if i >= iters / 10 {
+            lat.push(t.elapsed());
+        }
+    }
+    drop(c);
+    let _ = echo.join();
+    Ok(latency_row("tcp_pingpong", Some(8), &mut lat, "baseline: blocking TCP round trip, two threads"))
+}
+
+/// One rank's synchronous store round trip, through `TcpStore`.
+fn sync_add(addr: &str, options: &ClientOptions, iters: usize) -> Result<BenchResult> {
+    use crate::store::Store;
+    let store = crate::store::TcpStore::connect(addr, options.clone())?;
+    let mut lat = Vec::with_capacity(iters);
+    for i in 0..iters + iters / 10 {
+        let t = Instant::now();
+        store.add("bench/sync_add", 1)?;
+        if i >= iters / 10 {
+            lat.push(t.elapsed());
+        }
+    }
+    Ok(latency_row("store_add_sync", None, &mut lat, "TcpStore::add, the path a rank uses"))
 }
 
 #[derive(Clone, Copy, Debug)]

@@ -264,7 +264,16 @@ fn bench_store_emits_json_lines() {
     let names: Vec<&str> = rows.iter().map(|r| r["bench"].as_str().unwrap()).collect();
     assert_eq!(
         names,
-        vec!["store_set", "store_get", "store_add", "rendezvous_get", "rendezvous_multi_get", "rendezvous_multi_get"]
+        vec![
+            "tcp_pingpong",
+            "store_add_sync",
+            "store_set",
+            "store_get",
+            "store_add",
+            "rendezvous_get",
+            "rendezvous_multi_get",
+            "rendezvous_multi_get"
+        ]
     );
     for r in &rows {
         for field in ["ranks", "iters", "lat_us", "p99_us", "ops_per_s"] {

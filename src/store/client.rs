@@ -6,6 +6,8 @@
 //! sends CANCEL_WAIT and consumes the reply (and a racing STOP_WAITING), so the connection stays
 //! usable after a timeout.
 
+use std::future::Future;
+use std::io;
 use std::net::SocketAddr;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
@@ -67,11 +69,121 @@ fn wire_key(key: &str) -> Vec<u8> {
     k
 }
 
-/// One connection to a store server, for async callers. Each method sends one request and
-/// waits for its reply; one request is in flight at a time, as with torch's client.
+/// A byte stream to a store server, with deadlines. The protocol logic of [`StoreClient`] is
+/// written once against this trait: [`TokioConn`] drives it on a tokio runtime for async
+/// callers; [`BlockingConn`] is a plain blocking socket whose futures complete at once, so
+/// synchronous calls cost direct syscalls and no thread hand-offs.
+pub trait Conn: Sized {
+    /// Makes one connection attempt, failing with `TimedOut` at `deadline`.
+    fn connect(addr: &str, deadline: Instant) -> impl Future<Output = io::Result<Self>>;
+    /// Waits between connection attempts.
+    fn pause(d: Duration) -> impl Future<Output = ()>;
+    /// Writes all of `bytes`, failing with `TimedOut` at `deadline`.
+    fn write_all(&mut self, bytes: &[u8], deadline: Instant) -> impl Future<Output = io::Result<()>>;
+    /// Appends what arrives to `buf` (0 at end of stream), failing with `TimedOut` at `deadline`.
+    fn read_some(&mut self, buf: &mut Vec<u8>, deadline: Instant) -> impl Future<Output = io::Result<usize>>;
+    /// The peer's address.
+    fn peer(&self) -> Option<SocketAddr>;
+}
+
+fn timed_out() -> io::Error {
+    io::Error::from(io::ErrorKind::TimedOut)
+}
+
+/// A store connection on the current tokio runtime.
 #[derive(Debug)]
-pub struct AsyncStoreClient {
-    stream: TcpStream,
+pub struct TokioConn(TcpStream);
+
+impl Conn for TokioConn {
+    async fn connect(addr: &str, deadline: Instant) -> io::Result<Self> {
+        let s = tokio::time::timeout_at(deadline.into(), TcpStream::connect(addr)).await.map_err(|_| timed_out())??;
+        let _ = s.set_nodelay(true);
+        Ok(TokioConn(s))
+    }
+
+    async fn pause(d: Duration) {
+        tokio::time::sleep(d).await;
+    }
+
+    async fn write_all(&mut self, bytes: &[u8], deadline: Instant) -> io::Result<()> {
+        tokio::time::timeout_at(deadline.into(), self.0.write_all(bytes)).await.map_err(|_| timed_out())?
+    }
+
+    async fn read_some(&mut self, buf: &mut Vec<u8>, deadline: Instant) -> io::Result<usize> {
+        if buf.capacity() - buf.len() < 1024 {
+            buf.reserve(64 * 1024);
+        }
+        tokio::time::timeout_at(deadline.into(), self.0.read_buf(buf)).await.map_err(|_| timed_out())?
+    }
+
+    fn peer(&self) -> Option<SocketAddr> {
+        self.0.peer_addr().ok()
+    }
+}
+
+/// A store connection on a blocking socket; its futures never return `Pending`.
+#[derive(Debug)]
+pub struct BlockingConn(std::net::TcpStream);
+
+fn remaining(deadline: Instant) -> io::Result<Duration> {
+    let left = deadline.saturating_duration_since(Instant::now());
+    if left.is_zero() { Err(timed_out()) } else { Ok(left) }
+}
+
+fn blocking_timeout(e: io::Error) -> io::Error {
+    // A socket timeout shows as WouldBlock (EAGAIN) on Linux.
+    if e.kind() == io::ErrorKind::WouldBlock { timed_out() } else { e }
+}
+
+impl Conn for BlockingConn {
+    async fn connect(addr: &str, deadline: Instant) -> io::Result<Self> {
+        use std::net::ToSocketAddrs;
+        let mut last = io::Error::new(io::ErrorKind::NotFound, format!("{addr} resolves to no address"));
+        for a in addr.to_socket_addrs()? {
+            match std::net::TcpStream::connect_timeout(&a, remaining(deadline)?) {
+                Ok(s) => {
+                    let _ = s.set_nodelay(true);
+                    return Ok(BlockingConn(s));
+                }
+                Err(e) => last = e,
+            }
+        }
+        Err(last)
+    }
+
+    async fn pause(d: Duration) {
+        std::thread::sleep(d);
+    }
+
+    async fn write_all(&mut self, bytes: &[u8], deadline: Instant) -> io::Result<()> {
+        use std::io::Write;
+        self.0.set_write_timeout(Some(remaining(deadline)?))?;
+        self.0.write_all(bytes).map_err(blocking_timeout)
+    }
+
+    async fn read_some(&mut self, buf: &mut Vec<u8>, deadline: Instant) -> io::Result<usize> {
+        use std::io::Read;
+        self.0.set_read_timeout(Some(remaining(deadline)?))?;
+        let old = buf.len();
+        buf.resize(old + 16 * 1024, 0);
+        let r = self.0.read(&mut buf[old..]).map_err(blocking_timeout);
+        buf.truncate(old + *r.as_ref().unwrap_or(&0));
+        r
+    }
+
+    fn peer(&self) -> Option<SocketAddr> {
+        self.0.peer_addr().ok()
+    }
+}
+
+/// A [`StoreClient`] for async callers on a tokio runtime.
+pub type AsyncStoreClient = StoreClient<TokioConn>;
+
+/// One connection to a store server. Each method sends one request and waits for its reply;
+/// one request is in flight at a time, as with torch's client.
+#[derive(Debug)]
+pub struct StoreClient<C: Conn> {
+    stream: C,
     peer: String,
     buf: Vec<u8>,
     out: Vec<u8>,
@@ -80,28 +192,28 @@ pub struct AsyncStoreClient {
     broken: bool,
 }
 
-impl AsyncStoreClient {
+impl<C: Conn> StoreClient<C> {
     /// Connects to `addr` (`host:port`), retrying while nothing listens yet, and performs the
     /// handshake (VALIDATE, then PING or authentication).
-    pub async fn connect(addr: &str, options: &ClientOptions) -> Result<AsyncStoreClient> {
+    pub async fn connect(addr: &str, options: &ClientOptions) -> Result<StoreClient<C>> {
         let deadline = Instant::now() + options.timeout;
         let mut backoff = Duration::from_millis(5);
         let stream = loop {
-            let attempt = tokio::time::timeout_at(deadline.into(), TcpStream::connect(addr)).await;
-            match attempt {
-                Ok(Ok(s)) => break s,
-                Ok(Err(e)) if Instant::now() + backoff < deadline => {
+            match C::connect(addr, deadline).await {
+                Ok(s) => break s,
+                Err(e) if e.kind() == io::ErrorKind::TimedOut => {
+                    return Err(Error::timeout(format!("the store at {addr} to accept"), options.timeout));
+                }
+                Err(e) if Instant::now() + backoff < deadline => {
                     tracing::trace!("connect to store at {addr}: {e}; retrying");
-                    tokio::time::sleep(backoff).await;
+                    C::pause(backoff).await;
                     backoff = (backoff * 2).min(Duration::from_millis(500));
                 }
-                Ok(Err(e)) => return Err(Error::io(format!("connect to store at {addr}"), e)),
-                Err(_) => return Err(Error::timeout(format!("the store at {addr} to accept"), options.timeout)),
+                Err(e) => return Err(Error::io(format!("connect to store at {addr}"), e)),
             }
         };
-        let _ = stream.set_nodelay(true);
-        let peer = stream.peer_addr().map_or_else(|_| addr.to_string(), |a: SocketAddr| a.to_string());
-        let mut c = AsyncStoreClient {
+        let peer = stream.peer().map_or_else(|| addr.to_string(), |a| a.to_string());
+        let mut c = StoreClient {
             stream,
             peer,
             buf: Vec::with_capacity(256),
@@ -332,16 +444,15 @@ impl AsyncStoreClient {
         check_limits(req)?;
         self.out.clear();
         req.encode(&mut self.out);
-        let write = self.stream.write_all(&self.out);
-        match tokio::time::timeout_at(deadline.into(), write).await {
-            Ok(Ok(())) => Ok(()),
-            Ok(Err(e)) => {
-                self.broken = true;
-                Err(Error::io(format!("send {} to store at {}", req.query_type(), self.peer), e))
-            }
-            Err(_) => {
+        match self.stream.write_all(&self.out, deadline).await {
+            Ok(()) => Ok(()),
+            Err(e) if e.kind() == io::ErrorKind::TimedOut => {
                 self.broken = true;
                 Err(Error::timeout(format!("the store at {} to take {}", self.peer, req.query_type()), self.timeout))
+            }
+            Err(e) => {
+                self.broken = true;
+                Err(Error::io(format!("send {} to store at {}", req.query_type(), self.peer), e))
             }
         }
     }
@@ -360,25 +471,21 @@ impl AsyncStoreClient {
                     return Err(Error::Protocol { peer: self.peer.clone(), source });
                 }
             }
-            if self.buf.capacity() - self.buf.len() < 1024 {
-                self.buf.reserve(64 * 1024);
-            }
-            let read = self.stream.read_buf(&mut self.buf);
-            match tokio::time::timeout_at(deadline.into(), read).await {
-                Ok(Ok(0)) => {
+            match self.stream.read_some(&mut self.buf, deadline).await {
+                Ok(0) => {
                     self.broken = true;
                     return Err(Error::ConnectionClosed { peer: self.peer.clone(), during: what.to_string() });
                 }
-                Ok(Ok(_)) => {}
-                Ok(Err(e)) => {
-                    self.broken = true;
-                    return Err(Error::io(format!("read {what} reply from store at {}", self.peer), e));
-                }
-                Err(_) => {
+                Ok(_) => {}
+                Err(e) if e.kind() == io::ErrorKind::TimedOut => {
                     return Err(Error::timeout(
                         format!("the reply to {what} from the store at {}", self.peer),
                         started.elapsed(),
                     ));
+                }
+                Err(e) => {
+                    self.broken = true;
+                    return Err(Error::io(format!("read {what} reply from store at {}", self.peer), e));
                 }
             }
         }
@@ -493,14 +600,14 @@ fn check_limits(req: &Request) -> Result<()> {
 pub struct TcpStore {
     addr: String,
     options: ClientOptions,
-    conn: Mutex<Option<AsyncStoreClient>>,
+    conn: Mutex<Option<StoreClient<BlockingConn>>>,
 }
 
 impl TcpStore {
     /// Connects to the store at `addr` (`host:port`), retrying until `options.timeout` while
     /// the server is not up yet.
     pub fn connect(addr: &str, options: ClientOptions) -> Result<TcpStore> {
-        let conn = crate::rt::block_on(AsyncStoreClient::connect(addr, &options))?;
+        let conn = futures::executor::block_on(StoreClient::connect(addr, &options))?;
         Ok(TcpStore { addr: addr.to_string(), options, conn: Mutex::new(Some(conn)) })
     }
 
@@ -519,13 +626,15 @@ impl TcpStore {
         self.with(async |c| c.list_keys().await)
     }
 
-    fn with<T>(&self, f: impl AsyncFnOnce(&mut AsyncStoreClient) -> Result<T>) -> Result<T> {
+    fn with<T>(&self, f: impl AsyncFnOnce(&mut StoreClient<BlockingConn>) -> Result<T>) -> Result<T> {
         // A panic inside `f` leaves at worst a broken connection, which is replaced below.
         let mut guard = self.conn.lock().unwrap_or_else(|p| p.into_inner());
-        crate::rt::block_on(async {
+        // BlockingConn's futures complete without ever returning Pending, so this blocks only
+        // in the socket calls themselves.
+        futures::executor::block_on(async {
             if guard.as_ref().is_none_or(|c| c.broken) {
                 *guard = None;
-                *guard = Some(AsyncStoreClient::connect(&self.addr, &self.options).await?);
+                *guard = Some(StoreClient::connect(&self.addr, &self.options).await?);
             }
             // Just set above when it was None.
             let conn = guard.as_mut().expect("connection present");

@@ -12,7 +12,9 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 pub use auth::{SECRET_ENV, Secret};
-pub use client::{AsyncStoreClient, ClientOptions, DEFAULT_TIMEOUT, TIMEOUT_ENV, TcpStore};
+pub use client::{
+    AsyncStoreClient, BlockingConn, ClientOptions, Conn, DEFAULT_TIMEOUT, StoreClient, TIMEOUT_ENV, TcpStore, TokioConn,
+};
 pub use server::{ServerOptions, StoreServer};
 
 use crate::error::{Error, Result};

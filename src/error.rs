@@ -89,6 +89,20 @@ pub enum Error {
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
 
+    /// The operation needs hardware or a backend this machine does not have.
+    #[error("{what} is unsupported on this device: it needs {needs}")]
+    Unsupported {
+        /// What was asked for.
+        what: String,
+        /// What it would need.
+        needs: String,
+    },
+
+    /// Ranks disagree in a collective setup step (allocation order, shapes, dtypes), or a peer
+    /// cannot be reached; every rank gets the same error.
+    #[error("{0}")]
+    Rendezvous(String),
+
     /// The object was used after `close`.
     #[error("{0} is closed")]
     Closed(&'static str),

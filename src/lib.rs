@@ -41,7 +41,9 @@ pub mod group;
 pub mod launch;
 mod rt;
 pub mod store;
+pub mod symm;
 mod sys;
+pub mod tensor;
 pub mod wire;
 
 // The paved path.

@@ -4,3 +4,4 @@
 //! decoding never panics on any input.
 
 pub mod store;
+pub mod symm;

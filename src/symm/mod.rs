@@ -275,7 +275,18 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
+/// The environment variable that overrides which host this rank is on (see [`this_host`]).
+pub const HOST_ID_ENV: &str = "SYMMEM_HOST_ID";
+
+/// This host's identity: ranks with the same identity map each other's memory. By default the
+/// hostname and the kernel's boot id; `SYMMEM_HOST_ID` overrides it (for hosts whose names
+/// collide, or to make one machine play several hosts).
 fn this_host() -> String {
+    if let Ok(id) = std::env::var(HOST_ID_ENV)
+        && !id.is_empty()
+    {
+        return id;
+    }
     let name = rustix::system::uname().nodename().to_string_lossy().into_owned();
     let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap_or_default();
     format!("{name}/{}", boot.trim())

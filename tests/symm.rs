@@ -1,8 +1,9 @@
 //! Symmetric memory across real processes, started by `symmem run`.
-#![allow(clippy::print_stdout, reason = "rank programs report to the launcher through stdout")]
 //!
 //! Each `rank_*` test is a rank program: ignored in a normal run, started by the matching
 //! launcher test as every rank of a job (`symmem run -n N -- <this binary> --exact rank_x`).
+
+#![allow(clippy::print_stdout, reason = "rank programs report to the launcher through stdout")]
 
 use std::process::Command;
 use std::sync::Arc;

@@ -8,13 +8,13 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
 use crate::store::{AsyncStoreClient, ClientOptions, Secret, ServerOptions, StoreServer};
 
 /// One result line.
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct BenchResult {
     /// What was measured, e.g. `store_set` or `rendezvous_multi_get`.
     pub bench: String,
@@ -344,4 +344,173 @@ mod tests {
         assert_eq!((m.round(), p.round()), (51.0, 99.0));
         assert_eq!(percentiles(&mut []), (0.0, 0.0));
     }
+}
+
+/// What `symmem bench signal` measures.
+#[derive(Clone, Debug)]
+pub struct SignalBenchOptions {
+    /// Rank counts for the barrier runs (the ping-pong always uses 2 ranks).
+    pub ranks: Vec<usize>,
+    /// Measured iterations per run.
+    pub iters: usize,
+    /// The `symmem` executable to launch ranks of.
+    pub exe: std::path::PathBuf,
+}
+
+/// The environment variable through which a launched benchmark rank returns its results.
+const BENCH_OUT_ENV: &str = "SYMMEM_BENCH_OUT";
+
+/// Signal ping-pong and barrier latency across launched ranks, next to the floor: a plain
+/// atomic-flag ping-pong between two processes pinned to different cores.
+pub fn signal(options: &SignalBenchOptions, mut emit: impl FnMut(BenchResult)) -> Result<()> {
+    let dir = std::env::temp_dir().join(format!("symmem-bench-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).map_err(|e| Error::io(format!("create {}", dir.display()), e))?;
+    let result = (|| {
+        let iters = options.iters.to_string();
+        let mut jobs: Vec<(usize, Vec<&str>)> = vec![(2, vec!["__bench-flag-rank", "--iters", &iters])];
+        for &n in &options.ranks {
+            jobs.push((n, vec!["__bench-signal-rank", "--iters", &iters]));
+        }
+        for (i, (n, args)) in jobs.iter().enumerate() {
+            let out = dir.join(format!("{i}.jsonl"));
+            let mut launch =
+                crate::launch::LaunchOptions::local(*n, options.exe.clone(), args.iter().map(Into::into).collect());
+            launch.env.push((BENCH_OUT_ENV.into(), out.clone().into()));
+            launch.timeout = Some(Duration::from_secs(300));
+            let outcome = crate::launch::run(&launch)?;
+            if outcome != crate::launch::Outcome::Success {
+                return Err(Error::InvalidArgument(format!("benchmark job of {n} ranks failed: {outcome}")));
+            }
+            let text = std::fs::read_to_string(&out).map_err(|e| Error::io(format!("read {}", out.display()), e))?;
+            for line in text.lines() {
+                let row: BenchResult = serde_json::from_str(line)
+                    .map_err(|e| Error::InvalidArgument(format!("benchmark rank wrote {line:?}: {e}")))?;
+                emit(row);
+            }
+        }
+        Ok(())
+    })();
+    let _ = std::fs::remove_dir_all(&dir);
+    result
+}
+
+fn report(rows: &[BenchResult]) -> Result<()> {
+    let path = std::env::var_os(BENCH_OUT_ENV)
+        .ok_or(Error::Env { var: BENCH_OUT_ENV, reason: "not set (run through `symmem bench`)".into() })?;
+    let mut text = String::new();
+    for r in rows {
+        text.push_str(&serde_json::to_string(r).unwrap_or_default());
+        text.push('\n');
+    }
+    std::fs::write(&path, text).map_err(|e| Error::io(format!("write {path:?}"), e))
+}
+
+fn pin_to_cpu(cpu: usize) -> bool {
+    let n = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let mut set = rustix::thread::CpuSet::new();
+    set.set(cpu % n);
+    rustix::thread::sched_setaffinity(None, &set).is_ok()
+}
+
+fn half_round_trips(mut rtt: Vec<Duration>, name: &str, ranks: usize, note: &str) -> BenchResult {
+    for d in &mut rtt {
+        *d /= 2;
+    }
+    let mut row = latency_row(name, Some(4), &mut rtt, note);
+    row.ranks = ranks;
+    row.extra.remove("ops_per_s");
+    row
+}
+
+/// One rank of the signal benchmark (run by `symmem bench signal` through the launcher).
+pub fn signal_rank(iters: usize) -> Result<()> {
+    use crate::symm::{self, Device};
+    use crate::tensor::DType;
+    let group = crate::Group::from_env()?;
+    let (me, ws) = (group.rank(), group.world_size());
+    let x = symm::empty(&[64], DType::U8, Device::Cpu)?;
+    let h = symm::rendezvous(&x, &group)?;
+    let t = Duration::from_secs(60);
+    let mut rows = Vec::new();
+    h.barrier(0, t)?;
+    if ws == 2 {
+        let other = 1 - me;
+        let mut rtt = Vec::with_capacity(iters);
+        for i in 0..iters + iters / 10 {
+            let start = Instant::now();
+            if me == 0 {
+                h.put_signal(other, 1, t)?;
+                h.wait_signal(other, 1, t)?;
+            } else {
+                h.wait_signal(other, 1, t)?;
+                h.put_signal(other, 1, t)?;
+            }
+            if i >= iters / 10 {
+                rtt.push(start.elapsed());
+            }
+        }
+        rows.push(half_round_trips(rtt, "signal_pingpong", 2, "put_signal+wait_signal, one way (RTT/2), unpinned"));
+    }
+    h.barrier(0, t)?;
+    let mut lat = Vec::with_capacity(iters);
+    for i in 0..iters + iters / 10 {
+        let start = Instant::now();
+        h.barrier(0, t)?;
+        if i >= iters / 10 {
+            lat.push(start.elapsed());
+        }
+    }
+    let mut row = latency_row("barrier", None, &mut lat, "signal-pad barrier (rank 0's view)");
+    row.ranks = ws;
+    row.extra.remove("ops_per_s");
+    rows.push(row);
+    group.barrier(t)?;
+    if me == 0 { report(&rows) } else { Ok(()) }
+}
+
+/// One rank of the baseline: two processes pinned to different cores bounce a plain atomic
+/// flag through shared memory, with nothing else (no protocol, no timeouts, no sleeping).
+pub fn flag_rank(iters: usize) -> Result<()> {
+    use std::sync::atomic::{AtomicU32, Ordering};
+
+    use crate::symm::{self, Device};
+    use crate::tensor::DType;
+    let group = crate::Group::from_env()?;
+    let me = group.rank();
+    let pinned = pin_to_cpu(me);
+    // Two flags on separate cache lines.
+    let x = symm::empty(&[256], DType::U8, Device::Cpu)?;
+    let h = symm::rendezvous(&x, &group)?;
+    let base = h.buffer_ptrs()[0] as *const u8;
+    // SAFETY: both flags lie in rank 0's data buffer (256 bytes; offsets 0 and 128, 4-aligned),
+    // mapped while `h` lives; every process touches them only atomically.
+    let (ping, pong) = unsafe { (&*base.cast::<AtomicU32>(), &*base.add(128).cast::<AtomicU32>()) };
+    h.barrier(0, Duration::from_secs(60))?;
+    let mut rtt = Vec::with_capacity(iters);
+    for i in 1..=(iters + iters / 10) as u32 {
+        let start = Instant::now();
+        if me == 0 {
+            // Release/Acquire pairs: the store to ping with rank 1's load of ping, and rank 1's
+            // store to pong with this load of pong.
+            ping.store(i, Ordering::Release);
+            while pong.load(Ordering::Acquire) != i {
+                std::hint::spin_loop();
+            }
+        } else {
+            while ping.load(Ordering::Acquire) != i {
+                std::hint::spin_loop();
+            }
+            pong.store(i, Ordering::Release);
+        }
+        if i as usize > iters / 10 {
+            rtt.push(start.elapsed());
+        }
+    }
+    h.barrier(0, Duration::from_secs(60))?;
+    let note = if pinned {
+        "baseline: atomic flag ping-pong, one way (RTT/2), pinned to cores 0 and 1"
+    } else {
+        "baseline: atomic flag ping-pong, one way (RTT/2), pinning refused"
+    };
+    if me == 0 { report(&[half_round_trips(rtt, "flag_pingpong", 2, note)]) } else { Ok(()) }
 }

@@ -205,7 +205,7 @@ async fn run_async(o: &LaunchOptions) -> Result<Outcome> {
         let host = if o.nnodes > 1 { "0.0.0.0" } else { o.master_addr.as_str() };
         let addr = format!("{host}:{}", o.master_port);
         let secret = o.secret.clone().or_else(Secret::from_env);
-        Some(StoreServer::bind(&addr, ServerOptions { secret, ..Default::default() }).await?)
+        Some(StoreServer::start(&addr, ServerOptions { secret, ..Default::default() })?)
     } else {
         None
     };
@@ -462,6 +462,15 @@ pub fn guard(program: &OsString, args: &[OsString]) -> i32 {
         }
     };
     rt.block_on(async {
+        // Handlers first: once the rank runs, a SIGTERM with the default action would kill the
+        // guard alone and leave the rank's children behind.
+        let (Ok(mut term), Ok(mut int)) = (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) else {
+            eprintln_guard("cannot install signal handlers");
+            return 1;
+        };
+        if rustix::process::getppid() != launcher {
+            return 1;
+        }
         let mut cmd = tokio::process::Command::new(program);
         cmd.args(args);
         crate::sys::die_with_parent(&mut cmd);
@@ -471,10 +480,6 @@ pub fn guard(program: &OsString, args: &[OsString]) -> i32 {
                 eprintln_guard(&format!("cannot start {program:?}: {e}"));
                 return 127;
             }
-        };
-        let (Ok(mut term), Ok(mut int)) = (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) else {
-            eprintln_guard("cannot install signal handlers");
-            return 1;
         };
         loop {
             let sig = tokio::select! {

@@ -1,5 +1,4 @@
 //! The `symmem` command: parses arguments, calls the library, maps outcomes to exit codes.
-#![allow(clippy::print_stdout, reason = "the command prints its results; the library never does")]
 
 use std::ffi::OsString;
 use std::process::ExitCode;
@@ -10,6 +9,22 @@ use clap::{Args, Parser, Subcommand};
 use symmem::bench::{self, BenchResult, StoreBenchOptions};
 use symmem::launch::{self, LaunchOptions};
 use symmem::store::{Secret, ServerOptions, StoreServer};
+use symmem::symm::{self, Device};
+use symmem::tensor::DType;
+
+/// Prints a line to stdout; a closed stdout (`symmem ... | head`) ends the program quietly.
+macro_rules! say {
+    () => { emit(format_args!("")) };
+    ($($arg:tt)*) => { emit(format_args!($($arg)*)) };
+}
+
+fn emit(line: std::fmt::Arguments<'_>) {
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
+    if out.write_fmt(line).and_then(|()| out.write_all(b"\n")).and_then(|()| out.flush()).is_err() {
+        std::process::exit(0);
+    }
+}
 
 #[derive(Parser)]
 #[command(name = "symmem", version, about = "Symmetric memory and one-sided transports for CPU processes")]
@@ -31,6 +46,18 @@ enum Command {
     /// One rank of the demo (started by `symmem demo`).
     #[command(hide = true)]
     DemoRank,
+    /// One rank of `symmem bench signal`.
+    #[command(name = "__bench-signal-rank", hide = true)]
+    BenchSignalRank {
+        #[arg(long)]
+        iters: usize,
+    },
+    /// One rank of the flag ping-pong baseline of `symmem bench signal`.
+    #[command(name = "__bench-flag-rank", hide = true)]
+    BenchFlagRank {
+        #[arg(long)]
+        iters: usize,
+    },
     /// Guard a rank's process group (started by `symmem run`).
     #[command(name = "__guard", hide = true)]
     Guard {
@@ -85,6 +112,19 @@ struct StoreArgs {
 
 #[derive(Subcommand)]
 enum BenchCommand {
+    /// Signal-pad ping-pong (2 ranks) and barrier latency (2 to 8 ranks), next to a plain
+    /// shared-memory flag ping-pong between two pinned processes.
+    Signal {
+        /// One JSON object per result line instead of a table.
+        #[arg(long)]
+        json: bool,
+        /// Rank counts for the barrier runs.
+        #[arg(long, value_delimiter = ',', default_values_t = [2usize, 4, 8])]
+        ranks: Vec<usize>,
+        /// Measured iterations per run.
+        #[arg(long, default_value_t = 10000)]
+        iters: usize,
+    },
     /// Store throughput (set, get, add with K clients) and rendezvous of N simulated ranks.
     Store {
         /// One JSON object per result line instead of a table.
@@ -131,10 +171,18 @@ fn dispatch(command: Command) -> Result<ExitCode> {
         Command::Run(args) => run(args),
         Command::Demo { nproc } => demo(nproc),
         Command::DemoRank => demo_rank().map(|()| ExitCode::SUCCESS),
+        Command::BenchSignalRank { iters } => bench::signal_rank(iters).map(|()| ExitCode::SUCCESS).map_err(Into::into),
+        Command::BenchFlagRank { iters } => bench::flag_rank(iters).map(|()| ExitCode::SUCCESS).map_err(Into::into),
         Command::Guard { command } => Ok(exit_code(launch::guard(&command[0], &command[1..]))),
         Command::Store(args) => store(args),
         Command::Info => {
             info();
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Bench { which: BenchCommand::Signal { json, ranks, iters } } => {
+            let exe = std::env::current_exe().context("find the symmem executable")?;
+            let mut table = Table::new(json);
+            bench::signal(&bench::SignalBenchOptions { ranks, iters, exe }, |r| table.row(&r))?;
             Ok(ExitCode::SUCCESS)
         }
         Command::Bench { which: BenchCommand::Store { json, clients, ops, bytes, ranks, per_key_max, addr } } => {
@@ -194,7 +242,7 @@ fn run(args: RunArgs) -> Result<ExitCode> {
 
 fn demo(nproc: usize) -> Result<ExitCode> {
     let exe = std::env::current_exe().context("find the symmem executable")?;
-    println!("symmem demo: launching {nproc} ranks of {} on this host", exe.display());
+    say!("symmem demo: launching {nproc} ranks of {} on this host", exe.display());
     let mut options = LaunchOptions::local(nproc, exe, vec!["demo-rank".into()]);
     options.timeout = Some(Duration::from_secs(120));
     launch_and_report(&options)
@@ -205,7 +253,7 @@ fn demo_rank() -> Result<()> {
     let group = symmem::Group::from_env().context("join the job")?;
     let joined = t.elapsed();
     let (rank, world) = (group.rank(), group.world_size());
-    println!(
+    say!(
         "rank {rank}/{world}: joined the store at {} in {:.2} ms",
         std::env::var("MASTER_ADDR").unwrap_or_default() + ":" + &std::env::var("MASTER_PORT").unwrap_or_default(),
         joined.as_secs_f64() * 1e3
@@ -219,7 +267,7 @@ fn demo_rank() -> Result<()> {
     if rank == 0 {
         let list: Vec<String> =
             everyone.iter().enumerate().map(|(r, v)| format!("{r}={}", String::from_utf8_lossy(v))).collect();
-        println!("rank 0: all-gather through the store in {:.2} ms: {}", gathered.as_secs_f64() * 1e3, list.join(", "));
+        say!("rank 0: all-gather through the store in {:.2} ms: {}", gathered.as_secs_f64() * 1e3, list.join(", "));
     }
 
     let timeout = Duration::from_secs(30);
@@ -233,10 +281,60 @@ fn demo_rank() -> Result<()> {
         lat.push(t.elapsed());
     }
     let (median, p99) = bench::percentiles(&mut lat);
-    println!("rank {rank}: 200 store barriers: median {median:.0} us, p99 {p99:.0} us");
+    say!("rank {rank}: 200 store barriers: median {median:.0} us, p99 {p99:.0} us");
+
+    // Symmetric memory: allocate, rendezvous, pass a signal around the ring, read a peer.
+    let t = Instant::now();
+    let x = symm::empty(&[1024], DType::F32, Device::Cpu)?;
+    x.fill(rank as f32)?;
+    let h = symm::rendezvous(&x, &group)?;
+    let rdzv = t.elapsed();
+    if rank == 0 {
+        say!(
+            "rank 0: allocated and rendezvoused a 4 KiB symmetric tensor in {:.2} ms ({} signal channels)",
+            rdzv.as_secs_f64() * 1e3,
+            h.num_channels()
+        );
+    }
+    h.barrier(0, timeout)?;
+    let (next, prev) = ((rank + 1) % world, (rank + world - 1) % world);
+    let laps = 1000;
+    let t = Instant::now();
+    for _ in 0..laps {
+        if rank == 0 {
+            h.put_signal(next, 1, timeout)?;
+            h.wait_signal(prev, 1, timeout)?;
+        } else {
+            h.wait_signal(prev, 1, timeout)?;
+            h.put_signal(next, 1, timeout)?;
+        }
+    }
+    let lap = t.elapsed() / laps;
+    if rank == 0 {
+        say!(
+            "rank 0: {laps} laps of a signal around the {world}-rank ring: {:.2} us per lap, {:.2} us per hop",
+            lap.as_secs_f64() * 1e6,
+            lap.as_secs_f64() * 1e6 / world as f64
+        );
+    }
+    let peer = h.get_remote_tensor(next, &[1024], DType::F32)?;
+    let t = Instant::now();
+    let seen = peer.to_vec::<f32>()?;
+    let read = t.elapsed();
+    if seen.iter().any(|&v| v != next as f32) {
+        anyhow::bail!("rank {rank} read unexpected values from rank {next}'s buffer");
+    }
+    say!("rank {rank}: read rank {next}'s 4 KiB buffer directly in {:.2} us: all {next}.0", read.as_secs_f64() * 1e6);
+    h.barrier(0, timeout)?;
+    let t = Instant::now();
+    for _ in 0..1000 {
+        h.barrier(0, timeout)?;
+    }
+    let sbar = t.elapsed() / 1000;
+    say!("rank {rank}: 1000 signal-pad barriers: {:.2} us each", sbar.as_secs_f64() * 1e6);
     group.barrier(timeout)?;
     if rank == 0 {
-        println!("rank 0: done: {world} ranks joined, exchanged identities and synchronized");
+        say!("rank 0: done: {world} ranks joined, synchronized through the store and through shared memory");
     }
     Ok(())
 }
@@ -246,7 +344,7 @@ fn store(args: StoreArgs) -> Result<ExitCode> {
     let authed = secret.is_some();
     let addr = format!("{}:{}", args.host, args.port);
     let server = StoreServer::start(&addr, ServerOptions { secret, ..Default::default() })?;
-    println!(
+    say!(
         "symmem store listening on {} ({})",
         server.local_addr(),
         if authed {
@@ -268,46 +366,46 @@ fn store(args: StoreArgs) -> Result<ExitCode> {
 }
 
 fn info() {
-    println!("symmem {}", env!("CARGO_PKG_VERSION"));
-    println!();
-    println!("backends");
-    println!("  store      tcp: PyTorch TCPStore protocol (torch 2.15), server and client; needs a reachable TCP port");
-    println!("  transport  tcp, shm: not built yet (see the issue tracker)");
-    println!("  symmetric  cpu shared memory: not built yet; needs /dev/shm");
-    println!();
-    println!("this machine");
+    say!("symmem {}", env!("CARGO_PKG_VERSION"));
+    say!();
+    say!("backends");
+    say!("  store      tcp: PyTorch TCPStore protocol (torch 2.15), server and client; needs a reachable TCP port");
+    say!("  transport  tcp, shm: not built yet (see the issue tracker)");
+    say!("  symmetric  cpu shared memory: not built yet; needs /dev/shm");
+    say!();
+    say!("this machine");
     let uname = rustix::system::uname();
-    println!("  kernel            {} {}", uname.sysname().to_string_lossy(), uname.release().to_string_lossy());
-    println!("  cpus              {}", std::thread::available_parallelism().map_or(0, |n| n.get()));
+    say!("  kernel            {} {}", uname.sysname().to_string_lossy(), uname.release().to_string_lossy());
+    say!("  cpus              {}", std::thread::available_parallelism().map_or(0, |n| n.get()));
     match rustix::fs::statvfs("/dev/shm") {
-        Ok(s) => println!(
+        Ok(s) => say!(
             "  /dev/shm          {:.1} GiB total, {:.1} GiB free",
             (s.f_blocks * s.f_frsize) as f64 / (1u64 << 30) as f64,
             (s.f_bavail * s.f_frsize) as f64 / (1u64 << 30) as f64
         ),
-        Err(e) => println!("  /dev/shm          unavailable: {e}"),
+        Err(e) => say!("  /dev/shm          unavailable: {e}"),
     }
     let nofile = rustix::process::getrlimit(rustix::process::Resource::Nofile);
-    println!(
+    say!(
         "  open files        soft {}, hard {} (a store needs one per client)",
         nofile.current.map_or("unlimited".into(), |v| v.to_string()),
         nofile.maximum.map_or("unlimited".into(), |v| v.to_string())
     );
     let yama = std::fs::read_to_string("/proc/sys/kernel/yama/ptrace_scope").map(|s| s.trim().to_string());
-    println!(
+    say!(
         "  ptrace_scope      {}",
         yama.unwrap_or_else(|_| "no Yama (cross-memory attach allowed for same uid)".into())
     );
     let l = symmem::wire::store::Limits::SERVER;
-    println!();
-    println!("limits");
-    println!("  store key         {} bytes", l.max_key_len);
-    println!("  store value       {} bytes", l.max_value_len);
-    println!("  keys per message  {}", l.max_keys);
-    println!();
-    println!("configuration (environment variable, default: meaning)");
+    say!();
+    say!("limits");
+    say!("  store key         {} bytes", l.max_key_len);
+    say!("  store value       {} bytes", l.max_value_len);
+    say!("  keys per message  {}", l.max_keys);
+    say!();
+    say!("configuration (environment variable, default: meaning)");
     for k in symmem::config::KNOBS {
-        println!("  {:<30} {:<12} {}", k.env, k.default, k.doc);
+        say!("  {:<30} {:<12} {}", k.env, k.default, k.doc);
     }
 }
 
@@ -324,21 +422,27 @@ impl Table {
 
     fn row(&mut self, r: &BenchResult) {
         if self.json {
-            println!("{}", serde_json::to_string(r).unwrap_or_default());
+            say!("{}", serde_json::to_string(r).unwrap_or_default());
             return;
         }
         if !self.header {
-            println!(
+            say!(
                 "{:<22} {:>6} {:>8} {:>7} {:>11} {:>11} {:>12}  extra",
-                "bench", "ranks", "bytes", "iters", "lat_us", "p99_us", "ops_per_s"
+                "bench",
+                "ranks",
+                "bytes",
+                "iters",
+                "lat_us",
+                "p99_us",
+                "ops_per_s"
             );
             self.header = true;
         }
         let ops = r.extra.get("ops_per_s").and_then(|v| v.as_f64()).map_or("-".into(), |v| format!("{v:.0}"));
         let extra: Vec<String> =
             r.extra.iter().filter(|(k, _)| *k != "ops_per_s").map(|(k, v)| format!("{k}={v}")).collect();
-        println!(
-            "{:<22} {:>6} {:>8} {:>7} {:>11.1} {:>11.1} {:>12}  {}",
+        say!(
+            "{:<22} {:>6} {:>8} {:>7} {:>11.2} {:>11.2} {:>12}  {}",
             r.bench,
             r.ranks,
             r.bytes.map_or("-".into(), |b| b.to_string()),

@@ -181,6 +181,8 @@ fn ranks_rendezvous_through_the_launchers_store() {
     let stdout = text(&out.stdout);
     assert!(out.status.success(), "{stdout}\n{}", text(&out.stderr));
     assert!(stdout.contains("[0] rank 0: done: 3 ranks joined"), "{stdout}");
+    assert!(stdout.contains("laps of a signal around the 3-rank ring"), "{stdout}");
+    assert!(stdout.contains("[1] rank 1: read rank 2's 4 KiB buffer directly"), "{stdout}");
     for r in 0..3 {
         assert!(stdout.contains(&format!("[{r}] rank {r}: 200 store barriers")), "{stdout}");
     }
@@ -253,6 +255,20 @@ fn info_lists_every_knob() {
         assert!(s.contains(k.env), "info does not mention {}", k.env);
     }
     assert!(s.contains("/dev/shm"), "{s}");
+}
+
+#[test]
+fn bench_signal_emits_the_baseline_and_every_rank_count() {
+    let out = symmem(&["bench", "signal", "--json", "--ranks", "2,3", "--iters", "200"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let rows: Vec<serde_json::Value> = text(&out.stdout).lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let got: Vec<(String, u64)> =
+        rows.iter().map(|r| (r["bench"].as_str().unwrap().to_string(), r["ranks"].as_u64().unwrap())).collect();
+    let want = [("flag_pingpong", 2), ("signal_pingpong", 2), ("barrier", 2), ("barrier", 3)];
+    assert_eq!(got, want.map(|(b, n)| (b.to_string(), n)));
+    for r in &rows {
+        assert!(r["lat_us"].as_f64().is_some_and(|v| v > 0.0) && r["iters"].as_u64() == Some(200), "{r}");
+    }
 }
 
 #[test]

@@ -57,20 +57,48 @@ struct Inner {
 }
 
 impl StoreServer {
-    /// Binds `addr` (port 0 picks a free port) and serves on the shared background runtime.
+    /// Binds `addr` (port 0 picks a free port) and serves it from a dedicated thread.
+    ///
+    /// One thread with a single-threaded runtime serves every connection: the thread woken by
+    /// epoll is the one that runs the request, so a round trip costs one wakeup rather than
+    /// hops between a multi-threaded runtime's workers (measured: 8 µs against 8 to 70 µs).
     pub fn start(addr: &str, options: ServerOptions) -> Result<StoreServer> {
-        crate::rt::block_on(Self::bind(addr, options))
-    }
-
-    /// Binds `addr` and serves on the current tokio runtime.
-    pub async fn bind(addr: &str, options: ServerOptions) -> Result<StoreServer> {
-        let listener =
-            TcpListener::bind(addr).await.map_err(|e| Error::io(format!("bind store server to {addr}"), e))?;
-        let local = listener.local_addr().map_err(|e| Error::io("read the store server's address", e))?;
         let (stop, stopped) = watch::channel(false);
         let shared =
             Arc::new(Shared { inner: Mutex::new(Inner::default()), secret: options.secret, limits: options.limits });
-        tokio::spawn(accept_loop(listener, shared.clone(), stopped));
+        let (ready, bound) = std::sync::mpsc::channel();
+        let (a, sh) = (addr.to_string(), shared.clone());
+        std::thread::Builder::new()
+            .name("symmem-store".into())
+            .spawn(move || {
+                let rt = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
+                    Ok(rt) => rt,
+                    Err(e) => {
+                        let _ = ready.send(Err(e));
+                        return;
+                    }
+                };
+                rt.block_on(async move {
+                    let listener = match TcpListener::bind(&a).await.and_then(|l| l.local_addr().map(|at| (l, at))) {
+                        Ok((l, at)) => {
+                            let _ = ready.send(Ok(at));
+                            l
+                        }
+                        Err(e) => {
+                            let _ = ready.send(Err(e));
+                            return;
+                        }
+                    };
+                    accept_loop(listener, sh, stopped).await;
+                });
+            })
+            .map_err(|e| Error::io("start the store server thread", e))?;
+        let local = bound
+            .recv()
+            .map_err(|_| {
+                Error::io(format!("bind store server to {addr}"), std::io::Error::other("server thread died"))
+            })?
+            .map_err(|e| Error::io(format!("bind store server to {addr}"), e))?;
         tracing::debug!(%local, "store server listening");
         Ok(StoreServer { addr: local, stop, shared })
     }
@@ -83,17 +111,6 @@ impl StoreServer {
     /// The number of client connections currently open.
     pub fn connections(&self) -> usize {
         lock(&self.shared.inner).conns.len()
-    }
-
-    /// Waits until the server is stopped (by [`StoreServer::stop`] from another handle, or
-    /// forever when serving standalone).
-    pub async fn serve_forever(&self) {
-        let mut rx = self.stop.subscribe();
-        while !*rx.borrow_and_update() {
-            if rx.changed().await.is_err() {
-                return;
-            }
-        }
     }
 
     /// Stops accepting and closes every connection.
@@ -147,27 +164,28 @@ async fn serve_conn(
 ) {
     let _ = stream.set_nodelay(true);
     let (mut rd, mut wr) = stream.into_split();
+    // Replies for this connection produced by other connections (a SET that completes this
+    // connection's WAIT) arrive here; this connection's own replies are written inline.
     let (tx, mut rx) = mpsc::unbounded_channel::<Vec<u8>>();
     lock(&shared.inner).conns.insert(id, tx);
-
-    let writer = tokio::spawn(async move {
-        while let Some(bytes) = rx.recv().await {
-            if wr.write_all(&bytes).await.is_err() {
-                return;
-            }
-        }
-        let _ = wr.shutdown().await;
-    });
 
     let mut session = Session::new(id);
     let mut buf: Vec<u8> = Vec::with_capacity(4096);
     let mut out: Outbox = Vec::new();
+    let mut mine: Vec<u8> = Vec::new();
     'conn: loop {
         if buf.capacity() - buf.len() < 4096 {
             buf.reserve(64 * 1024);
         }
         let n = tokio::select! {
             _ = stopped.changed() => break 'conn,
+            woken = rx.recv() => {
+                let Some(bytes) = woken else { break 'conn };
+                if wr.write_all(&bytes).await.is_err() {
+                    break 'conn;
+                }
+                continue 'conn;
+            }
             n = rd.read_buf(&mut buf) => n,
         };
         match n {
@@ -175,13 +193,15 @@ async fn serve_conn(
             Ok(_) => {}
         }
         let mut start = 0;
+        let mut refused = false;
         while start < buf.len() {
             let (req, used) = match Request::decode(&buf[start..], &shared.limits) {
                 Ok(Some(r)) => r,
                 Ok(None) => break,
                 Err(e) => {
                     tracing::warn!(%peer, "store: closing connection: {e}");
-                    break 'conn;
+                    refused = true;
+                    break;
                 }
             };
             start += used;
@@ -190,16 +210,29 @@ async fn serve_conn(
             if let Err(e) = session.on_request(req, &mut inner.state, shared.secret.as_ref(), &mut out) {
                 tracing::warn!(%peer, "store: closing connection: {e}");
                 out.clear();
-                break 'conn;
+                refused = true;
+                break;
             }
             for (conn, bytes) in out.drain(..) {
-                if let Some(tx) = inner.conns.get(&conn) {
+                if conn == id {
+                    mine.extend_from_slice(&bytes);
+                } else if let Some(tx) = inner.conns.get(&conn) {
                     // A send fails only if that connection is closing; its replies are moot.
                     let _ = tx.send(bytes);
                 }
             }
         }
         buf.drain(..start);
+        // Replies already earned are sent even when the connection is then refused.
+        if !mine.is_empty() {
+            if wr.write_all(&mine).await.is_err() {
+                break 'conn;
+            }
+            mine.clear();
+        }
+        if refused {
+            break 'conn;
+        }
     }
 
     {
@@ -207,6 +240,5 @@ async fn serve_conn(
         inner.state.disconnect(id);
         inner.conns.remove(&id);
     }
-    // With the sender gone the writer flushes what is queued and closes the socket.
-    let _ = writer.await;
+    let _ = wr.shutdown().await;
 }

@@ -102,6 +102,13 @@ fn globals() -> MutexGuard<'static, Globals> {
     G.lock().unwrap_or_else(|p| p.into_inner())
 }
 
+/// The CPUs this process may use. Cached: `available_parallelism` reads cgroup files, far too
+/// slow for the signal path.
+fn cores() -> usize {
+    static CORES: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *CORES.get_or_init(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
+}
+
 fn spin() -> Duration {
     static SPIN: std::sync::OnceLock<Duration> = std::sync::OnceLock::new();
     *SPIN.get_or_init(|| {
@@ -483,11 +490,7 @@ impl SymmHandle {
 
     fn patience(&self, timeout: Duration) -> Patience {
         // When ranks outnumber cores, spinning only steals time from the rank being waited for.
-        let spin = if self.world_size() > std::thread::available_parallelism().map_or(1, |n| n.get()) {
-            Duration::from_micros(2)
-        } else {
-            spin()
-        };
+        let spin = if self.world_size() > cores() { Duration::from_micros(2) } else { spin() };
         Patience { spin, deadline: Instant::now() + timeout }
     }
 

@@ -181,6 +181,38 @@ fn every_call_works_for_2_3_and_4_ranks() {
 }
 
 #[test]
+#[ignore = "a rank program; run by threads_sharing_a_handle_stay_correct"]
+fn rank_threads() {
+    let Some(g) = in_job() else { return };
+    let x = symm::empty(&[8], DType::U8, Device::Cpu).unwrap();
+    let h = symm::rendezvous(&x, &g).unwrap();
+    // Two threads per rank barrier on the same channel at once, 300 times each: every barrier
+    // completes, nothing deadlocks, and the pads end all zero.
+    let threads: Vec<_> = (0..2)
+        .map(|_| {
+            let h = h.clone();
+            std::thread::spawn(move || {
+                for _ in 0..300 {
+                    h.barrier(0, T).unwrap();
+                }
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().unwrap();
+    }
+    h.barrier(0, T).unwrap();
+    let nonzero = h.get_signal_pad(g.rank()).unwrap().to_vec::<u32>().unwrap().iter().filter(|&&v| v != 0).count();
+    assert_eq!(nonzero, 0);
+    done(&g);
+}
+
+#[test]
+fn threads_sharing_a_handle_stay_correct() {
+    assert_job(3, "rank_threads", &[]);
+}
+
+#[test]
 #[ignore = "a rank program; run by mismatched_shapes_fail_on_every_rank"]
 fn rank_mismatch() {
     let Some(g) = in_job() else { return };

@@ -645,3 +645,36 @@ pub fn get_mem_pool(device: Device) -> Result<Arc<MemPool>> {
     static POOL: std::sync::OnceLock<Arc<MemPool>> = std::sync::OnceLock::new();
     Ok(POOL.get_or_init(|| Arc::new(MemPool::new())).clone())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn symmem_mappings() -> usize {
+        std::fs::read_to_string("/proc/self/maps").unwrap().lines().filter(|l| l.contains("memfd:symmem")).count()
+    }
+
+    #[test]
+    fn a_segment_lives_exactly_as_long_as_its_tensors() {
+        let before = symmem_mappings();
+        let t = empty(&[1 << 16], DType::U8, Device::Cpu).unwrap();
+        let view = t.narrow(0, 10, 100).unwrap();
+        assert_eq!(symmem_mappings(), before + 1);
+        drop(t);
+        assert_eq!(symmem_mappings(), before + 1, "a view keeps the segment");
+        drop(view);
+        assert_eq!(symmem_mappings(), before, "unmapped with the last view");
+    }
+
+    #[test]
+    fn gpu_devices_and_backends_are_refused_clearly() {
+        let err = empty(&[4], DType::F32, Device::Cuda(0)).unwrap_err().to_string();
+        assert!(err.contains("unsupported on this device") && err.contains("CUDA"), "{err}");
+        assert_eq!(Device::parse("cuda:1").unwrap(), Device::Cuda(1));
+        assert!(Device::parse("tpu").is_err());
+        assert_eq!(get_backend(Device::Cuda(0)), None);
+        assert!(set_backend("cpu").is_ok());
+        assert!(matches!(set_backend("NCCL"), Err(Error::Unsupported { .. })));
+        assert!(set_signal_pad_size(3).is_err());
+    }
+}

@@ -10,6 +10,8 @@
 //! ```text
 //!   cli        symmem run | demo | bench | store | info (the binary; parses arguments only)
 //!   launch     the one-host launcher behind `symmem run`;   bench: the measurements
+//!   symm       symmetric allocations, rendezvous, handles, signal pads, memory pool
+//!   tensor     a small strided tensor over shared storage (beside symm, used by it)
 //!   group      who participates: rank, world size, name, scoped store; from the environment
 //!   store      rendezvous key-value store: TCP server and client (PyTorch's TCPStore
 //!              protocol), in-process store, prefix store
@@ -17,8 +19,8 @@
 //!   sys        the only place that calls the OS unsafely
 //! ```
 //!
-//! `transport`, `symm` and `ops` (one-sided transports, symmetric allocations, and the
-//! operators on them) arrive in later releases between `group` and `launch`.
+//! `transport` (one-sided transports, between `group` and `symm`) and `ops` (operators on
+//! symmetric memory, above `symm`) arrive in later releases.
 //!
 //! # The paved path
 //!

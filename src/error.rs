@@ -103,6 +103,11 @@ pub enum Error {
     #[error("{0}")]
     Rendezvous(String),
 
+    /// A transfer failed: refused by the peer (unknown, stale or read-only descriptor, out of
+    /// bounds), or the connection to the peer was lost.
+    #[error("transfer failed: {0}")]
+    Transfer(String),
+
     /// The object was used after `close`.
     #[error("{0} is closed")]
     Closed(&'static str),

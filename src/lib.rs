@@ -46,6 +46,7 @@ pub mod store;
 pub mod symm;
 mod sys;
 pub mod tensor;
+pub mod transport;
 pub mod wire;
 
 // The paved path.

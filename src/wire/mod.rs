@@ -3,5 +3,7 @@
 //! Layer: the bottom of the safe layers. Pure encoding and decoding, no I/O, no unsafe code;
 //! decoding never panics on any input.
 
+pub mod descriptor;
 pub mod store;
 pub mod symm;
+pub mod tcp;

@@ -1,0 +1,824 @@
+//! One-sided transports (`spec/transport.md`): register memory, hand a descriptor to a peer,
+//! and the peer reads or writes it without the owner taking part.
+//!
+//! ```text
+//!   new_transport("tcp") ─▶ Transport ── bind() ─▶ URL bytes ──(control plane)──▶ peer.connect()
+//!   register_memory(t)   ─▶ Memory ── to_remote_buffer() ─▶ RemoteBuffer ─▶ serialize() ─▶ peer
+//!   peer: write(view, remote) / read(mutable view, remote), synchronous or as a Work
+//! ```
+//!
+//! Everything backends share lives here: argument checks, registrations and their aliases,
+//! views, descriptors, Works, close and drain, the registry, and rank bootstrap through a
+//! store. A backend ([`Backend`]) only binds, connects, exposes registrations to its peer and
+//! moves bytes. Offsets and lengths are bytes throughout.
+//!
+//! Beyond PyTorch's API: [`RemoteBuffer::slice`] addresses part of a remote registration, and
+//! [`Transport::register_memory_read_only`] exports memory a peer may read but never write.
+//!
+//! Layer: uses `store` (bootstrap), `tensor`, `wire` and `sys`.
+
+mod work;
+
+pub mod tcp;
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+pub(crate) use work::WorkState;
+pub use work::{Work, WorkFuture, wait_all};
+
+use crate::error::{Error, Result};
+use crate::store::{PrefixStore, Store};
+use crate::symm::Device;
+use crate::tensor::{Storage, Tensor};
+use crate::wire::descriptor::{self, Kind, Value};
+
+/// Backend constructor options, `key=value` as given to `new_transport`.
+pub type Options = BTreeMap<String, String>;
+
+/// A transport backend: binds, connects to one peer, exposes registrations to it, and moves
+/// bytes. Everything else is [`Transport`]'s.
+pub trait Backend: Send + Sync + 'static {
+    /// The backend's registered name, as written into its descriptors.
+    fn name(&self) -> &str;
+    /// Starts listening; returns the URL peers connect to. Idempotent.
+    fn bind(&self, timeout: Duration) -> Result<Vec<u8>>;
+    /// Connects to the peer at `url`.
+    fn connect(&self, url: &[u8], timeout: Duration) -> Result<()>;
+    /// Whether connected and the connection is alive.
+    fn connected(&self) -> bool;
+    /// Makes a registration reachable by the peer.
+    fn expose(&self, reg: &Arc<Registration>) -> Result<()>;
+    /// Makes a registration unreachable.
+    fn withdraw(&self, reg: &Registration);
+    /// Starts a transfer; the backend completes `req.work` when it ends, successfully or not.
+    fn submit(&self, req: Request) -> Result<()>;
+    /// Releases sockets and threads, failing whatever is still pending. Never blocks long.
+    fn shutdown(&self);
+    /// The timeout of operations given none.
+    fn default_timeout(&self) -> Duration;
+}
+
+/// Direction of a transfer, seen from the initiator.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Direction {
+    /// Local view → remote buffer.
+    Write,
+    /// Remote buffer → local mutable view.
+    Read,
+}
+
+/// One transfer handed to a backend.
+#[derive(Debug)]
+pub struct Request {
+    /// Which way the bytes go.
+    pub direction: Direction,
+    /// The local registration.
+    pub local: Arc<Registration>,
+    /// Byte offset in the local registration.
+    pub local_offset: usize,
+    /// Bytes to move.
+    pub len: usize,
+    /// The remote range (its offset is the start; `len` bytes from there).
+    pub remote: RemoteBuffer,
+    /// Completed by the backend.
+    pub(crate) work: Arc<WorkState>,
+}
+
+impl Request {
+    /// Completes the transfer; the backend calls this exactly once.
+    pub fn complete(&self, result: std::result::Result<(), String>) {
+        self.work.complete(result);
+    }
+
+    /// The local bytes' address.
+    pub fn local_ptr(&self) -> *mut u8 {
+        self.local.ptr.wrapping_add(self.local_offset)
+    }
+}
+
+static NEXT_TRANSPORT: AtomicU64 = AtomicU64::new(1);
+
+/// Memory registered with a transport. Aliases (the same address range registered again) share
+/// one registration: unregistering any of them invalidates all, with their views and
+/// descriptors.
+#[derive(Debug)]
+pub struct Registration {
+    transport: u64,
+    backend: String,
+    /// Random 64-bit id and 128-bit key: together an unguessable capability.
+    pub(crate) id: u64,
+    pub(crate) key: [u8; 16],
+    /// Keeps the registered memory alive as long as anything can reach it.
+    _storage: Arc<dyn Storage>,
+    pub(crate) ptr: *mut u8,
+    pub(crate) len: usize,
+    /// Whether peers may write it.
+    pub(crate) remote_writable: bool,
+    live: AtomicBool,
+    pending: AtomicUsize,
+}
+
+// SAFETY: `ptr` points into `storage`, which the registration keeps alive; the bytes are
+// accessed only through raw copies whose ordering is the transfer protocol's business.
+unsafe impl Send for Registration {}
+// SAFETY: as for Send.
+unsafe impl Sync for Registration {}
+
+impl Registration {
+    /// Whether it is still registered.
+    pub fn is_live(&self) -> bool {
+        self.live.load(Ordering::Acquire)
+    }
+
+    /// Its length in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether it has no bytes.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Checks an access to `[offset, offset + len)`, as a serving backend must for every
+    /// request: key (in constant time), liveness, bounds, and write permission.
+    pub fn check_access(&self, key: &[u8; 16], offset: u64, len: u64, write: bool) -> std::result::Result<(), String> {
+        let same = self.key.iter().zip(key).fold(0u8, |acc, (a, b)| acc | (a ^ b)) == 0;
+        if !same {
+            return Err("unknown remote buffer".into());
+        }
+        if !self.is_live() {
+            return Err("remote buffer has been unregistered".into());
+        }
+        if offset.checked_add(len).is_none_or(|end| end > self.len as u64) {
+            let what = if write { "write" } else { "read" };
+            return Err(format!(
+                "{what} of {len} bytes at offset {offset} exceeds the registered buffer of {} bytes",
+                self.len
+            ));
+        }
+        if write && !self.remote_writable {
+            return Err("remote buffer is registered read-only".into());
+        }
+        Ok(())
+    }
+
+    /// The registered bytes' address.
+    pub fn ptr(&self) -> *mut u8 {
+        self.ptr
+    }
+}
+
+/// Counts a transfer against its local registration until dropped (with its Work's state).
+struct InFlight(Arc<Registration>);
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        // Release: pairs with the Acquire load in unregister_memory.
+        self.0.pending.fetch_sub(1, Ordering::Release);
+    }
+}
+
+/// A handle to registered memory.
+#[derive(Clone, Debug)]
+pub struct Memory {
+    reg: Arc<Registration>,
+}
+
+fn view_range(reg: &Registration, offset: usize, length: Option<usize>) -> Result<(usize, usize)> {
+    let len = length.unwrap_or(reg.len.saturating_sub(offset));
+    if offset > reg.len || len > reg.len - offset {
+        return Err(Error::InvalidArgument(format!(
+            "memory view [{offset}, {offset}+{len}) is outside the registered memory of {} bytes",
+            reg.len
+        )));
+    }
+    Ok((offset, len))
+}
+
+impl Memory {
+    /// A read-only view of `length` bytes at `offset` (`None`: to the end). An empty view at
+    /// the end is legal.
+    pub fn to_view(&self, offset: usize, length: Option<usize>) -> Result<MemoryView> {
+        let (offset, len) = view_range(&self.reg, offset, length)?;
+        Ok(MemoryView { reg: self.reg.clone(), offset, len })
+    }
+
+    /// A view that transfers may write into (the destination of a read).
+    pub fn to_mutable_view(&self, offset: usize, length: Option<usize>) -> Result<MutableMemoryView> {
+        Ok(MutableMemoryView(self.to_view(offset, length)?))
+    }
+
+    /// The descriptor of the whole registration, to hand to the peer.
+    pub fn to_remote_buffer(&self) -> Result<RemoteBuffer> {
+        if !self.reg.is_live() {
+            return Err(Error::InvalidArgument("memory has been unregistered".into()));
+        }
+        Ok(RemoteBuffer {
+            backend: self.reg.backend.clone(),
+            buffer_id: self.reg.id,
+            offset: 0,
+            length: self.reg.len as u64,
+            access_key: self.reg.key,
+            writable: self.reg.remote_writable,
+        })
+    }
+
+    /// The registered length in bytes.
+    pub fn len(&self) -> usize {
+        self.reg.len
+    }
+
+    /// Whether the registration is empty.
+    pub fn is_empty(&self) -> bool {
+        self.reg.len == 0
+    }
+
+    /// Whether it is still registered.
+    pub fn is_live(&self) -> bool {
+        self.reg.is_live()
+    }
+}
+
+/// A read-only view of registered memory: the source of a write.
+#[derive(Clone, Debug)]
+pub struct MemoryView {
+    reg: Arc<Registration>,
+    offset: usize,
+    len: usize,
+}
+
+impl MemoryView {
+    /// Its size in bytes.
+    pub fn size(&self) -> usize {
+        self.len
+    }
+}
+
+/// A view of registered memory that transfers may write: the destination of a read. Usable
+/// wherever a read-only view is.
+#[derive(Clone, Debug)]
+pub struct MutableMemoryView(MemoryView);
+
+impl MutableMemoryView {
+    /// Its size in bytes.
+    pub fn size(&self) -> usize {
+        self.0.len
+    }
+
+    /// The same bytes as a read-only view.
+    pub fn as_view(&self) -> &MemoryView {
+        &self.0
+    }
+}
+
+impl std::ops::Deref for MutableMemoryView {
+    type Target = MemoryView;
+    fn deref(&self) -> &MemoryView {
+        &self.0
+    }
+}
+
+/// The fields of the built-in backends' descriptors, in declaration order.
+const SCHEMA: &[(&str, Kind)] = &[
+    ("buffer_id", Kind::Int),
+    ("offset", Kind::Int),
+    ("length", Kind::Int),
+    ("access_key", Kind::Bytes),
+    ("writable", Kind::Int),
+];
+
+/// A descriptor of (part of) a peer's registration: a capability to access it. Never holds
+/// data or native handles; exchange it only with authorized peers.
+#[derive(Clone, PartialEq, Eq)]
+pub struct RemoteBuffer {
+    backend: String,
+    pub(crate) buffer_id: u64,
+    pub(crate) offset: u64,
+    pub(crate) length: u64,
+    pub(crate) access_key: [u8; 16],
+    pub(crate) writable: bool,
+}
+
+impl std::fmt::Debug for RemoteBuffer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // The key is a secret; never print it.
+        f.debug_struct("RemoteBuffer")
+            .field("backend", &self.backend)
+            .field("buffer_id", &self.buffer_id)
+            .field("offset", &self.offset)
+            .field("length", &self.length)
+            .field("writable", &self.writable)
+            .finish_non_exhaustive()
+    }
+}
+
+impl RemoteBuffer {
+    /// The JSON v1 envelope bytes.
+    pub fn serialize(&self) -> Vec<u8> {
+        descriptor::encode(
+            &self.backend,
+            &[
+                ("buffer_id", Value::Int(self.buffer_id)),
+                ("offset", Value::Int(self.offset)),
+                ("length", Value::Int(self.length)),
+                ("access_key", Value::Bytes(self.access_key.to_vec())),
+                ("writable", Value::Int(u64::from(self.writable))),
+            ],
+        )
+    }
+
+    /// Parses envelope bytes strictly (see [`crate::wire::descriptor`]).
+    pub fn deserialize(data: &[u8]) -> Result<RemoteBuffer> {
+        let bad = |e: descriptor::DescriptorError| Error::InvalidArgument(e.to_string());
+        let backend = descriptor::backend_of(data).map_err(bad)?;
+        let v = descriptor::decode(data, &backend, SCHEMA).map_err(bad)?;
+        let int = |i: usize| match &v[i] {
+            Value::Int(n) => *n,
+            _ => 0,
+        };
+        let Value::Bytes(key) = &v[3] else {
+            return Err(Error::InvalidArgument("invalid descriptor field \"access_key\"".into()));
+        };
+        let access_key: [u8; 16] = key
+            .as_slice()
+            .try_into()
+            .map_err(|_| Error::InvalidArgument("invalid descriptor field \"access_key\"".into()))?;
+        let writable = match int(4) {
+            0 => false,
+            1 => true,
+            _ => return Err(Error::InvalidArgument("invalid descriptor field \"writable\"".into())),
+        };
+        if int(1).checked_add(int(2)).is_none() {
+            return Err(Error::InvalidArgument("invalid descriptor field \"length\"".into()));
+        }
+        Ok(RemoteBuffer { backend, buffer_id: int(0), offset: int(1), length: int(2), access_key, writable })
+    }
+
+    /// The backend it belongs to.
+    pub fn backend(&self) -> &str {
+        &self.backend
+    }
+
+    /// Its length in bytes.
+    pub fn len(&self) -> u64 {
+        self.length
+    }
+
+    /// Whether it has no bytes.
+    pub fn is_empty(&self) -> bool {
+        self.length == 0
+    }
+
+    /// Whether the owner lets peers write it.
+    pub fn is_writable(&self) -> bool {
+        self.writable
+    }
+
+    /// `length` bytes at `offset` within this range: a remote byte offset, which PyTorch's API
+    /// lacks.
+    pub fn slice(&self, offset: u64, length: u64) -> Result<RemoteBuffer> {
+        if offset.checked_add(length).is_none_or(|end| end > self.length) {
+            return Err(Error::InvalidArgument(format!(
+                "remote slice [{offset}, {offset}+{length}) is outside the remote buffer of {} bytes",
+                self.length
+            )));
+        }
+        Ok(RemoteBuffer { offset: self.offset + offset, length, ..self.clone() })
+    }
+}
+
+/// Lifecycle of a transport.
+const OPEN: u8 = 0;
+const CLOSING: u8 = 1;
+const CLOSED: u8 = 2;
+
+/// A one-sided transport endpoint: one peer, registered memory, and transfers to and from the
+/// peer's registrations.
+///
+/// ```
+/// use symmem::tensor::Tensor;
+/// use symmem::transport::{new_transport, Options};
+///
+/// let trainer = new_transport("tcp", None, &Options::new())?;
+/// let replica = new_transport("tcp", None, &Options::new())?;
+/// let (trainer_url, replica_url) = (trainer.bind(None)?, replica.bind(None)?);
+/// trainer.connect(&replica_url, None)?;
+/// replica.connect(&trainer_url, None)?;
+/// let weights = Tensor::from_slice(&[8], &[0.0f32, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0])?;
+/// let received = Tensor::zeros(&[8], weights.dtype())?;
+/// let source = trainer.register_memory(&weights)?;
+/// let target = replica.register_memory(&received)?;
+/// // Exchange these bytes through the application's control plane.
+/// let remote = symmem::transport::RemoteBuffer::deserialize(&target.to_remote_buffer()?.serialize())?;
+/// let work = trainer.start_write(&source.to_view(0, None)?, &remote, None)?;
+/// work.wait(None)?;
+/// assert_eq!(received.to_vec::<f32>()?, weights.to_vec::<f32>()?);
+/// trainer.close(None)?;
+/// replica.close(None)?;
+/// # Ok::<(), symmem::Error>(())
+/// ```
+pub struct Transport {
+    id: u64,
+    backend: Box<dyn Backend>,
+    device: Option<Device>,
+    regs: Mutex<HashMap<(usize, usize), Arc<Registration>>>,
+    outstanding: Mutex<Vec<Arc<WorkState>>>,
+    state: std::sync::atomic::AtomicU8,
+}
+
+impl std::fmt::Debug for Transport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Transport").field("id", &self.id).field("backend", &self.backend.name()).finish_non_exhaustive()
+    }
+}
+
+fn random_u64() -> u64 {
+    let mut b = [0u8; 8];
+    // getrandom fails only without an entropy source, where nothing here can be secure.
+    getrandom::fill(&mut b).expect("the OS random source");
+    u64::from_le_bytes(b)
+}
+
+fn random_key() -> [u8; 16] {
+    let mut b = [0u8; 16];
+    getrandom::fill(&mut b).expect("the OS random source");
+    b
+}
+
+impl Transport {
+    /// Wraps a backend.
+    pub fn new(backend: Box<dyn Backend>, device: Option<Device>) -> Transport {
+        Transport {
+            id: NEXT_TRANSPORT.fetch_add(1, Ordering::Relaxed),
+            backend,
+            device,
+            regs: Mutex::new(HashMap::new()),
+            outstanding: Mutex::new(Vec::new()),
+            state: std::sync::atomic::AtomicU8::new(OPEN),
+        }
+    }
+
+    fn check_open(&self) -> Result<()> {
+        if self.state.load(Ordering::Acquire) != OPEN {
+            return Err(Error::Closed("transport"));
+        }
+        Ok(())
+    }
+
+    fn timeout(&self, t: Option<Duration>) -> Duration {
+        t.unwrap_or_else(|| self.backend.default_timeout())
+    }
+
+    /// The backend's name.
+    pub fn backend_name(&self) -> &str {
+        self.backend.name()
+    }
+
+    /// Binds the endpoint and returns its opaque connection URL (idempotent).
+    pub fn bind(&self, timeout: Option<Duration>) -> Result<Vec<u8>> {
+        self.check_open()?;
+        self.backend.bind(self.timeout(timeout))
+    }
+
+    /// Connects to the peer whose `bind` returned `peer_url`. One peer per endpoint.
+    pub fn connect(&self, peer_url: &[u8], timeout: Option<Duration>) -> Result<()> {
+        self.check_open()?;
+        if self.backend.connected() {
+            return Err(Error::InvalidArgument("transport is already connected".into()));
+        }
+        self.backend.connect(peer_url, self.timeout(timeout))
+    }
+
+    /// Whether connected to a live peer.
+    pub fn connected(&self) -> bool {
+        self.state.load(Ordering::Acquire) == OPEN && self.backend.connected()
+    }
+
+    /// Registers a contiguous tensor; peers holding its descriptor may read and write it.
+    pub fn register_memory(&self, tensor: &Tensor) -> Result<Memory> {
+        self.register(tensor, true)
+    }
+
+    /// Registers a contiguous tensor that peers may read but never write.
+    pub fn register_memory_read_only(&self, tensor: &Tensor) -> Result<Memory> {
+        self.register(tensor, false)
+    }
+
+    fn register(&self, tensor: &Tensor, writable: bool) -> Result<Memory> {
+        self.check_open()?;
+        if let Some(d) = self.device
+            && d != Device::Cpu
+        {
+            return Err(Error::InvalidArgument(format!("expected a tensor on {d:?}, got Cpu")));
+        }
+        if !tensor.is_contiguous() {
+            return Err(Error::InvalidArgument(format!(
+                "{} transport requires a contiguous tensor",
+                self.backend.name()
+            )));
+        }
+        let key = (tensor.data_ptr() as usize, tensor.nbytes());
+        let mut regs = self.regs.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(r) = regs.get(&key)
+            && r.is_live()
+        {
+            if r.remote_writable != writable {
+                return Err(Error::InvalidArgument(
+                    "this memory is already registered with other permissions; unregister it first".into(),
+                ));
+            }
+            return Ok(Memory { reg: r.clone() });
+        }
+        let reg = Arc::new(Registration {
+            transport: self.id,
+            backend: self.backend.name().to_string(),
+            id: random_u64(),
+            key: random_key(),
+            _storage: tensor.storage().clone(),
+            ptr: tensor.data_ptr(),
+            len: tensor.nbytes(),
+            remote_writable: writable,
+            live: AtomicBool::new(true),
+            pending: AtomicUsize::new(0),
+        });
+        self.backend.expose(&reg)?;
+        regs.insert(key, reg.clone());
+        Ok(Memory { reg })
+    }
+
+    /// Unregisters memory: every alias, view and descriptor of it stops working. Refused while
+    /// local transfers on it are pending; repeating it is a no-op.
+    pub fn unregister_memory(&self, memory: &Memory) -> Result<()> {
+        self.check_open()?;
+        if memory.reg.transport != self.id {
+            return Err(Error::InvalidArgument("memory was not registered by this transport".into()));
+        }
+        if !memory.reg.is_live() {
+            return Ok(());
+        }
+        // Acquire: pairs with the Release decrement of InFlight.
+        if memory.reg.pending.load(Ordering::Acquire) > 0 {
+            return Err(Error::InvalidArgument("memory has pending transfers; wait before unregistering".into()));
+        }
+        memory.reg.live.store(false, Ordering::Release);
+        self.backend.withdraw(&memory.reg);
+        let mut regs = self.regs.lock().unwrap_or_else(|p| p.into_inner());
+        regs.retain(|_, r| !Arc::ptr_eq(r, &memory.reg));
+        Ok(())
+    }
+
+    fn check_local(&self, view: &MemoryView) -> Result<()> {
+        if view.reg.transport != self.id {
+            return Err(Error::InvalidArgument("memory view belongs to another transport".into()));
+        }
+        if !view.reg.is_live() {
+            return Err(Error::InvalidArgument("memory has been unregistered".into()));
+        }
+        Ok(())
+    }
+
+    fn check_remote(&self, local: &MemoryView, remote: &RemoteBuffer, write: bool) -> Result<()> {
+        if remote.backend != self.backend.name() {
+            return Err(Error::InvalidArgument(format!(
+                "remote buffer is not a {} descriptor (it is {})",
+                self.backend.name(),
+                remote.backend
+            )));
+        }
+        if local.len as u64 > remote.length {
+            return Err(Error::InvalidArgument(format!(
+                "local view of {} bytes does not fit in the remote buffer of {} bytes",
+                local.len, remote.length
+            )));
+        }
+        if write && !remote.writable {
+            return Err(Error::InvalidArgument("remote buffer is registered read-only".into()));
+        }
+        Ok(())
+    }
+
+    fn submit(
+        &self,
+        direction: Direction,
+        local: &MemoryView,
+        remote: &RemoteBuffer,
+        timeout: Option<Duration>,
+    ) -> Result<Work> {
+        self.check_open()?;
+        self.check_local(local)?;
+        self.check_remote(local, remote, direction == Direction::Write)?;
+        if !self.backend.connected() {
+            return Err(Error::InvalidArgument(format!("{} transport is not connected", self.backend.name())));
+        }
+        local.reg.pending.fetch_add(1, Ordering::AcqRel);
+        let keep = InFlight(local.reg.clone());
+        let state = WorkState::new(Box::new(keep));
+        let req = Request {
+            direction,
+            local: local.reg.clone(),
+            local_offset: local.offset,
+            len: local.len,
+            remote: RemoteBuffer { length: local.len as u64, ..remote.clone() },
+            work: state.clone(),
+        };
+        {
+            let mut out = self.outstanding.lock().unwrap_or_else(|p| p.into_inner());
+            out.retain(|w| w.is_pending());
+            out.push(state.clone());
+        }
+        if let Err(e) = self.backend.submit(req) {
+            state.complete(Err(e.to_string()));
+            return Err(e);
+        }
+        Ok(Work::new(state, Some(self.timeout(timeout))))
+    }
+
+    /// Starts writing `local` to the start of `remote`; returns its [`Work`].
+    pub fn start_write(&self, local: &MemoryView, remote: &RemoteBuffer, timeout: Option<Duration>) -> Result<Work> {
+        self.submit(Direction::Write, local, remote, timeout)
+    }
+
+    /// Starts reading the start of `remote` into `local`; returns its [`Work`].
+    pub fn start_read(
+        &self,
+        local: &MutableMemoryView,
+        remote: &RemoteBuffer,
+        timeout: Option<Duration>,
+    ) -> Result<Work> {
+        self.submit(Direction::Read, &local.0, remote, timeout)
+    }
+
+    /// Writes `local` to the start of `remote` and waits until the bytes are in the peer's
+    /// memory (at most `timeout`, or the backend's default).
+    pub fn write(&self, local: &MemoryView, remote: &RemoteBuffer, timeout: Option<Duration>) -> Result<()> {
+        self.start_write(local, remote, timeout)?.wait(None)
+    }
+
+    /// Reads the start of `remote` into `local` and waits for the bytes.
+    pub fn read(&self, local: &MutableMemoryView, remote: &RemoteBuffer, timeout: Option<Duration>) -> Result<()> {
+        self.start_read(local, remote, timeout)?.wait(None)
+    }
+
+    /// [`Transport::write`] for async callers: never blocks the executor.
+    pub async fn write_async(
+        &self,
+        local: &MemoryView,
+        remote: &RemoteBuffer,
+        timeout: Option<Duration>,
+    ) -> Result<()> {
+        let t = self.timeout(timeout);
+        let work = self.start_write(local, remote, Some(t))?;
+        wait_all([work], Some(t)).await
+    }
+
+    /// [`Transport::read`] for async callers.
+    pub async fn read_async(
+        &self,
+        local: &MutableMemoryView,
+        remote: &RemoteBuffer,
+        timeout: Option<Duration>,
+    ) -> Result<()> {
+        let t = self.timeout(timeout);
+        let work = self.start_read(local, remote, Some(t))?;
+        wait_all([work], Some(t)).await
+    }
+
+    /// Drains outstanding transfers (at most `timeout`), then releases everything. A close
+    /// that times out rejects new work but keeps its resources until a retried close succeeds.
+    /// Idempotent.
+    pub fn close(&self, timeout: Option<Duration>) -> Result<()> {
+        if self.state.load(Ordering::Acquire) == CLOSED {
+            return Ok(());
+        }
+        self.state.store(CLOSING, Ordering::Release);
+        let t = self.timeout(timeout);
+        let deadline = Instant::now() + t;
+        let pending: Vec<Arc<WorkState>> = self
+            .outstanding
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+            .filter(|w| w.is_pending())
+            .cloned()
+            .collect();
+        for w in &pending {
+            if !w.wait_until(Some(deadline)) {
+                return Err(Error::timeout("transport close (resources remain live; retry close)", t));
+            }
+        }
+        self.state.store(CLOSED, Ordering::Release);
+        let regs: Vec<Arc<Registration>> =
+            self.regs.lock().unwrap_or_else(|p| p.into_inner()).drain().map(|(_, r)| r).collect();
+        for r in &regs {
+            r.live.store(false, Ordering::Release);
+            self.backend.withdraw(r);
+        }
+        self.backend.shutdown();
+        Ok(())
+    }
+}
+
+impl Drop for Transport {
+    fn drop(&mut self) {
+        if self.state.load(Ordering::Acquire) != CLOSED {
+            // Never hang in drop: give outstanding work no grace, fail it instead.
+            self.state.store(CLOSED, Ordering::Release);
+            self.backend.shutdown();
+        }
+    }
+}
+
+/// Builds a backend from options.
+pub type Factory = Arc<dyn Fn(&Options) -> Result<Box<dyn Backend>> + Send + Sync>;
+
+fn registry() -> &'static Mutex<BTreeMap<String, Factory>> {
+    static R: OnceLock<Mutex<BTreeMap<String, Factory>>> = OnceLock::new();
+    R.get_or_init(|| {
+        let mut m: BTreeMap<String, Factory> = BTreeMap::new();
+        m.insert("tcp".into(), Arc::new(|o: &Options| Ok(Box::new(tcp::TcpBackend::new(o)?) as Box<dyn Backend>)));
+        Mutex::new(m)
+    })
+}
+
+/// Registers a backend factory under `name` (case-insensitive) for this process.
+pub fn register_transport(name: &str, factory: Factory, replace: bool) -> Result<()> {
+    let name = name.to_ascii_lowercase();
+    if name.is_empty() {
+        return Err(Error::InvalidArgument("transport name cannot be empty".into()));
+    }
+    let mut r = registry().lock().unwrap_or_else(|p| p.into_inner());
+    if r.contains_key(&name) && !replace {
+        return Err(Error::InvalidArgument(format!("transport {name:?} is already registered")));
+    }
+    r.insert(name, factory);
+    Ok(())
+}
+
+/// The registered transport names, sorted.
+pub fn available_transports() -> Vec<String> {
+    registry().lock().unwrap_or_else(|p| p.into_inner()).keys().cloned().collect()
+}
+
+/// Constructs a transport of `backend` (case-insensitive), optionally restricted to `device`.
+pub fn new_transport(backend: &str, device: Option<Device>, options: &Options) -> Result<Transport> {
+    let name = backend.to_ascii_lowercase();
+    let factory = registry().lock().unwrap_or_else(|p| p.into_inner()).get(&name).cloned();
+    let Some(factory) = factory else {
+        let list = available_transports();
+        return Err(Error::InvalidArgument(format!(
+            "unknown transport {name:?}; available: {}",
+            if list.is_empty() { "none".to_string() } else { list.join(", ") }
+        )));
+    };
+    if let Some(Device::Cuda(n)) = device {
+        return Err(Error::Unsupported {
+            what: format!("transport {name:?} on cuda:{n}"),
+            needs: "a CUDA device and a GPU-capable backend".into(),
+        });
+    }
+    let b =
+        factory(options).map_err(|e| Error::InvalidArgument(format!("failed to create transport {name:?}: {e}")))?;
+    Ok(Transport::new(b, device))
+}
+
+/// Constructs, binds and connects a transport to `peer_rank` through `store`, PyTorch's way
+/// (`reference/torch-transport-contract.md` §3, variant A): the Nth call on each side meets the
+/// Nth call on the other, failed calls included, so one store can pair a rank with every other.
+/// `bootstrap_timeout` bounds bind, each store wait and connect.
+pub fn new_transport_rank(
+    backend: &str,
+    device: Option<Device>,
+    store: &Arc<dyn Store>,
+    peer_rank: u64,
+    rank: u64,
+    bootstrap_timeout: Duration,
+    options: &Options,
+) -> Result<Transport> {
+    if peer_rank == rank {
+        return Err(Error::InvalidArgument("peer_rank must differ from the local rank".into()));
+    }
+    let name = backend.to_ascii_lowercase();
+    let pair = format!("transport/{name}/{}/{}", rank.min(peer_rank), rank.max(peer_rank));
+    let attempt = store.add(&format!("{pair}/attempts/{rank}"), 1)?;
+    let scoped = PrefixStore::new(format!("{pair}/{attempt}"), store.clone());
+    let transport = new_transport(&name, device, options)?;
+    let result = (|| {
+        let url = transport.bind(Some(bootstrap_timeout))?;
+        scoped.set(&rank.to_string(), &url)?;
+        let peer_url = scoped.get_timeout(&peer_rank.to_string(), bootstrap_timeout)?;
+        transport.connect(&peer_url, Some(bootstrap_timeout))
+    })();
+    match result {
+        Ok(()) => Ok(transport),
+        Err(e) => {
+            if let Err(c) = transport.close(Some(bootstrap_timeout)) {
+                tracing::warn!("transport bootstrap cleanup failed: {c}");
+            }
+            Err(e)
+        }
+    }
+}

@@ -50,6 +50,10 @@ impl WorkState {
 
     /// Completes the work; later calls are ignored.
     pub(crate) fn complete(&self, result: std::result::Result<(), String>) {
+        // Release what the transfer held before anyone can see it complete: a waiter that wakes
+        // must find its registration no longer in use.
+        let kept = self.keep.lock().unwrap_or_else(|p| p.into_inner()).take();
+        drop(kept);
         let mut waiters = self.waiters.lock().unwrap_or_else(|p| p.into_inner());
         if self.state.load(Ordering::Acquire) != PENDING {
             return;
@@ -70,8 +74,6 @@ impl WorkState {
         for w in wakers {
             w.wake();
         }
-        // Release the buffers the transfer held, outside the lock.
-        drop(self.keep.lock().unwrap_or_else(|p| p.into_inner()).take());
     }
 
     fn poll_state(&self) -> u8 {

@@ -1,0 +1,468 @@
+//! The transport test suite. Every case takes a backend name, and `suite!` instantiates all of
+//! them for each backend, so a new backend is held to the same contract by one line.
+
+use std::io::{Read, Write};
+use std::process::{Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use symmem::Error;
+use symmem::store::{MemoryStore, Store};
+use symmem::tensor::{DType, Tensor};
+use symmem::transport::{
+    self, Memory, Options, RemoteBuffer, Transport, available_transports, new_transport, new_transport_rank,
+    register_transport, wait_all,
+};
+
+fn opts(pairs: &[(&str, &str)]) -> Options {
+    pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
+}
+
+/// Two connected endpoints of `backend`.
+fn pair(backend: &str) -> (Transport, Transport) {
+    let a = new_transport(backend, None, &Options::new()).unwrap();
+    let b = new_transport(backend, None, &Options::new()).unwrap();
+    let (ua, ub) = (a.bind(None).unwrap(), b.bind(None).unwrap());
+    a.connect(&ub, None).unwrap();
+    b.connect(&ua, None).unwrap();
+    (a, b)
+}
+
+fn bytes(n: usize, seed: u8) -> Tensor {
+    let v: Vec<u8> = (0..n).map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed)).collect();
+    Tensor::from_slice(&[n], &v).unwrap()
+}
+
+fn descriptor(m: &Memory) -> RemoteBuffer {
+    // Always go through the wire form, as a real peer would.
+    RemoteBuffer::deserialize(&m.to_remote_buffer().unwrap().serialize()).unwrap()
+}
+
+/// Rewrites one field of a serialized descriptor (a forged or stale capability).
+fn forge(d: &RemoteBuffer, field: &str, value: serde_json::Value) -> RemoteBuffer {
+    let mut j: serde_json::Value = serde_json::from_slice(&d.serialize()).unwrap();
+    j["fields"][field] = value;
+    RemoteBuffer::deserialize(j.to_string().as_bytes()).unwrap()
+}
+
+fn write_then_read(backend: &str) {
+    let (a, b) = pair(backend);
+    for n in [0usize, 1, 8, 4096, 65537, 3 << 20, 16 << 20] {
+        let src = bytes(n, 7);
+        let dst = Tensor::zeros(&[n], DType::U8).unwrap();
+        let back = Tensor::zeros(&[n], DType::U8).unwrap();
+        let (ms, md, mb) =
+            (a.register_memory(&src).unwrap(), b.register_memory(&dst).unwrap(), a.register_memory(&back).unwrap());
+        let remote = descriptor(&md);
+        a.write(&ms.to_view(0, None).unwrap(), &remote, None).unwrap();
+        assert_eq!(dst.to_vec::<u8>().unwrap(), src.to_vec::<u8>().unwrap(), "write of {n} bytes");
+        a.read(&mb.to_mutable_view(0, None).unwrap(), &remote, None).unwrap();
+        assert_eq!(back.to_vec::<u8>().unwrap(), src.to_vec::<u8>().unwrap(), "read of {n} bytes");
+    }
+    // Both directions on one pair.
+    let x = bytes(100, 1);
+    let y = Tensor::zeros(&[100], DType::U8).unwrap();
+    let (mx, my) = (b.register_memory(&x).unwrap(), a.register_memory(&y).unwrap());
+    b.write(&mx.to_view(0, None).unwrap(), &descriptor(&my), None).unwrap();
+    assert_eq!(y.to_vec::<u8>().unwrap(), x.to_vec::<u8>().unwrap());
+    a.close(None).unwrap();
+    b.close(None).unwrap();
+}
+
+fn many_in_flight_and_remote_slices(backend: &str) {
+    let (a, b) = pair(backend);
+    let src = Tensor::from_slice(&[256], &(0..256).map(|i| i as u32 * 3).collect::<Vec<u32>>()).unwrap();
+    let dst = Tensor::zeros(&[256], DType::U32).unwrap();
+    let (ms, md) = (a.register_memory(&src).unwrap(), b.register_memory(&dst).unwrap());
+    let remote = descriptor(&md);
+    // 64 writes in flight at once, each to its own remote slice (4 elements = 16 bytes).
+    let works: Vec<_> = (0..64)
+        .map(|i| {
+            let view = ms.to_view(i * 16, Some(16)).unwrap();
+            a.start_write(&view, &remote.slice(i as u64 * 16, 16).unwrap(), None).unwrap()
+        })
+        .collect();
+    futures::executor::block_on(wait_all(works.clone(), Some(Duration::from_secs(30)))).unwrap();
+    assert!(works.iter().all(|w| w.is_completed() && w.is_success()));
+    assert_eq!(dst.to_vec::<u32>().unwrap(), src.to_vec::<u32>().unwrap());
+    // Async callers.
+    let back = Tensor::zeros(&[16], DType::U32).unwrap();
+    let mb = a.register_memory(&back).unwrap();
+    futures::executor::block_on(a.read_async(
+        &mb.to_mutable_view(0, None).unwrap(),
+        &remote.slice(64, 64).unwrap(),
+        None,
+    ))
+    .unwrap();
+    assert_eq!(back.to_vec::<u32>().unwrap(), (16..32).map(|i| i * 3).collect::<Vec<u32>>());
+    assert!(remote.slice(1000, 100).is_err(), "a slice beyond the buffer is refused locally");
+}
+
+fn views_and_arguments_are_checked(backend: &str) {
+    let (a, b) = pair(backend);
+    let src = bytes(64, 0);
+    let ms = a.register_memory(&src).unwrap();
+    assert!(ms.to_view(64, None).unwrap().size() == 0, "an empty view at the end is legal");
+    assert!(ms.to_view(65, None).unwrap_err().to_string().contains("outside the registered memory"));
+    assert!(ms.to_view(10, Some(55)).is_err());
+    let small = Tensor::zeros(&[32], DType::U8).unwrap();
+    let md = b.register_memory(&small).unwrap();
+    let err = a.write(&ms.to_view(0, None).unwrap(), &descriptor(&md), None).unwrap_err().to_string();
+    assert!(err.contains("does not fit in the remote buffer"), "{err}");
+    // A view from another transport.
+    let err = a.write(&md.to_view(0, None).unwrap(), &descriptor(&md), None).unwrap_err().to_string();
+    assert!(err.contains("another transport"), "{err}");
+    // A descriptor of another backend.
+    let other = RemoteBuffer::deserialize(
+        String::from_utf8(descriptor(&md).serialize())
+            .unwrap()
+            .replace(&format!("\"{backend}\""), "\"other\"")
+            .as_bytes(),
+    )
+    .unwrap();
+    let err = a.write(&ms.to_view(0, Some(8)).unwrap(), &other, None).unwrap_err().to_string();
+    assert!(err.contains("not a"), "{err}");
+    // Non-contiguous memory.
+    let grid = Tensor::zeros(&[4, 4], DType::F32).unwrap();
+    let err = a.register_memory(&grid.tile(0..2, 0..2).unwrap()).unwrap_err().to_string();
+    assert!(err.contains("contiguous"), "{err}");
+    // One peer per endpoint.
+    let c = new_transport(backend, None, &Options::new()).unwrap();
+    let err = a.connect(&c.bind(None).unwrap(), None).unwrap_err().to_string();
+    assert!(err.contains("already connected"), "{err}");
+    // Bind is idempotent; transfers need a connection.
+    assert_eq!(c.bind(None).unwrap(), c.bind(None).unwrap());
+    let mc = c.register_memory(&bytes(8, 0)).unwrap();
+    let err = c.write(&mc.to_view(0, None).unwrap(), &descriptor(&md), None).unwrap_err().to_string();
+    assert!(err.contains("not connected"), "{err}");
+    // After close.
+    c.close(None).unwrap();
+    c.close(None).unwrap();
+    assert!(!c.connected());
+    assert!(matches!(c.register_memory(&bytes(8, 0)), Err(Error::Closed(_))));
+    // Registering the same memory again returns an alias of the same registration.
+    let again = a.register_memory(&src).unwrap();
+    assert_eq!(descriptor(&again), descriptor(&ms));
+}
+
+fn forged_stale_and_out_of_bounds_descriptors_fail_only_themselves(backend: &str) {
+    let (a, b) = pair(backend);
+    let src = bytes(64, 3);
+    let dst = Tensor::zeros(&[64], DType::U8).unwrap();
+    let (ms, md) = (a.register_memory(&src).unwrap(), b.register_memory(&dst).unwrap());
+    let good = descriptor(&md);
+    let view = ms.to_view(0, None).unwrap();
+    let forged_key = forge(&good, "access_key", serde_json::Value::String("AAAAAAAAAAAAAAAAAAAAAA==".into()));
+    let err = a.write(&view, &forged_key, None).unwrap_err();
+    assert!(matches!(err, Error::Transfer(_)) && err.to_string().contains("unknown remote buffer"), "{err}");
+    let forged_id = forge(&good, "buffer_id", serde_json::json!(12345));
+    assert!(a.write(&view, &forged_id, None).unwrap_err().to_string().contains("unknown remote buffer"));
+    let too_long = forge(&good, "length", serde_json::json!(1 << 20));
+    let big = a.register_memory(&bytes(1 << 16, 0)).unwrap();
+    let err = a.write(&big.to_view(0, None).unwrap(), &too_long, None).unwrap_err().to_string();
+    assert!(err.contains("exceeds the registered buffer"), "{err}");
+    let err = a.read(&big.to_mutable_view(0, None).unwrap(), &too_long, None).unwrap_err().to_string();
+    assert!(err.contains("exceeds the registered buffer"), "{err}");
+    // The endpoint kept serving through all of that.
+    a.write(&view, &good, None).unwrap();
+    assert_eq!(dst.to_vec::<u8>().unwrap(), src.to_vec::<u8>().unwrap());
+    // Unregister: stale descriptors stop working, repeating is a no-op, aliases die too.
+    let alias = b.register_memory(&dst).unwrap();
+    b.unregister_memory(&md).unwrap();
+    b.unregister_memory(&md).unwrap();
+    assert!(!alias.is_live());
+    let err = a.write(&view, &good, None).unwrap_err().to_string();
+    assert!(err.contains("unknown remote buffer"), "{err}");
+    assert!(alias.to_remote_buffer().is_err());
+    // Registering again gives a fresh descriptor that works.
+    let fresh = b.register_memory(&dst).unwrap();
+    assert_ne!(descriptor(&fresh), good);
+    a.write(&view, &descriptor(&fresh), None).unwrap();
+}
+
+fn read_only_registrations_refuse_writes(backend: &str) {
+    let (a, b) = pair(backend);
+    let weights = bytes(128, 9);
+    let mw = b.register_memory_read_only(&weights).unwrap();
+    let remote = descriptor(&mw);
+    assert!(!remote.is_writable());
+    let local = Tensor::zeros(&[128], DType::U8).unwrap();
+    let ml = a.register_memory(&local).unwrap();
+    a.read(&ml.to_mutable_view(0, None).unwrap(), &remote, None).unwrap();
+    assert_eq!(local.to_vec::<u8>().unwrap(), weights.to_vec::<u8>().unwrap());
+    let err = a.write(&ml.to_view(0, None).unwrap(), &remote, None).unwrap_err().to_string();
+    assert!(err.contains("read-only"), "{err}");
+    // A peer that forges the permission is refused by the owner.
+    let forged = forge(&remote, "writable", serde_json::json!(1));
+    let err = a.write(&ml.to_view(0, None).unwrap(), &forged, None).unwrap_err().to_string();
+    assert!(err.contains("read-only"), "{err}");
+    assert_eq!(weights.to_vec::<u8>().unwrap(), bytes(128, 9).to_vec::<u8>().unwrap(), "never written");
+    assert!(b.register_memory(&weights).unwrap_err().to_string().contains("other permissions"));
+}
+
+fn unregister_refuses_pending_transfers(backend: &str) {
+    let (a, b) = pair(backend);
+    let n = 64 << 20;
+    let src = bytes(n, 1);
+    let dst = Tensor::zeros(&[n], DType::U8).unwrap();
+    let (ms, md) = (a.register_memory(&src).unwrap(), b.register_memory(&dst).unwrap());
+    let work = a.start_write(&ms.to_view(0, None).unwrap(), &descriptor(&md), None).unwrap();
+    if !work.is_completed() {
+        let err = a.unregister_memory(&ms).unwrap_err().to_string();
+        assert!(err.contains("pending transfers"), "{err}");
+    }
+    work.wait(None).unwrap();
+    a.unregister_memory(&ms).unwrap();
+    assert!(a.unregister_memory(&md).unwrap_err().to_string().contains("not registered by this transport"));
+}
+
+/// A peer that accepts the handshake and then never answers: transfers to it stay pending.
+fn silent_peer() -> (std::net::TcpListener, Vec<u8>) {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!("tcp://{}?flows=1&token=00000000000000000000000000000000", l.local_addr().unwrap()).into_bytes();
+    (l, url)
+}
+
+fn timeouts_leave_work_pending_and_close_keeps_resources(backend: &str) {
+    if backend != "tcp" {
+        return; // the silent peer speaks the tcp handshake
+    }
+    let a = new_transport(backend, None, &opts(&[("flows", "1")])).unwrap();
+    let (listener, url) = silent_peer();
+    let (hang_up, told) = std::sync::mpsc::channel::<()>();
+    let server = std::thread::spawn(move || {
+        let (mut s, _) = listener.accept().unwrap();
+        let mut hs = [0u8; 48];
+        s.read_exact(&mut hs).unwrap();
+        s.write_all(&[0]).unwrap();
+        // Hold the connection, say nothing, until told to hang up.
+        let _ = told.recv();
+        s.shutdown(std::net::Shutdown::Both).unwrap();
+    });
+    a.connect(&url, None).unwrap();
+    let src = bytes(64, 0);
+    let ms = a.register_memory(&src).unwrap();
+    let fake = forge(&descriptor(&ms), "buffer_id", serde_json::json!(1));
+    let work = a.start_write(&ms.to_view(0, None).unwrap(), &fake, Some(Duration::from_millis(50))).unwrap();
+    let t = Instant::now();
+    let err = work.wait(None).unwrap_err();
+    assert!(err.is_timeout() && t.elapsed() >= Duration::from_millis(50), "{err}");
+    assert!(!work.is_completed(), "a timeout does not cancel the transfer");
+    let err = a.close(Some(Duration::from_millis(50))).unwrap_err();
+    assert!(err.is_timeout() && err.to_string().contains("retry"), "{err}");
+    assert!(matches!(a.start_write(&ms.to_view(0, None).unwrap(), &fake, None), Err(Error::Closed(_))));
+    assert!(ms.is_live(), "a timed-out close keeps resources");
+    // The peer hangs up: the pending work fails, and the retried close succeeds.
+    hang_up.send(()).unwrap();
+    server.join().unwrap();
+    let err = work.wait(Some(Duration::from_secs(10))).unwrap_err().to_string();
+    assert!(err.contains("connection to the peer lost"), "{err}");
+    a.close(Some(Duration::from_secs(5))).unwrap();
+    assert!(!ms.is_live(), "close released the registration");
+}
+
+fn drop_never_hangs(backend: &str) {
+    let (a, b) = pair(backend);
+    let src = bytes(1 << 20, 0);
+    let dst = Tensor::zeros(&[1 << 20], DType::U8).unwrap();
+    let (ms, md) = (a.register_memory(&src).unwrap(), b.register_memory(&dst).unwrap());
+    let works: Vec<_> =
+        (0..8).map(|_| a.start_write(&ms.to_view(0, None).unwrap(), &descriptor(&md), None).unwrap()).collect();
+    let t = Instant::now();
+    drop(b);
+    drop(a);
+    assert!(t.elapsed() < Duration::from_secs(5));
+    for w in works {
+        assert!(w.wait(Some(Duration::from_secs(10))).is_ok() || w.is_completed(), "every work ends");
+    }
+}
+
+fn bootstrap_through_a_store(backend: &str) {
+    let store: Arc<dyn Store> = Arc::new(MemoryStore::new());
+    let t = Duration::from_secs(10);
+    let s2 = store.clone();
+    let b = backend.to_string();
+    let peer = std::thread::spawn(move || new_transport_rank(&b, None, &s2, 3, 7, t, &Options::new()).unwrap());
+    let a = new_transport_rank(backend, None, &store, 7, 3, t, &Options::new()).unwrap();
+    let b = peer.join().unwrap();
+    assert!(a.connected() && b.connected());
+    let src = bytes(32, 5);
+    let dst = Tensor::zeros(&[32], DType::U8).unwrap();
+    let (ms, md) = (a.register_memory(&src).unwrap(), b.register_memory(&dst).unwrap());
+    a.write(&ms.to_view(0, None).unwrap(), &descriptor(&md), None).unwrap();
+    assert_eq!(dst.to_vec::<u8>().unwrap(), src.to_vec::<u8>().unwrap());
+    let pair = format!("transport/{backend}/3/7");
+    assert_eq!(store.get(&format!("{pair}/attempts/3")).unwrap(), b"1");
+    assert!(store.check(&[&format!("{pair}/1/3"), &format!("{pair}/1/7")]).unwrap());
+    // Validation errors do not consume an attempt; construction failures do.
+    assert!(new_transport_rank(backend, None, &store, 3, 3, t, &Options::new()).is_err());
+    let bad = opts(&[("no_such_option", "1")]);
+    assert!(new_transport_rank(backend, None, &store, 7, 3, t, &bad).is_err());
+    assert!(new_transport_rank(backend, None, &store, 7, 3, t, &bad).is_err());
+    assert_eq!(store.get(&format!("{pair}/attempts/3")).unwrap(), b"3");
+    // A call whose peer never comes times out and cleans up.
+    let t0 = Instant::now();
+    let err = new_transport_rank(backend, None, &store, 9, 3, Duration::from_millis(100), &Options::new()).unwrap_err();
+    assert!(err.is_timeout() && t0.elapsed() < Duration::from_secs(5), "{err}");
+}
+
+macro_rules! suite {
+    ($backend:ident) => {
+        mod $backend {
+            #[test]
+            fn write_then_read() {
+                super::write_then_read(stringify!($backend));
+            }
+            #[test]
+            fn many_in_flight_and_remote_slices() {
+                super::many_in_flight_and_remote_slices(stringify!($backend));
+            }
+            #[test]
+            fn views_and_arguments_are_checked() {
+                super::views_and_arguments_are_checked(stringify!($backend));
+            }
+            #[test]
+            fn forged_stale_and_out_of_bounds_descriptors_fail_only_themselves() {
+                super::forged_stale_and_out_of_bounds_descriptors_fail_only_themselves(stringify!($backend));
+            }
+            #[test]
+            fn read_only_registrations_refuse_writes() {
+                super::read_only_registrations_refuse_writes(stringify!($backend));
+            }
+            #[test]
+            fn unregister_refuses_pending_transfers() {
+                super::unregister_refuses_pending_transfers(stringify!($backend));
+            }
+            #[test]
+            fn timeouts_leave_work_pending_and_close_keeps_resources() {
+                super::timeouts_leave_work_pending_and_close_keeps_resources(stringify!($backend));
+            }
+            #[test]
+            fn drop_never_hangs() {
+                super::drop_never_hangs(stringify!($backend));
+            }
+            #[test]
+            fn bootstrap_through_a_store() {
+                super::bootstrap_through_a_store(stringify!($backend));
+            }
+        }
+    };
+}
+
+suite!(tcp);
+
+#[test]
+fn the_registry_follows_the_contract() {
+    assert!(available_transports().contains(&"tcp".to_string()));
+    let t = new_transport("TCP", None, &Options::new()).unwrap();
+    assert_eq!(t.backend_name(), "tcp");
+    let err = new_transport("nope", None, &Options::new()).unwrap_err().to_string();
+    assert!(err.contains("unknown transport \"nope\"") && err.contains("tcp"), "{err}");
+    let factory: transport::Factory = Arc::new(|o: &Options| Ok(Box::new(transport::tcp::TcpBackend::new(o)?) as _));
+    let err = register_transport("TCP", factory.clone(), false).unwrap_err().to_string();
+    assert!(err.contains("already registered"), "{err}");
+    assert!(register_transport("", factory.clone(), false).is_err());
+    register_transport("mine", factory, false).unwrap();
+    assert!(available_transports().contains(&"mine".to_string()));
+    let err = new_transport("tcp", Some(symmem::symm::Device::Cuda(0)), &Options::new()).unwrap_err().to_string();
+    assert!(err.contains("unsupported on this device"), "{err}");
+    let err = new_transport("tcp", None, &opts(&[("host", "0.0.0.0")])).unwrap_err().to_string();
+    assert!(err.contains("peers can connect to"), "{err}");
+}
+
+#[test]
+fn malformed_frames_close_only_their_connection() {
+    let (a, b) = pair("tcp");
+    let url = String::from_utf8(b.bind(None).unwrap()).unwrap();
+    let addr = url.trim_start_matches("tcp://").split('?').next().unwrap().to_string();
+    let token = url.split("token=").nth(1).unwrap();
+    let token: Vec<u8> = (0..16).map(|i| u8::from_str_radix(&token[2 * i..2 * i + 2], 16).unwrap()).collect();
+    // Garbage instead of a handshake.
+    let mut s = std::net::TcpStream::connect(&addr).unwrap();
+    s.write_all(&[0x55; 48]).unwrap();
+    let mut r = [0u8; 1];
+    assert!(matches!(s.read(&mut r), Ok(1) if r[0] != 0) || matches!(s.read(&mut r), Ok(0) | Err(_)));
+    // A valid handshake, then a header with an unknown op.
+    let mut s = std::net::TcpStream::connect(&addr).unwrap();
+    let mut hs = b"SYMTCP01".to_vec();
+    hs.extend(&token);
+    hs.extend([0u8; 16]);
+    hs.extend(0u32.to_le_bytes());
+    hs.extend(1u32.to_le_bytes());
+    s.write_all(&hs).unwrap();
+    s.read_exact(&mut r).unwrap();
+    assert_eq!(r[0], 0, "handshake accepted");
+    s.write_all(&[0x77; 64]).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let mut buf = [0u8; 8];
+    assert!(matches!(s.read(&mut buf), Ok(0) | Err(_)), "the server closed the connection");
+    // The real peer is still served.
+    let src = bytes(16, 2);
+    let dst = Tensor::zeros(&[16], DType::U8).unwrap();
+    let (ms, md) = (a.register_memory(&src).unwrap(), b.register_memory(&dst).unwrap());
+    a.write(&ms.to_view(0, None).unwrap(), &descriptor(&md), None).unwrap();
+    assert_eq!(dst.to_vec::<u8>().unwrap(), src.to_vec::<u8>().unwrap());
+}
+
+/// A peer process: binds, registers 64 MiB, prints its URL and descriptor, then serves until
+/// killed.
+#[test]
+#[ignore = "a peer process; run by a_peer_killed_mid_transfer_fails_pending_work"]
+fn peer_process() {
+    let Ok(backend) = std::env::var("SYMMEM_TEST_BACKEND") else { return };
+    let t = new_transport(&backend, None, &Options::new()).unwrap();
+    let url = t.bind(None).unwrap();
+    let dst = Tensor::zeros(&[64 << 20], DType::U8).unwrap();
+    let m = t.register_memory(&dst).unwrap();
+    let mut out = std::io::stdout().lock();
+    writeln!(out, "URL {}", String::from_utf8(url).unwrap()).unwrap();
+    writeln!(out, "DESC {}", String::from_utf8(m.to_remote_buffer().unwrap().serialize()).unwrap()).unwrap();
+    out.flush().unwrap();
+    drop(out);
+    std::thread::sleep(Duration::from_secs(60));
+}
+
+#[test]
+fn a_peer_killed_mid_transfer_fails_pending_work() {
+    let mut child = Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "peer_process", "--include-ignored", "--nocapture", "--test-threads=1"])
+        .env("SYMMEM_TEST_BACKEND", "tcp")
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = std::io::BufRead::lines(std::io::BufReader::new(child.stdout.take().unwrap()));
+    let (mut url, mut desc) = (None, None);
+    for line in lines.by_ref() {
+        let line = line.unwrap();
+        // The test harness may have printed "test peer_process ... " on the same line.
+        if let Some((_, u)) = line.split_once("URL ") {
+            url = Some(u.to_string());
+        } else if let Some((_, d)) = line.split_once("DESC ") {
+            desc = Some(d.to_string());
+            break;
+        }
+    }
+    let a = new_transport("tcp", None, &Options::new()).unwrap();
+    a.connect(url.unwrap().as_bytes(), None).unwrap();
+    let remote = RemoteBuffer::deserialize(desc.unwrap().as_bytes()).unwrap();
+    let src = bytes(64 << 20, 4);
+    let ms = a.register_memory(&src).unwrap();
+    let works: Vec<_> = (0..16)
+        .map(|_| a.start_write(&ms.to_view(0, None).unwrap(), &remote, Some(Duration::from_secs(20))).unwrap())
+        .collect();
+    child.kill().unwrap();
+    child.wait().unwrap();
+    let t = Instant::now();
+    let mut failed = 0;
+    for w in &works {
+        if w.wait(None).is_err() {
+            failed += 1;
+        }
+    }
+    assert!(failed > 0, "some transfers were pending when the peer died");
+    assert!(t.elapsed() < Duration::from_secs(20), "pending work failed promptly: {:?}", t.elapsed());
+    let err = works.iter().find_map(|w| w.exception()).unwrap();
+    assert!(err.contains("connection to the peer lost"), "{err}");
+    assert!(!a.connected());
+    a.close(Some(Duration::from_secs(5))).unwrap();
+}

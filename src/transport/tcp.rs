@@ -116,7 +116,9 @@ struct Inner {
     token: [u8; 16],
     table: RwLock<HashMap<u64, Arc<Registration>>>,
     bound: Mutex<Option<(Vec<u8>, TcpListener)>>,
-    served: Mutex<Vec<TcpStream>>,
+    /// Clones of served sockets, so `shutdown` can end their threads; removed when they end.
+    served: Mutex<HashMap<u64, TcpStream>>,
+    next_served: AtomicU64,
     client: Mutex<Option<Arc<Client>>>,
     closed: AtomicBool,
 }
@@ -132,7 +134,8 @@ impl TcpBackend {
                 token,
                 table: RwLock::new(HashMap::new()),
                 bound: Mutex::new(None),
-                served: Mutex::new(Vec::new()),
+                served: Mutex::new(HashMap::new()),
+                next_served: AtomicU64::new(0),
                 client: Mutex::new(None),
                 closed: AtomicBool::new(false),
             }),
@@ -255,7 +258,7 @@ impl Backend for TcpBackend {
             // Wakes the accept thread, which then sees `closed`.
             let _ = rustix::net::shutdown(&l, rustix::net::Shutdown::Read);
         }
-        for s in lock(&self.inner.served).drain(..) {
+        for (_, s) in lock(&self.inner.served).drain() {
             let _ = s.shutdown(std::net::Shutdown::Both);
         }
         if let Some(c) = lock(&self.inner.client).take() {
@@ -281,15 +284,25 @@ fn accept_loop(inner: Arc<Inner>, listener: TcpListener) {
         };
         let inner = inner.clone();
         let _ = std::thread::Builder::new().name("symmem-tcp-serve".into()).spawn(move || {
-            if let Err(e) = serve(&inner, stream) {
+            let id = inner.next_served.fetch_add(1, Ordering::Relaxed);
+            if let Ok(clone) = stream.try_clone() {
+                lock(&inner.served).insert(id, clone);
+            }
+            if inner.closed.load(Ordering::Acquire) {
+                let _ = stream.shutdown(std::net::Shutdown::Both);
+            }
+            if let Err(e) = serve(&inner, &stream) {
                 tracing::debug!("tcp transport: closing a served connection: {e}");
             }
+            // Close for real: the clone kept for `shutdown` would otherwise hold it open.
+            let _ = stream.shutdown(std::net::Shutdown::Both);
+            lock(&inner.served).remove(&id);
         });
     }
 }
 
 /// Serves one flow: requests in, replies out, until the peer closes or breaks the protocol.
-fn serve(inner: &Inner, mut s: TcpStream) -> std::io::Result<()> {
+fn serve(inner: &Inner, mut s: &TcpStream) -> std::io::Result<()> {
     tune(&s, inner.opts.timeout);
     s.set_read_timeout(Some(inner.opts.timeout))?;
     let mut hs = [0u8; HANDSHAKE_LEN];
@@ -303,10 +316,6 @@ fn serve(inner: &Inner, mut s: TcpStream) -> std::io::Result<()> {
         return Err(std::io::Error::other("refused a handshake (wrong token or flow numbers)"));
     }
     s.set_read_timeout(None)?;
-    lock(&inner.served).push(s.try_clone()?);
-    if inner.closed.load(Ordering::Acquire) {
-        return Ok(());
-    }
     let mut hdr = [0u8; HEADER_LEN];
     loop {
         match s.read_exact(&mut hdr) {
@@ -339,25 +348,25 @@ fn serve(inner: &Inner, mut s: TcpStream) -> std::io::Result<()> {
                     // thread has the bytes to itself.
                     let dst = unsafe { std::slice::from_raw_parts_mut(at, len) };
                     s.read_exact(dst)?;
-                    reply(&mut s, &h, Op::Ack, &[])?;
+                    reply(s, &h, Op::Ack, &[])?;
                 } else {
                     // SAFETY: as above; the bytes are only read.
                     let src = unsafe { std::slice::from_raw_parts(at.cast_const(), len) };
-                    reply(&mut s, &h, Op::Data, src)?;
+                    reply(s, &h, Op::Data, src)?;
                 }
             }
             Err(msg) => {
                 if write {
-                    drain(&mut s, h.length)?;
+                    drain(s, h.length)?;
                 }
                 let m = msg.as_bytes();
-                reply(&mut s, &h, Op::Error, &m[..m.len().min(MAX_ERROR_LEN as usize)])?;
+                reply(s, &h, Op::Error, &m[..m.len().min(MAX_ERROR_LEN as usize)])?;
             }
         }
     }
 }
 
-fn drain(s: &mut TcpStream, mut n: u64) -> std::io::Result<()> {
+fn drain(mut s: &TcpStream, mut n: u64) -> std::io::Result<()> {
     let mut sink = [0u8; 64 * 1024];
     while n > 0 {
         let k = (n as usize).min(sink.len());
@@ -367,13 +376,13 @@ fn drain(s: &mut TcpStream, mut n: u64) -> std::io::Result<()> {
     Ok(())
 }
 
-fn reply(s: &mut TcpStream, req: &Header, op: Op, payload: &[u8]) -> std::io::Result<()> {
+fn reply(s: &TcpStream, req: &Header, op: Op, payload: &[u8]) -> std::io::Result<()> {
     let h = Header { op, status: 0, length: if op == Op::Ack { req.length } else { payload.len() as u64 }, ..*req };
     write_frame(s, &h, payload)
 }
 
 /// Writes a header and its payload with as few system calls as possible.
-fn write_frame(s: &mut TcpStream, h: &Header, payload: &[u8]) -> std::io::Result<()> {
+fn write_frame(mut s: &TcpStream, h: &Header, payload: &[u8]) -> std::io::Result<()> {
     let head = h.encode();
     let (mut a, mut b): (&[u8], &[u8]) = (&head, payload);
     while !a.is_empty() || !b.is_empty() {
@@ -568,8 +577,8 @@ impl Client {
         } else {
             &[]
         };
-        let mut w = lock(&self.flows[flow].writer);
-        write_frame(&mut w, h, payload)
+        let w = lock(&self.flows[flow].writer);
+        write_frame(&w, h, payload)
     }
 
     fn send_loop(&self, flow: usize, jobs: mpsc::Receiver<Job>) {

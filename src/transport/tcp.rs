@@ -303,7 +303,7 @@ fn accept_loop(inner: Arc<Inner>, listener: TcpListener) {
 
 /// Serves one flow: requests in, replies out, until the peer closes or breaks the protocol.
 fn serve(inner: &Inner, mut s: &TcpStream) -> std::io::Result<()> {
-    tune(&s, inner.opts.timeout);
+    tune(s, inner.opts.timeout);
     s.set_read_timeout(Some(inner.opts.timeout))?;
     let mut hs = [0u8; HANDSHAKE_LEN];
     s.read_exact(&mut hs)?;

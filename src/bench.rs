@@ -514,3 +514,211 @@ pub fn flag_rank(iters: usize) -> Result<()> {
     };
     if me == 0 { report(&[half_round_trips(rtt, "flag_pingpong", 2, note)]) } else { Ok(()) }
 }
+
+/// What `symmem bench transport` measures.
+#[derive(Clone, Debug)]
+pub struct TransportBenchOptions {
+    /// The backend.
+    pub backend: String,
+    /// Message sizes in bytes.
+    pub sizes: Vec<usize>,
+    /// Transfers kept in flight for the bandwidth runs.
+    pub window: usize,
+    /// The `symmem` executable to launch ranks of.
+    pub exe: std::path::PathBuf,
+}
+
+/// Latency and bandwidth of one-sided writes and reads between two launched processes, next to
+/// a plain TCP stream between the same two processes.
+pub fn transport(options: &TransportBenchOptions, mut emit: impl FnMut(BenchResult)) -> Result<()> {
+    let dir = std::env::temp_dir().join(format!("symmem-bench-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).map_err(|e| Error::io(format!("create {}", dir.display()), e))?;
+    let out = dir.join("transport.jsonl");
+    let sizes = options.sizes.iter().map(usize::to_string).collect::<Vec<_>>().join(",");
+    let args: Vec<std::ffi::OsString> = vec![
+        "__bench-transport-rank".into(),
+        "--backend".into(),
+        options.backend.clone().into(),
+        "--window".into(),
+        options.window.to_string().into(),
+        "--sizes".into(),
+        sizes.into(),
+    ];
+    let mut launch = crate::launch::LaunchOptions::local(2, options.exe.clone(), args);
+    launch.env.push((BENCH_OUT_ENV.into(), out.clone().into()));
+    launch.timeout = Some(Duration::from_secs(600));
+    let result = crate::launch::run(&launch).and_then(|outcome| {
+        if outcome != crate::launch::Outcome::Success {
+            return Err(Error::InvalidArgument(format!("benchmark job failed: {outcome}")));
+        }
+        let text = std::fs::read_to_string(&out).map_err(|e| Error::io(format!("read {}", out.display()), e))?;
+        for line in text.lines() {
+            emit(serde_json::from_str(line).map_err(|e| Error::InvalidArgument(format!("bad result {line:?}: {e}")))?);
+        }
+        Ok(())
+    });
+    let _ = std::fs::remove_dir_all(&dir);
+    result
+}
+
+/// Operations per size: enough to take a measurable time, bounded at both ends.
+fn ops_for(size: usize, budget: usize, lo: usize, hi: usize) -> usize {
+    (budget / size.max(1)).clamp(lo, hi)
+}
+
+fn gbps(bytes: usize, d: Duration) -> f64 {
+    bytes as f64 / d.as_secs_f64() / 1e9
+}
+
+const PINGS: usize = 2200;
+
+/// One rank of the transport benchmark (run by `symmem bench transport` through the launcher).
+pub fn transport_rank(backend: &str, window: usize, sizes: &[usize]) -> Result<()> {
+    use std::io::{Read, Write};
+
+    use crate::tensor::{DType, Tensor};
+    use crate::transport::{Options, RemoteBuffer, new_transport_rank, wait_all};
+    let group = crate::Group::from_env()?;
+    let (me, peer) = (group.rank() as u64, 1 - group.rank() as u64);
+    let t = Duration::from_secs(60);
+    let transport = new_transport_rank(backend, None, group.store(), peer, me, t, &Options::new())?;
+    let max = sizes.iter().copied().max().unwrap_or(1);
+    let buf = Tensor::zeros(&[max], DType::U8)?;
+    buf.fill(me as u8 + 1)?;
+    let mem = transport.register_memory(&buf)?;
+    let descs = group.all_gather_bytes("descriptor", &mem.to_remote_buffer()?.serialize())?;
+    let remote = RemoteBuffer::deserialize(&descs[peer as usize])?;
+
+    // The baseline: a plain TCP stream between the two processes.
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").map_err(|e| Error::io("bind baseline stream", e))?;
+    let ports = group
+        .all_gather_bytes("stream", listener.local_addr().map_err(|e| Error::io("addr", e))?.to_string().as_bytes())?;
+    let mut rows = Vec::new();
+    let stream_sizes: Vec<usize> = sizes.iter().copied().filter(|&s| s >= 64 * 1024).collect();
+    if me == 1 {
+        let (mut s, _) = listener.accept().map_err(|e| Error::io("accept baseline stream", e))?;
+        let mut sink = vec![0u8; max.max(1)];
+        for &size in &stream_sizes {
+            let total = ops_for(size, 1 << 30, 16, 100_000) * size;
+            let mut got = 0;
+            while got < total {
+                let n = s.read(&mut sink[..size.min(total - got)]).map_err(|e| Error::io("baseline read", e))?;
+                if n == 0 {
+                    return Err(Error::io("baseline read", std::io::ErrorKind::UnexpectedEof.into()));
+                }
+                got += n;
+            }
+            s.write_all(&[1]).map_err(|e| Error::io("baseline ack", e))?;
+        }
+        // Echo 8-byte pings.
+        let mut b = [0u8; 8];
+        for _ in 0..PINGS {
+            s.read_exact(&mut b).map_err(|e| Error::io("baseline ping", e))?;
+            s.write_all(&b).map_err(|e| Error::io("baseline pong", e))?;
+        }
+    } else {
+        let addr = String::from_utf8_lossy(&ports[1]).into_owned();
+        let mut s = std::net::TcpStream::connect(&addr).map_err(|e| Error::io("connect baseline stream", e))?;
+        let _ = s.set_nodelay(true);
+        let data = vec![7u8; max.max(1)];
+        for &size in &stream_sizes {
+            let ops = ops_for(size, 1 << 30, 16, 100_000);
+            let start = Instant::now();
+            for _ in 0..ops {
+                s.write_all(&data[..size]).map_err(|e| Error::io("baseline write", e))?;
+            }
+            let mut ack = [0u8];
+            s.read_exact(&mut ack).map_err(|e| Error::io("baseline ack", e))?;
+            let d = start.elapsed();
+            let mut extra = serde_json::Map::new();
+            extra.insert("note".into(), "baseline: plain TCP stream between the two processes".into());
+            rows.push(BenchResult {
+                bench: "tcp_stream".into(),
+                ranks: 2,
+                bytes: Some(size as u64),
+                iters: ops as u64,
+                lat_us: 0.0,
+                p99_us: 0.0,
+                gbps: Some(gbps(ops * size, d)),
+                extra,
+            });
+        }
+        let mut b = [0u8; 8];
+        let mut lat = Vec::with_capacity(PINGS);
+        for _ in 0..PINGS {
+            let start = Instant::now();
+            s.write_all(&b).map_err(|e| Error::io("baseline ping", e))?;
+            s.read_exact(&mut b).map_err(|e| Error::io("baseline pong", e))?;
+            lat.push(start.elapsed());
+        }
+        let mut row = latency_row(
+            "tcp_pingpong",
+            Some(8),
+            &mut lat[PINGS / 10..],
+            "baseline: 8-byte TCP round trip between the two processes",
+        );
+        row.ranks = 2;
+        rows.push(row);
+    }
+    group.barrier(t)?;
+
+    if me == 0 {
+        let view_of = |size: usize| mem.to_view(0, Some(size));
+        for &size in sizes {
+            for dir in ["write", "read"] {
+                let run = |size: usize, slot: usize| -> Result<crate::transport::Work> {
+                    let r = remote.slice((slot * size) as u64, size as u64)?;
+                    if dir == "write" {
+                        transport.start_write(&view_of(size)?, &r, Some(t))
+                    } else {
+                        transport.start_read(&mem.to_mutable_view(0, Some(size))?, &r, Some(t))
+                    }
+                };
+                // Latency: one transfer at a time.
+                let iters = ops_for(size, 64 << 20, 5, 2000);
+                let mut lat = Vec::with_capacity(iters);
+                for i in 0..iters + iters / 10 {
+                    let s = Instant::now();
+                    run(size, 0)?.wait(None)?;
+                    if i >= iters / 10 {
+                        lat.push(s.elapsed());
+                    }
+                }
+                let (median, p99) = percentiles(&mut lat);
+                // Bandwidth: `window` transfers in flight.
+                let ops = ops_for(size, 1 << 30, 16, 20_000);
+                let start = Instant::now();
+                let mut inflight = std::collections::VecDeque::with_capacity(window);
+                for i in 0..ops {
+                    if inflight.len() == window {
+                        let w: crate::transport::Work = inflight.pop_front().unwrap_or_else(|| unreachable!());
+                        w.wait(None)?;
+                    }
+                    // Like the baseline stream, which reads into one buffer: every transfer
+                    // targets the same region, so neither side is penalized by cache misses.
+                    let _ = i;
+                    inflight.push_back(run(size, 0)?);
+                }
+                futures::executor::block_on(wait_all(inflight, Some(t)))?;
+                let d = start.elapsed();
+                let mut extra = serde_json::Map::new();
+                extra.insert("backend".into(), backend.into());
+                extra.insert("window".into(), window.into());
+                extra.insert("ops_per_s".into(), (ops as f64 / d.as_secs_f64()).round().into());
+                rows.push(BenchResult {
+                    bench: dir.into(),
+                    ranks: 2,
+                    bytes: Some(size as u64),
+                    iters: iters as u64,
+                    lat_us: median,
+                    p99_us: p99,
+                    gbps: Some(gbps(ops * size, d)),
+                    extra,
+                });
+            }
+        }
+    }
+    group.barrier(Duration::from_secs(600))?;
+    transport.close(Some(t))?;
+    if me == 0 { report(&rows) } else { Ok(()) }
+}

@@ -58,6 +58,16 @@ enum Command {
         #[arg(long)]
         iters: usize,
     },
+    /// One rank of `symmem bench transport`.
+    #[command(name = "__bench-transport-rank", hide = true)]
+    BenchTransportRank {
+        #[arg(long)]
+        backend: String,
+        #[arg(long)]
+        window: usize,
+        #[arg(long, value_delimiter = ',')]
+        sizes: Vec<usize>,
+    },
     /// Guard a rank's process group (started by `symmem run`).
     #[command(name = "__guard", hide = true)]
     Guard {
@@ -112,6 +122,22 @@ struct StoreArgs {
 
 #[derive(Subcommand)]
 enum BenchCommand {
+    /// One-sided write and read latency and bandwidth between two processes, next to a plain
+    /// TCP stream between the same two processes.
+    Transport {
+        /// One JSON object per result line instead of a table.
+        #[arg(long)]
+        json: bool,
+        /// The transport backend.
+        #[arg(long, default_value = "tcp")]
+        backend: String,
+        /// Message sizes in bytes.
+        #[arg(long, value_delimiter = ',', default_values_t = [8usize, 1024, 65536, 1 << 20, 16 << 20, 64 << 20])]
+        sizes: Vec<usize>,
+        /// Transfers in flight for the bandwidth runs.
+        #[arg(long, default_value_t = 8)]
+        window: usize,
+    },
     /// Signal-pad ping-pong (2 ranks) and barrier latency (2 to 8 ranks), next to a plain
     /// shared-memory flag ping-pong between two pinned processes.
     Signal {
@@ -173,10 +199,19 @@ fn dispatch(command: Command) -> Result<ExitCode> {
         Command::DemoRank => demo_rank().map(|()| ExitCode::SUCCESS),
         Command::BenchSignalRank { iters } => bench::signal_rank(iters).map(|()| ExitCode::SUCCESS).map_err(Into::into),
         Command::BenchFlagRank { iters } => bench::flag_rank(iters).map(|()| ExitCode::SUCCESS).map_err(Into::into),
+        Command::BenchTransportRank { backend, window, sizes } => {
+            bench::transport_rank(&backend, window, &sizes).map(|()| ExitCode::SUCCESS).map_err(Into::into)
+        }
         Command::Guard { command } => Ok(exit_code(launch::guard(&command[0], &command[1..]))),
         Command::Store(args) => store(args),
         Command::Info => {
             info();
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Bench { which: BenchCommand::Transport { json, backend, sizes, window } } => {
+            let exe = std::env::current_exe().context("find the symmem executable")?;
+            let mut table = Table::new(json);
+            bench::transport(&bench::TransportBenchOptions { backend, sizes, window, exe }, |r| table.row(&r))?;
             Ok(ExitCode::SUCCESS)
         }
         Command::Bench { which: BenchCommand::Signal { json, ranks, iters } } => {
@@ -427,28 +462,31 @@ impl Table {
         }
         if !self.header {
             say!(
-                "{:<22} {:>6} {:>8} {:>7} {:>11} {:>11} {:>12}  extra",
+                "{:<22} {:>6} {:>9} {:>7} {:>11} {:>11} {:>8} {:>12}  extra",
                 "bench",
                 "ranks",
                 "bytes",
                 "iters",
                 "lat_us",
                 "p99_us",
+                "gbps",
                 "ops_per_s"
             );
             self.header = true;
         }
         let ops = r.extra.get("ops_per_s").and_then(|v| v.as_f64()).map_or("-".into(), |v| format!("{v:.0}"));
+        let gbps = r.gbps.map_or("-".into(), |g| format!("{g:.3}"));
         let extra: Vec<String> =
             r.extra.iter().filter(|(k, _)| *k != "ops_per_s").map(|(k, v)| format!("{k}={v}")).collect();
         say!(
-            "{:<22} {:>6} {:>8} {:>7} {:>11.2} {:>11.2} {:>12}  {}",
+            "{:<22} {:>6} {:>9} {:>7} {:>11.2} {:>11.2} {:>8} {:>12}  {}",
             r.bench,
             r.ranks,
             r.bytes.map_or("-".into(), |b| b.to_string()),
             r.iters,
             r.lat_us,
             r.p99_us,
+            gbps,
             ops,
             extra.join(" ")
         );

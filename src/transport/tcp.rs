@@ -65,7 +65,7 @@ impl TcpOptions {
     fn from(o: &Options) -> Result<TcpOptions> {
         let env = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
         let mut t = TcpOptions {
-            flows: env(FLOWS_ENV).map(|v| parse_opt(FLOWS_ENV, &v)).transpose()?.unwrap_or(2),
+            flows: env(FLOWS_ENV).map(|v| parse_opt(FLOWS_ENV, &v)).transpose()?.unwrap_or(4),
             host: env(HOST_ENV).unwrap_or_else(|| "127.0.0.1".into()),
             chunk: env(CHUNK_ENV).map(|v| parse_opt(CHUNK_ENV, &v)).transpose()?.unwrap_or(1 << 20),
             timeout: Duration::from_secs(30),

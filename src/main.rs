@@ -10,7 +10,8 @@ use symmem::bench::{self, BenchResult, StoreBenchOptions};
 use symmem::launch::{self, LaunchOptions};
 use symmem::store::{Secret, ServerOptions, StoreServer};
 use symmem::symm::{self, Device};
-use symmem::tensor::DType;
+use symmem::tensor::{DType, Tensor};
+use symmem::transport::{Options, RemoteBuffer, new_transport_rank};
 
 /// Prints a line to stdout; a closed stdout (`symmem ... | head`) ends the program quietly.
 macro_rules! say {
@@ -368,8 +369,54 @@ fn demo_rank() -> Result<()> {
     let sbar = t.elapsed() / 1000;
     say!("rank {rank}: 1000 signal-pad barriers: {:.2} us each", sbar.as_secs_f64() * 1e6);
     group.barrier(timeout)?;
+
+    // A one-sided transport: the trainer (rank 0) pushes weights to a replica (rank 1); other
+    // ranks only join the exchanges.
+    let n = 4 << 20; // 16 MiB of f32
+    let link = if rank < 2 && world >= 2 {
+        let t = Instant::now();
+        let link =
+            new_transport_rank("tcp", None, group.store(), 1 - rank as u64, rank as u64, timeout, &Options::new())?;
+        let weights = if rank == 0 {
+            Tensor::from_slice(&[n], &(0..n).map(|i| i as f32).collect::<Vec<f32>>())?
+        } else {
+            Tensor::zeros(&[n], DType::F32)?
+        };
+        let mem = link.register_memory(&weights)?;
+        Some((link, setup, weights, mem))
+    } else {
+        None
+    };
+    let mine = link.as_ref().map(|(_, _, _, m)| m.to_remote_buffer()).transpose()?.map(|d| d.serialize());
+    let descriptors = group.all_gather_bytes("replica", &mine.unwrap_or_default())?;
+    if let (0, Some((link, setup, _, mem))) = (rank, &link) {
+        let remote = RemoteBuffer::deserialize(&descriptors[1])?;
+        let t = Instant::now();
+        link.write(&mem.to_view(0, None)?, &remote, None)?;
+        let d = t.elapsed();
+        say!(
+            "rank 0: trainer connected to the replica over tcp in {:.2} ms and wrote 16 MiB of weights in {:.2} ms ({:.2} GB/s)",
+            setup.as_secs_f64() * 1e3,
+            d.as_secs_f64() * 1e3,
+            (n * 4) as f64 / d.as_secs_f64() / 1e9
+        );
+    }
+    group.barrier(timeout)?;
+    if let (1, Some((_, _, weights, _))) = (rank, &link) {
+        if weights.to_vec::<f32>()?.iter().enumerate().any(|(i, &v)| v != i as f32) {
+            anyhow::bail!("the replica received corrupted weights");
+        }
+        say!("rank 1: replica verified all {n} weights it received");
+    }
+    group.barrier(timeout)?;
+    if let Some((link, ..)) = link {
+        link.close(Some(timeout))?;
+    }
+    group.barrier(timeout)?;
     if rank == 0 {
-        say!("rank 0: done: {world} ranks joined, synchronized through the store and through shared memory");
+        say!(
+            "rank 0: done: {world} ranks joined, synchronized through the store and shared memory, and moved a tensor one-sidedly"
+        );
     }
     Ok(())
 }

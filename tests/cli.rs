@@ -183,6 +183,7 @@ fn ranks_rendezvous_through_the_launchers_store() {
     assert!(stdout.contains("[0] rank 0: done: 3 ranks joined"), "{stdout}");
     assert!(stdout.contains("laps of a signal around the 3-rank ring"), "{stdout}");
     assert!(stdout.contains("[1] rank 1: read rank 2's 4 KiB buffer directly"), "{stdout}");
+    assert!(stdout.contains("[1] rank 1: replica verified all 4194304 weights"), "{stdout}");
     for r in 0..3 {
         assert!(stdout.contains(&format!("[{r}] rank {r}: 200 store barriers")), "{stdout}");
     }
@@ -268,6 +269,21 @@ fn bench_signal_emits_the_baseline_and_every_rank_count() {
     assert_eq!(got, want.map(|(b, n)| (b.to_string(), n)));
     for r in &rows {
         assert!(r["lat_us"].as_f64().is_some_and(|v| v > 0.0) && r["iters"].as_u64() == Some(200), "{r}");
+    }
+}
+
+#[test]
+fn bench_transport_emits_rows_and_baselines() {
+    let out = symmem(&["bench", "transport", "--json", "--sizes", "8,65536", "--window", "4"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let rows: Vec<serde_json::Value> = text(&out.stdout).lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let got: Vec<(String, u64)> =
+        rows.iter().map(|r| (r["bench"].as_str().unwrap().to_string(), r["bytes"].as_u64().unwrap())).collect();
+    let want =
+        [("tcp_stream", 65536), ("tcp_pingpong", 8), ("write", 8), ("read", 8), ("write", 65536), ("read", 65536)];
+    assert_eq!(got, want.map(|(b, n)| (b.to_string(), n)));
+    for r in rows.iter().filter(|r| r["bench"] == "write" || r["bench"] == "read") {
+        assert!(r["gbps"].as_f64().is_some_and(|g| g > 0.0) && r["lat_us"].as_f64().is_some_and(|l| l > 0.0), "{r}");
     }
 }
 

@@ -377,6 +377,7 @@ fn demo_rank() -> Result<()> {
         let t = Instant::now();
         let link =
             new_transport_rank("tcp", None, group.store(), 1 - rank as u64, rank as u64, timeout, &Options::new())?;
+        let setup = t.elapsed();
         let weights = if rank == 0 {
             Tensor::from_slice(&[n], &(0..n).map(|i| i as f32).collect::<Vec<f32>>())?
         } else {

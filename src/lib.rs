@@ -11,7 +11,8 @@
 //!   cli        symmem run | demo | bench | store | info (the binary; parses arguments only)
 //!   launch     the one-host launcher behind `symmem run`;   bench: the measurements
 //!   symm       symmetric allocations, rendezvous, handles, signal pads, memory pool
-//!   tensor     a small strided tensor over shared storage (beside symm, used by it)
+//!   transport  one-sided read/write between two endpoints; backends: tcp
+//!   tensor     a small strided tensor over shared storage (used by symm and transport)
 //!   group      who participates: rank, world size, name, scoped store; from the environment
 //!   store      rendezvous key-value store: TCP server and client (PyTorch's TCPStore
 //!              protocol), in-process store, prefix store
@@ -19,8 +20,8 @@
 //!   sys        the only place that calls the OS unsafely
 //! ```
 //!
-//! `transport` (one-sided transports, between `group` and `symm`) and `ops` (operators on
-//! symmetric memory, above `symm`) arrive in later releases.
+//! `ops` (operators on symmetric memory, above `symm`) and the same-host `shm` transport
+//! backend arrive in later releases.
 //!
 //! # The paved path
 //!

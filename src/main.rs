@@ -453,8 +453,9 @@ fn info() {
     say!();
     say!("backends");
     say!("  store      tcp: PyTorch TCPStore protocol (torch 2.15), server and client; needs a reachable TCP port");
-    say!("  transport  tcp, shm: not built yet (see the issue tracker)");
-    say!("  symmetric  cpu shared memory: not built yet; needs /dev/shm");
+    say!("  transport  tcp: any two hosts; needs a TCP port reachable by the peer (SYMMEM_TRANSPORT_TCP_HOST)");
+    say!("             shm: not built yet (same-host one-copy backend)");
+    say!("  symmetric  CPU: shared memory (memfd) between ranks of one host; needs /proc/<pid>/fd access to peers");
     say!();
     say!("this machine");
     let uname = rustix::system::uname();

@@ -1,0 +1,142 @@
+//! Two hosts: two network namespaces joined by a veth pair, one launcher in each, and a tcp
+//! transport between their ranks across the link. Skipped, saying why, where namespaces
+//! cannot be created (not root, no iproute2).
+
+#![allow(clippy::print_stdout, clippy::print_stderr, reason = "rank programs and skip notices print")]
+
+use std::process::{Command, Output};
+use std::time::Duration;
+
+use symmem::Group;
+use symmem::tensor::{DType, Tensor};
+use symmem::transport::{Options, RemoteBuffer, new_transport_rank};
+
+const BIN: &str = env!("CARGO_BIN_EXE_symmem");
+
+fn ip(args: &[&str]) -> std::io::Result<Output> {
+    Command::new("ip").args(args).output()
+}
+
+/// Two namespaces and the link between them; removed on drop, even when the test fails.
+struct Hosts {
+    names: [String; 2],
+}
+
+impl Hosts {
+    fn create() -> Result<Hosts, String> {
+        let id = std::process::id();
+        let names = [format!("symm-a-{id}"), format!("symm-b-{id}")];
+        let hosts = Hosts { names: names.clone() };
+        let run = |args: &[&str]| -> Result<(), String> {
+            let out = ip(args).map_err(|e| format!("ip {}: {e}", args.join(" ")))?;
+            if !out.status.success() {
+                return Err(format!("ip {}: {}", args.join(" "), String::from_utf8_lossy(&out.stderr).trim()));
+            }
+            Ok(())
+        };
+        let (va, vb) = (format!("va{}", id % 100_000), format!("vb{}", id % 100_000));
+        run(&["netns", "add", &names[0]])?;
+        run(&["netns", "add", &names[1]])?;
+        run(&["link", "add", &va, "type", "veth", "peer", "name", &vb])?;
+        run(&["link", "set", &va, "netns", &names[0]])?;
+        run(&["link", "set", &vb, "netns", &names[1]])?;
+        for (ns, dev, addr) in [(&names[0], &va, "10.213.0.1/30"), (&names[1], &vb, "10.213.0.2/30")] {
+            run(&["-n", ns, "addr", "add", addr, "dev", dev])?;
+            run(&["-n", ns, "link", "set", dev, "up"])?;
+            run(&["-n", ns, "link", "set", "lo", "up"])?;
+        }
+        Ok(hosts)
+    }
+}
+
+impl Drop for Hosts {
+    fn drop(&mut self) {
+        for n in &self.names {
+            let _ = ip(&["netns", "del", n]);
+        }
+    }
+}
+
+/// The rank program: a transport across the link, a write one way and a read the other.
+#[test]
+#[ignore = "a rank program; run by ranks_in_two_namespaces_move_tensors_over_tcp"]
+fn netns_rank() {
+    if std::env::var("RANK").is_err() {
+        return;
+    }
+    let g = Group::from_env().unwrap();
+    let (me, peer) = (g.rank() as u64, 1 - g.rank() as u64);
+    let t = Duration::from_secs(30);
+    let link = new_transport_rank("tcp", None, g.store(), peer, me, t, &Options::new()).unwrap();
+    let n = 1 << 20;
+    let mine = Tensor::from_slice(&[n], &(0..n).map(|i| (i as u32).wrapping_mul(me as u32 + 3)).collect::<Vec<u32>>())
+        .unwrap();
+    let inbox = Tensor::zeros(&[n], DType::U32).unwrap();
+    let (m_mine, m_inbox) = (link.register_memory_read_only(&mine).unwrap(), link.register_memory(&inbox).unwrap());
+    let mut both = m_mine.to_remote_buffer().unwrap().serialize();
+    both.push(b'\n');
+    both.extend(m_inbox.to_remote_buffer().unwrap().serialize());
+    let all = g.all_gather_bytes("descriptors", &both).unwrap();
+    let theirs = String::from_utf8(all[peer as usize].clone()).unwrap();
+    let (their_mine, their_inbox) = theirs.split_once('\n').unwrap();
+    let (their_mine, their_inbox) = (
+        RemoteBuffer::deserialize(their_mine.as_bytes()).unwrap(),
+        RemoteBuffer::deserialize(their_inbox.as_bytes()).unwrap(),
+    );
+    let url = String::from_utf8(link.bind(None).unwrap()).unwrap();
+    assert!(url.starts_with(&format!("tcp://10.213.0.{}:", me + 1)), "the URL names this host's address: {url}");
+    if me == 0 {
+        link.write(&m_mine.to_view(0, None).unwrap(), &their_inbox, None).unwrap();
+    } else {
+        let back = Tensor::zeros(&[n], DType::U32).unwrap();
+        let mb = link.register_memory(&back).unwrap();
+        link.read(&mb.to_mutable_view(0, None).unwrap(), &their_mine, None).unwrap();
+        let want: Vec<u32> = (0..n).map(|i| (i as u32).wrapping_mul(3)).collect();
+        assert_eq!(back.to_vec::<u32>().unwrap(), want, "read across hosts");
+    }
+    g.barrier(t).unwrap();
+    if me == 1 {
+        let want: Vec<u32> = (0..n).map(|i| (i as u32).wrapping_mul(3)).collect();
+        assert_eq!(inbox.to_vec::<u32>().unwrap(), want, "write across hosts");
+    }
+    g.barrier(t).unwrap();
+    link.close(Some(t)).unwrap();
+    println!("rank {me} ok");
+}
+
+#[test]
+fn ranks_in_two_namespaces_move_tensors_over_tcp() {
+    let hosts = match Hosts::create() {
+        Ok(h) => h,
+        Err(why) => {
+            eprintln!("SKIPPED: cannot create network namespaces here ({why})");
+            return;
+        }
+    };
+    let me = std::env::current_exe().unwrap();
+    let node = |i: usize| {
+        Command::new("ip")
+            .args(["netns", "exec", &hosts.names[i], BIN, "run", "-n", "1", "--nnodes", "2"])
+            .args(["--node-rank", &i.to_string(), "--master-addr", "10.213.0.1", "--master-port", "29500"])
+            .args(["--timeout", "60", "--"])
+            .arg(&me)
+            .args(["--exact", "netns_rank", "--include-ignored", "--nocapture"])
+            .env("SYMMEM_TRANSPORT_TCP_HOST", format!("10.213.0.{}", i + 1))
+            .env("SYMMEM_HOST_ID", format!("host{i}"))
+            .output()
+            .unwrap()
+    };
+    let second = std::thread::scope(|s| {
+        let b = s.spawn(|| node(1));
+        let a = node(0);
+        (a, b.join().unwrap())
+    });
+    for (i, out) in [second.0, second.1].iter().enumerate() {
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(out.status.success(), "host {i}:\n{text}\n{}", String::from_utf8_lossy(&out.stderr));
+        assert!(
+            text.lines().any(|l| l.starts_with(&format!("[{i}] ")) && l.ends_with(&format!("rank {i} ok"))),
+            "{text}"
+        );
+    }
+}

@@ -368,6 +368,45 @@ fn the_registry_follows_the_contract() {
     assert!(err.contains("unsupported on this device"), "{err}");
     let err = new_transport("tcp", None, &opts(&[("host", "0.0.0.0")])).unwrap_err().to_string();
     assert!(err.contains("peers can connect to"), "{err}");
+    // A backend that reports itself unusable is refused.
+    struct Unusable(transport::tcp::TcpBackend);
+    impl transport::Backend for Unusable {
+        fn name(&self) -> &str {
+            "unusable"
+        }
+        fn bind(&self, t: Duration) -> symmem::Result<Vec<u8>> {
+            self.0.bind(t)
+        }
+        fn connect(&self, url: &[u8], t: Duration) -> symmem::Result<()> {
+            self.0.connect(url, t)
+        }
+        fn connected(&self) -> bool {
+            false
+        }
+        fn expose(&self, r: &Arc<transport::Registration>) -> symmem::Result<()> {
+            self.0.expose(r)
+        }
+        fn withdraw(&self, r: &transport::Registration) {
+            self.0.withdraw(r)
+        }
+        fn submit(&self, r: transport::Request) -> symmem::Result<()> {
+            self.0.submit(r)
+        }
+        fn shutdown(&self) {
+            self.0.shutdown()
+        }
+        fn default_timeout(&self) -> Duration {
+            self.0.default_timeout()
+        }
+        fn supported(&self) -> bool {
+            false
+        }
+    }
+    let factory: transport::Factory =
+        Arc::new(|o: &Options| Ok(Box::new(Unusable(transport::tcp::TcpBackend::new(o)?)) as _));
+    register_transport("unusable", factory, true).unwrap();
+    let err = new_transport("unusable", None, &Options::new()).unwrap_err();
+    assert!(matches!(err, Error::Unsupported { .. }), "{err}");
 }
 
 #[test]

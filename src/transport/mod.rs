@@ -59,6 +59,11 @@ pub trait Backend: Send + Sync + 'static {
     fn shutdown(&self);
     /// The timeout of operations given none.
     fn default_timeout(&self) -> Duration;
+    /// Whether the backend can work in this process (a missing library, a refused syscall);
+    /// an unsupported backend is closed and `new_transport` fails.
+    fn supported(&self) -> bool {
+        true
+    }
 }
 
 /// Direction of a transfer, seen from the initiator.
@@ -473,6 +478,11 @@ impl Transport {
         t.unwrap_or_else(|| self.backend.default_timeout())
     }
 
+    /// Whether the transport's backend works in this process.
+    pub fn supported(&self) -> bool {
+        self.backend.supported()
+    }
+
     /// The backend's name.
     pub fn backend_name(&self) -> &str {
         self.backend.name()
@@ -782,6 +792,13 @@ pub fn new_transport(backend: &str, device: Option<Device>, options: &Options) -
     }
     let b =
         factory(options).map_err(|e| Error::InvalidArgument(format!("failed to create transport {name:?}: {e}")))?;
+    if !b.supported() {
+        b.shutdown();
+        return Err(Error::Unsupported {
+            what: format!("transport {name:?}"),
+            needs: "what its backend reports missing in this process".into(),
+        });
+    }
     Ok(Transport::new(b, device))
 }
 

@@ -150,6 +150,11 @@ pub unsafe trait Storage: Send + Sync + fmt::Debug {
     fn as_symm(&self) -> Option<(&crate::symm::Allocation, usize)> {
         None
     }
+    /// For memory in a shared-memory file owned by this process: the descriptor number and
+    /// the file offset of this storage's first byte, so a peer can map it.
+    fn shared_file(&self) -> Option<(i32, u64)> {
+        None
+    }
 }
 
 /// Heap memory, 64-byte aligned and zeroed.

@@ -350,6 +350,8 @@ macro_rules! suite {
 }
 
 suite!(tcp);
+suite!(shm);
+suite!(auto);
 
 #[test]
 fn the_registry_follows_the_contract() {

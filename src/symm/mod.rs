@@ -200,6 +200,9 @@ unsafe impl Storage for Allocation {
     fn as_symm(&self) -> Option<(&Allocation, usize)> {
         Some((self, 0))
     }
+    fn shared_file(&self) -> Option<(i32, u64)> {
+        self.segment.shared_file()
+    }
 }
 
 /// Allocates a zeroed symmetric tensor. Not collective; [`rendezvous`] it on a group next.
@@ -288,7 +291,7 @@ pub const HOST_ID_ENV: &str = "SYMMEM_HOST_ID";
 /// This host's identity: ranks with the same identity map each other's memory. By default the
 /// hostname and the kernel's boot id; `SYMMEM_HOST_ID` overrides it (for hosts whose names
 /// collide, or to make one machine play several hosts).
-fn this_host() -> String {
+pub(crate) fn this_host() -> String {
     if let Ok(id) = std::env::var(HOST_ID_ENV)
         && !id.is_empty()
     {

@@ -118,6 +118,9 @@ unsafe impl Storage for Slice {
     fn as_symm(&self) -> Option<(&Allocation, usize)> {
         Some((&self.alloc, self.offset))
     }
+    fn shared_file(&self) -> Option<(i32, u64)> {
+        self.alloc.shared_file().map(|(fd, at)| (fd, at + self.offset as u64))
+    }
 }
 
 #[cfg(test)]

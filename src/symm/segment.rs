@@ -166,6 +166,9 @@ unsafe impl Storage for Segment {
     fn len(&self) -> usize {
         self.data_size
     }
+    fn shared_file(&self) -> Option<(i32, u64)> {
+        self.fd.as_ref().map(|fd| (shm::raw(fd), self.data_offset as u64))
+    }
 }
 
 /// The signal pad of a segment, as storage for a `u32` tensor view.

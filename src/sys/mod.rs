@@ -49,5 +49,6 @@ pub(crate) fn raise_fd_limit() -> u64 {
     getrlimit(Resource::Nofile).current.unwrap_or(u64::MAX)
 }
 
+pub(crate) mod cma;
 pub(crate) mod futex;
 pub(crate) mod shm;

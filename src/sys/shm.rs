@@ -26,10 +26,15 @@ pub(crate) fn create(name: &str, len: usize) -> Result<OwnedFd> {
 /// Opens another process's shared-memory file through `/proc/<pid>/fd/<fd>`. The kernel allows
 /// it when this process may inspect that one (same user, no ptrace restriction).
 pub(crate) fn open_peer(pid: u32, fd: i32) -> Result<OwnedFd> {
+    open_peer_with(pid, fd, true)
+}
+
+/// [`open_peer`], read-only or read-write.
+pub(crate) fn open_peer_with(pid: u32, fd: i32, write: bool) -> Result<OwnedFd> {
     let path = format!("/proc/{pid}/fd/{fd}");
     let file = std::fs::OpenOptions::new()
         .read(true)
-        .write(true)
+        .write(write)
         .open(&path)
         .map_err(|e| Error::io(format!("open peer shared memory {path}"), e))?;
     Ok(file.into())
@@ -62,15 +67,20 @@ unsafe impl Sync for Mapping {}
 impl Mapping {
     /// Maps `len` bytes of `fd` shared and read-write.
     pub(crate) fn new(fd: impl AsFd, len: usize) -> Result<Mapping> {
+        Mapping::new_at(fd, 0, len, true)
+    }
+
+    /// Maps `len` bytes of `fd` from `offset` (a multiple of the page size), shared, and
+    /// writable or read-only.
+    pub(crate) fn new_at(fd: impl AsFd, offset: u64, len: usize, writable: bool) -> Result<Mapping> {
         if len == 0 {
             return Err(Error::InvalidArgument("cannot map 0 bytes".into()));
         }
+        let prot = if writable { ProtFlags::READ | ProtFlags::WRITE } else { ProtFlags::READ };
         // SAFETY: a fresh mapping chosen by the kernel (null hint) cannot alias any Rust
         // object; the fd is valid for the call; the result is checked before use.
-        let ptr = unsafe {
-            rustix::mm::mmap(std::ptr::null_mut(), len, ProtFlags::READ | ProtFlags::WRITE, MapFlags::SHARED, fd, 0)
-        }
-        .map_err(|e| Error::io(format!("mmap {len} bytes of shared memory"), e.into()))?;
+        let ptr = unsafe { rustix::mm::mmap(std::ptr::null_mut(), len, prot, MapFlags::SHARED, fd, offset) }
+            .map_err(|e| Error::io(format!("mmap {len} bytes of shared memory at offset {offset}"), e.into()))?;
         let ptr = std::ptr::NonNull::new(ptr.cast::<u8>())
             .ok_or_else(|| Error::io("mmap returned null", std::io::Error::other("null mapping")))?;
         Ok(Mapping { ptr, len })
@@ -96,3 +106,6 @@ impl Drop for Mapping {
         }
     }
 }
+
+/// The page size mappings are aligned to.
+pub(crate) const PAGE: u64 = 4096;

@@ -19,6 +19,8 @@
 
 mod work;
 
+pub mod auto;
+pub mod shm;
 pub mod tcp;
 
 use std::collections::{BTreeMap, HashMap};
@@ -63,6 +65,10 @@ pub trait Backend: Send + Sync + 'static {
     /// an unsupported backend is closed and `new_transport` fails.
     fn supported(&self) -> bool {
         true
+    }
+    /// A one-line account of how the backend connected (e.g. which path `auto` chose).
+    fn describe(&self) -> String {
+        self.name().to_string()
     }
 }
 
@@ -174,6 +180,28 @@ impl Registration {
     /// The registered bytes' address.
     pub fn ptr(&self) -> *mut u8 {
         self.ptr
+    }
+
+    /// Its random id, as descriptors carry it.
+    pub fn id(&self) -> u64 {
+        self.id
+    }
+
+    /// Its access key.
+    pub fn key(&self) -> &[u8; 16] {
+        &self.key
+    }
+
+    /// Whether peers may write it.
+    pub fn remote_writable(&self) -> bool {
+        self.remote_writable
+    }
+
+    /// For memory in a shared-memory file of this process: descriptor number and the file
+    /// offset of the registered range.
+    pub fn shared_file(&self) -> Option<(i32, u64)> {
+        let (fd, base) = self._storage.shared_file()?;
+        Some((fd, base + (self.ptr as usize - self._storage.ptr() as usize) as u64))
     }
 }
 
@@ -478,6 +506,11 @@ impl Transport {
         t.unwrap_or_else(|| self.backend.default_timeout())
     }
 
+    /// How the transport connected, e.g. "auto via shm".
+    pub fn describe(&self) -> String {
+        self.backend.describe()
+    }
+
     /// Whether the transport's backend works in this process.
     pub fn supported(&self) -> bool {
         self.backend.supported()
@@ -750,6 +783,8 @@ fn registry() -> &'static Mutex<BTreeMap<String, Factory>> {
     R.get_or_init(|| {
         let mut m: BTreeMap<String, Factory> = BTreeMap::new();
         m.insert("tcp".into(), Arc::new(|o: &Options| Ok(Box::new(tcp::TcpBackend::new(o)?) as Box<dyn Backend>)));
+        m.insert("shm".into(), Arc::new(|o: &Options| Ok(Box::new(shm::ShmBackend::new(o)?) as Box<dyn Backend>)));
+        m.insert("auto".into(), Arc::new(|o: &Options| Ok(Box::new(auto::AutoBackend::new(o)?) as Box<dyn Backend>)));
         Mutex::new(m)
     })
 }
@@ -774,8 +809,10 @@ pub fn available_transports() -> Vec<String> {
 }
 
 /// Constructs a transport of `backend` (case-insensitive), optionally restricted to `device`.
+///
+/// `"auto"` (or an empty name) picks `shm` for a peer on this host and `tcp` otherwise.
 pub fn new_transport(backend: &str, device: Option<Device>, options: &Options) -> Result<Transport> {
-    let name = backend.to_ascii_lowercase();
+    let name = if backend.is_empty() { "auto".to_string() } else { backend.to_ascii_lowercase() };
     let factory = registry().lock().unwrap_or_else(|p| p.into_inner()).get(&name).cloned();
     let Some(factory) = factory else {
         let list = available_transports();
@@ -818,7 +855,7 @@ pub fn new_transport_rank(
     if peer_rank == rank {
         return Err(Error::InvalidArgument("peer_rank must differ from the local rank".into()));
     }
-    let name = backend.to_ascii_lowercase();
+    let name = if backend.is_empty() { "auto".to_string() } else { backend.to_ascii_lowercase() };
     let pair = format!("transport/{name}/{}/{}", rank.min(peer_rank), rank.max(peer_rank));
     let attempt = store.add(&format!("{pair}/attempts/{rank}"), 1)?;
     let scoped = PrefixStore::new(format!("{pair}/{attempt}"), store.clone());

@@ -195,6 +195,9 @@ impl OwnTable {
     }
 }
 
+/// A mapping of a peer's shared registration, and the registered range's offset inside it.
+type PeerRange = (Mapping, usize);
+
 /// The connected peer: its table, its pid, and mappings of its shared registrations.
 struct Peer {
     pid: i32,
@@ -204,7 +207,7 @@ struct Peer {
     checked: Mutex<Instant>,
     /// Mappings of shared registrations, by (id, generation), with the registered range's
     /// offset inside the mapping.
-    maps: Mutex<HashMap<(u64, u64), Arc<(Mapping, usize)>>>,
+    maps: Mutex<HashMap<(u64, u64), Arc<PeerRange>>>,
 }
 
 impl Peer {
@@ -502,7 +505,7 @@ fn transfer(peer: &Peer, req: &Request) -> std::result::Result<(), String> {
 }
 
 /// The mapping of a shared registration, created on first use and cached per generation.
-fn mapping(peer: &Peer, e: &Entry) -> std::result::Result<Arc<(Mapping, usize)>, String> {
+fn mapping(peer: &Peer, e: &Entry) -> std::result::Result<Arc<PeerRange>, String> {
     let mut maps = peer.maps.lock().unwrap_or_else(|p| p.into_inner());
     if let Some(m) = maps.get(&(e.id, e.generation)) {
         return Ok(m.clone());

@@ -463,17 +463,17 @@ fn peer_process() {
     std::thread::sleep(Duration::from_secs(60));
 }
 
-#[test]
-fn a_peer_killed_mid_transfer_fails_pending_work() {
+/// Starts `peer_process` with `backend`; returns the child, its URL and its descriptor.
+fn spawn_peer(backend: &str) -> (std::process::Child, String, RemoteBuffer) {
     let mut child = Command::new(std::env::current_exe().unwrap())
         .args(["--exact", "peer_process", "--include-ignored", "--nocapture", "--test-threads=1"])
-        .env("SYMMEM_TEST_BACKEND", "tcp")
+        .env("SYMMEM_TEST_BACKEND", backend)
         .stdout(Stdio::piped())
         .spawn()
         .unwrap();
-    let mut lines = std::io::BufRead::lines(std::io::BufReader::new(child.stdout.take().unwrap()));
+    let lines = std::io::BufRead::lines(std::io::BufReader::new(child.stdout.take().unwrap()));
     let (mut url, mut desc) = (None, None);
-    for line in lines.by_ref() {
+    for line in lines {
         let line = line.unwrap();
         // The test harness may have printed "test peer_process ... " on the same line.
         if let Some((_, u)) = line.split_once("URL ") {
@@ -483,9 +483,14 @@ fn a_peer_killed_mid_transfer_fails_pending_work() {
             break;
         }
     }
+    (child, url.unwrap(), RemoteBuffer::deserialize(desc.unwrap().as_bytes()).unwrap())
+}
+
+#[test]
+fn a_peer_killed_mid_transfer_fails_pending_work() {
+    let (mut child, url, remote) = spawn_peer("tcp");
     let a = new_transport("tcp", None, &Options::new()).unwrap();
-    a.connect(url.unwrap().as_bytes(), None).unwrap();
-    let remote = RemoteBuffer::deserialize(desc.unwrap().as_bytes()).unwrap();
+    a.connect(url.as_bytes(), None).unwrap();
     let src = bytes(64 << 20, 4);
     let ms = a.register_memory(&src).unwrap();
     let works: Vec<_> = (0..16)
@@ -506,4 +511,111 @@ fn a_peer_killed_mid_transfer_fails_pending_work() {
     assert!(err.contains("connection to the peer lost"), "{err}");
     assert!(!a.connected());
     a.close(Some(Duration::from_secs(5))).unwrap();
+}
+
+#[test]
+fn a_killed_shm_peer_fails_the_next_transfer_clearly() {
+    let (mut child, url, remote) = spawn_peer("shm");
+    let a = new_transport("shm", None, &Options::new()).unwrap();
+    a.connect(url.as_bytes(), None).unwrap();
+    let src = bytes(1 << 20, 4);
+    let ms = a.register_memory(&src).unwrap();
+    a.write(&ms.to_view(0, None).unwrap(), &remote, None).unwrap();
+    child.kill().unwrap();
+    child.wait().unwrap();
+    let t = Instant::now();
+    let err = a.write(&ms.to_view(0, None).unwrap(), &remote, None).unwrap_err().to_string();
+    assert!(err.contains("has exited"), "{err}");
+    assert!(t.elapsed() < Duration::from_secs(1));
+    assert!(!a.connected());
+}
+
+fn mappings_named(name: &str) -> usize {
+    std::fs::read_to_string("/proc/self/maps").unwrap().lines().filter(|l| l.contains(name)).count()
+}
+
+#[test]
+fn shm_moves_shared_memory_through_a_mapping_and_stops_after_unregister() {
+    let (a, b) = pair("shm");
+    let n = 3 << 20;
+    let dst = transport::shm::alloc(&[n], DType::U8).unwrap();
+    let md = b.register_memory(&dst).unwrap();
+    let remote = descriptor(&md);
+    let before = mappings_named("symmem-shm-tensor");
+    let src = bytes(n, 11);
+    let ms = a.register_memory(&src).unwrap();
+    a.write(&ms.to_view(0, None).unwrap(), &remote, None).unwrap();
+    assert_eq!(dst.to_vec::<u8>().unwrap(), src.to_vec::<u8>().unwrap());
+    assert_eq!(mappings_named("symmem-shm-tensor"), before + 1, "the initiator mapped the registered pages");
+    let back = Tensor::zeros(&[4096], DType::U8).unwrap();
+    let mb = a.register_memory(&back).unwrap();
+    a.read(&mb.to_mutable_view(0, None).unwrap(), &remote.slice(8192, 4096).unwrap(), None).unwrap();
+    assert_eq!(back.to_vec::<u8>().unwrap(), src.to_vec::<u8>().unwrap()[8192..12288].to_vec());
+    // Symmetric tensors are shared memory too; a read-only one is never written.
+    let sym = symmem::symm::empty(&[1024], DType::F32, symmem::symm::Device::Cpu).unwrap();
+    sym.fill(2.5f32).unwrap();
+    let msym = b.register_memory_read_only(&sym).unwrap();
+    let four = Tensor::zeros(&[1024], DType::F32).unwrap();
+    let mf = a.register_memory(&four).unwrap();
+    a.read(&mf.to_mutable_view(0, None).unwrap(), &descriptor(&msym), None).unwrap();
+    assert_eq!(four.to_vec::<f32>().unwrap(), vec![2.5; 1024]);
+    let forged = forge(&descriptor(&msym), "writable", serde_json::json!(1));
+    assert!(a.write(&mf.to_view(0, None).unwrap(), &forged, None).unwrap_err().to_string().contains("read-only"));
+    assert_eq!(sym.to_vec::<f32>().unwrap(), vec![2.5; 1024]);
+    // After unregister, the cached mapping stops working.
+    b.unregister_memory(&md).unwrap();
+    let err = a.write(&ms.to_view(0, None).unwrap(), &remote, None).unwrap_err().to_string();
+    assert!(err.contains("unknown remote buffer"), "{err}");
+}
+
+/// An initiator run as another user (nobody): the kernel refuses it cross-memory attach to a
+/// root peer, so `shm` says so and `auto` falls back to `tcp`.
+#[test]
+#[ignore = "an initiator process; run by refused_cross_memory_attach_makes_auto_fall_back"]
+fn unprivileged_initiator() {
+    let (Ok(url), Ok(desc)) = (std::env::var("SYMMEM_TEST_URL"), std::env::var("SYMMEM_TEST_DESC")) else { return };
+    let shm_url = url
+        .split('&')
+        .find_map(|kv| kv.strip_prefix("shm=").or_else(|| kv.strip_prefix("auto://?shm=")))
+        .map(|v| base64::Engine::decode(&base64::engine::general_purpose::URL_SAFE_NO_PAD, v).unwrap())
+        .unwrap();
+    let shm = new_transport("shm", None, &Options::new()).unwrap();
+    let err = shm.connect(&shm_url, None).unwrap_err();
+    println!("SHM {err}");
+    let auto = new_transport("auto", None, &Options::new()).unwrap();
+    auto.connect(url.as_bytes(), None).unwrap();
+    println!("PATH {}", auto.describe());
+    let remote = RemoteBuffer::deserialize(desc.as_bytes()).unwrap();
+    let src = bytes(4096, 8);
+    let ms = auto.register_memory(&src).unwrap();
+    auto.write(&ms.to_view(0, None).unwrap(), &remote, None).unwrap();
+    println!("WROTE ok");
+}
+
+#[test]
+fn refused_cross_memory_attach_makes_auto_fall_back() {
+    let root = rustix::process::getuid().is_root();
+    let setpriv = Command::new("setpriv").arg("--version").output().is_ok_and(|o| o.status.success());
+    if !root || !setpriv {
+        eprintln!("SKIPPED: needs root and setpriv to run a peer as another user (root: {root}, setpriv: {setpriv})");
+        return;
+    }
+    let (mut child, url, remote) = spawn_peer("auto");
+    let out = Command::new("setpriv")
+        .args(["--reuid=65534", "--regid=65534", "--clear-groups"])
+        .arg(std::env::current_exe().unwrap())
+        .args(["--exact", "unprivileged_initiator", "--include-ignored", "--nocapture", "--test-threads=1"])
+        .env("SYMMEM_TEST_URL", &url)
+        .env("SYMMEM_TEST_DESC", String::from_utf8(remote.serialize()).unwrap())
+        .output()
+        .unwrap();
+    child.kill().unwrap();
+    child.wait().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}\n{}", String::from_utf8_lossy(&out.stderr));
+    let shm_line = text.lines().find_map(|l| l.split_once("SHM ").map(|(_, r)| r.to_string())).unwrap();
+    assert!(shm_line.contains("unsupported") && shm_line.contains("same user"), "{shm_line}");
+    let path = text.lines().find_map(|l| l.split_once("PATH ").map(|(_, r)| r.to_string())).unwrap();
+    assert!(path.starts_with("auto via tcp"), "{path}");
+    assert!(text.contains("WROTE ok"), "{text}");
 }

@@ -143,6 +143,14 @@ impl Backend for AutoBackend {
         self.tcp.default_timeout()
     }
 
+    fn disconnect_reason(&self) -> Option<String> {
+        match (self.chosen(), &self.shm) {
+            (Some(Path::Shm), Some(s)) => s.disconnect_reason(),
+            (Some(Path::Tcp), _) => self.tcp.disconnect_reason(),
+            _ => None,
+        }
+    }
+
     fn describe(&self) -> String {
         match self.chosen() {
             Some(Path::Shm) => "auto via shm".into(),

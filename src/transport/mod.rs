@@ -70,6 +70,11 @@ pub trait Backend: Send + Sync + 'static {
     fn describe(&self) -> String {
         self.name().to_string()
     }
+    /// Why the backend is no longer connected, when it knows (a peer that exited, a lost
+    /// connection).
+    fn disconnect_reason(&self) -> Option<String> {
+        None
+    }
 }
 
 /// Direction of a transfer, seen from the initiator.
@@ -655,7 +660,8 @@ impl Transport {
         self.check_local(local)?;
         self.check_remote(local, remote, direction == Direction::Write)?;
         if !self.backend.connected() {
-            return Err(Error::InvalidArgument(format!("{} transport is not connected", self.backend.name())));
+            let why = self.backend.disconnect_reason().map(|r| format!(": {r}")).unwrap_or_default();
+            return Err(Error::InvalidArgument(format!("{} transport is not connected{why}", self.backend.name())));
         }
         local.reg.pending.fetch_add(1, Ordering::AcqRel);
         let keep = InFlight(local.reg.clone());

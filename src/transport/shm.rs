@@ -442,6 +442,11 @@ impl Backend for ShmBackend {
     fn default_timeout(&self) -> Duration {
         self.timeout
     }
+
+    fn disconnect_reason(&self) -> Option<String> {
+        let p = self.peer()?;
+        (!p.check_alive()).then(|| format!("the peer process {} has exited", p.pid))
+    }
 }
 
 /// Checks the request against the peer's table and moves the bytes.

@@ -270,6 +270,11 @@ impl Backend for TcpBackend {
     fn default_timeout(&self) -> Duration {
         self.inner.opts.timeout
     }
+
+    fn disconnect_reason(&self) -> Option<String> {
+        let c = lock(&self.inner.client).clone()?;
+        c.why.get().cloned()
+    }
 }
 
 fn accept_loop(inner: Arc<Inner>, listener: TcpListener) {

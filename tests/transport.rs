@@ -1,6 +1,12 @@
 //! The transport test suite. Every case takes a backend name, and `suite!` instantiates all of
 //! them for each backend, so a new backend is held to the same contract by one line.
 
+#![allow(
+    clippy::print_stdout,
+    clippy::print_stderr,
+    reason = "peer processes report through stdout; skips explain themselves"
+)]
+
 use std::io::{Read, Write};
 use std::process::{Command, Stdio};
 use std::sync::Arc;

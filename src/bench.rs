@@ -577,136 +577,155 @@ pub fn transport_rank(backend: &str, window: usize, sizes: &[usize]) -> Result<(
     use std::io::{Read, Write};
 
     use crate::tensor::{DType, Tensor};
-    use crate::transport::{Options, RemoteBuffer, new_transport_rank, wait_all};
+    use crate::transport::{Options, RemoteBuffer, new_transport_rank};
     let group = crate::Group::from_env()?;
     let (me, peer) = (group.rank() as u64, 1 - group.rank() as u64);
     let t = Duration::from_secs(60);
     let transport = new_transport_rank(backend, None, group.store(), peer, me, t, &Options::new())?;
     let max = sizes.iter().copied().max().unwrap_or(1);
-    let buf = Tensor::zeros(&[max], DType::U8)?;
-    buf.fill(me as u8 + 1)?;
-    let mem = transport.register_memory(&buf)?;
-    let descs = group.all_gather_bytes("descriptor", &mem.to_remote_buffer()?.serialize())?;
-    let remote = RemoteBuffer::deserialize(&descs[peer as usize])?;
-
-    // The baseline: a plain TCP stream between the two processes.
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").map_err(|e| Error::io("bind baseline stream", e))?;
-    let ports = group
-        .all_gather_bytes("stream", listener.local_addr().map_err(|e| Error::io("addr", e))?.to_string().as_bytes())?;
-    let mut rows = Vec::new();
-    let stream_sizes: Vec<usize> = sizes.iter().copied().filter(|&s| s >= 64 * 1024).collect();
-    if me == 1 {
-        let (mut s, _) = listener.accept().map_err(|e| Error::io("accept baseline stream", e))?;
-        let mut sink = vec![0u8; max.max(1)];
-        for &size in &stream_sizes {
-            let total = ops_for(size, 1 << 30, 16, 100_000) * size;
-            let mut got = 0;
-            while got < total {
-                let n = s.read(&mut sink[..size.min(total - got)]).map_err(|e| Error::io("baseline read", e))?;
-                if n == 0 {
-                    return Err(Error::io("baseline read", std::io::ErrorKind::UnexpectedEof.into()));
-                }
-                got += n;
-            }
-            s.write_all(&[1]).map_err(|e| Error::io("baseline ack", e))?;
-        }
-        // Echo 8-byte pings.
-        let mut b = [0u8; 8];
-        for _ in 0..PINGS {
-            s.read_exact(&mut b).map_err(|e| Error::io("baseline ping", e))?;
-            s.write_all(&b).map_err(|e| Error::io("baseline pong", e))?;
-        }
-    } else {
-        let addr = String::from_utf8_lossy(&ports[1]).into_owned();
-        let mut s = std::net::TcpStream::connect(&addr).map_err(|e| Error::io("connect baseline stream", e))?;
-        let _ = s.set_nodelay(true);
-        let data = vec![7u8; max.max(1)];
-        for &size in &stream_sizes {
-            let ops = ops_for(size, 1 << 30, 16, 100_000);
-            let start = Instant::now();
-            for _ in 0..ops {
-                s.write_all(&data[..size]).map_err(|e| Error::io("baseline write", e))?;
-            }
-            let mut ack = [0u8];
-            s.read_exact(&mut ack).map_err(|e| Error::io("baseline ack", e))?;
-            let d = start.elapsed();
-            let mut extra = serde_json::Map::new();
-            extra.insert("note".into(), "baseline: plain TCP stream between the two processes".into());
-            rows.push(BenchResult {
-                bench: "tcp_stream".into(),
-                ranks: 2,
-                bytes: Some(size as u64),
-                iters: ops as u64,
-                lat_us: 0.0,
-                p99_us: 0.0,
-                gbps: Some(gbps(ops * size, d)),
-                extra,
-            });
-        }
-        let mut b = [0u8; 8];
-        let mut lat = Vec::with_capacity(PINGS);
-        for _ in 0..PINGS {
-            let start = Instant::now();
-            s.write_all(&b).map_err(|e| Error::io("baseline ping", e))?;
-            s.read_exact(&mut b).map_err(|e| Error::io("baseline pong", e))?;
-            lat.push(start.elapsed());
-        }
-        let mut row = latency_row(
-            "tcp_pingpong",
-            Some(8),
-            &mut lat[PINGS / 10..],
-            "baseline: 8-byte TCP round trip between the two processes",
-        );
-        row.ranks = 2;
-        rows.push(row);
+    let same_host = backend != "tcp";
+    // Heap memory everywhere; for same-host backends also memory in a shared-memory file, which
+    // shm moves through a mapping instead of cross-memory attach.
+    let kinds: &[&str] = if same_host { &["heap", "shared"] } else { &["heap"] };
+    let mut mems = Vec::new();
+    let mut mine = Vec::new();
+    for kind in kinds {
+        let buf = if *kind == "shared" {
+            crate::transport::shm::alloc(&[max], DType::U8)?
+        } else {
+            Tensor::zeros(&[max], DType::U8)?
+        };
+        buf.fill(me as u8 + 1)?;
+        let mem = transport.register_memory(&buf)?;
+        mine.push(String::from_utf8_lossy(&mem.to_remote_buffer()?.serialize()).into_owned());
+        mems.push((buf, mem));
     }
-    group.barrier(t)?;
+    let descs = group.all_gather_bytes("descriptor", mine.join("\n").as_bytes())?;
+    let theirs: Vec<RemoteBuffer> = String::from_utf8_lossy(&descs[peer as usize])
+        .lines()
+        .map(|l| RemoteBuffer::deserialize(l.as_bytes()))
+        .collect::<Result<_>>()?;
+    let mut rows = Vec::new();
 
-    if me == 0 {
-        let view_of = |size: usize| mem.to_view(0, Some(size));
+    if !same_host {
+        // The baseline: a plain TCP stream between the two processes.
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").map_err(|e| Error::io("bind baseline stream", e))?;
+        let ports = group.all_gather_bytes(
+            "stream",
+            listener.local_addr().map_err(|e| Error::io("addr", e))?.to_string().as_bytes(),
+        )?;
+        let stream_sizes: Vec<usize> = sizes.iter().copied().filter(|&s| s >= 64 * 1024).collect();
+        if me == 1 {
+            let (mut s, _) = listener.accept().map_err(|e| Error::io("accept baseline stream", e))?;
+            let mut sink = vec![0u8; max.max(1)];
+            for &size in &stream_sizes {
+                let total = ops_for(size, 1 << 30, 16, 100_000) * size;
+                let mut got = 0;
+                while got < total {
+                    let n = s.read(&mut sink[..size.min(total - got)]).map_err(|e| Error::io("baseline read", e))?;
+                    if n == 0 {
+                        return Err(Error::io("baseline read", std::io::ErrorKind::UnexpectedEof.into()));
+                    }
+                    got += n;
+                }
+                s.write_all(&[1]).map_err(|e| Error::io("baseline ack", e))?;
+            }
+            // Echo 8-byte pings.
+            let mut b = [0u8; 8];
+            for _ in 0..PINGS {
+                s.read_exact(&mut b).map_err(|e| Error::io("baseline ping", e))?;
+                s.write_all(&b).map_err(|e| Error::io("baseline pong", e))?;
+            }
+        } else {
+            let addr = String::from_utf8_lossy(&ports[1]).into_owned();
+            let mut s = std::net::TcpStream::connect(&addr).map_err(|e| Error::io("connect baseline stream", e))?;
+            let _ = s.set_nodelay(true);
+            let data = vec![7u8; max.max(1)];
+            for &size in &stream_sizes {
+                let ops = ops_for(size, 1 << 30, 16, 100_000);
+                let start = Instant::now();
+                for _ in 0..ops {
+                    s.write_all(&data[..size]).map_err(|e| Error::io("baseline write", e))?;
+                }
+                let mut ack = [0u8];
+                s.read_exact(&mut ack).map_err(|e| Error::io("baseline ack", e))?;
+                let d = start.elapsed();
+                let mut extra = serde_json::Map::new();
+                extra.insert("note".into(), "baseline: plain TCP stream between the two processes".into());
+                rows.push(BenchResult {
+                    bench: "tcp_stream".into(),
+                    ranks: 2,
+                    bytes: Some(size as u64),
+                    iters: ops as u64,
+                    lat_us: 0.0,
+                    p99_us: 0.0,
+                    gbps: Some(gbps(ops * size, d)),
+                    extra,
+                });
+            }
+            let mut b = [0u8; 8];
+            let mut lat = Vec::with_capacity(PINGS);
+            for _ in 0..PINGS {
+                let start = Instant::now();
+                s.write_all(&b).map_err(|e| Error::io("baseline ping", e))?;
+                s.read_exact(&mut b).map_err(|e| Error::io("baseline pong", e))?;
+                lat.push(start.elapsed());
+            }
+            let mut row = latency_row(
+                "tcp_pingpong",
+                Some(8),
+                &mut lat[PINGS / 10..],
+                "baseline: 8-byte TCP round trip between the two processes",
+            );
+            row.ranks = 2;
+            rows.push(row);
+        }
+    }
+
+    // Same-host baselines: memcpy, and process_vm_writev straight into the peer's heap buffer.
+    let whereabouts = format!("{} {}", std::process::id(), mems[0].0.data_ptr() as usize);
+    let places = group.all_gather_bytes("whereabouts", whereabouts.as_bytes())?;
+    if same_host && me == 0 {
+        let place = String::from_utf8_lossy(&places[1]).into_owned();
+        let mut it = place.split(' ').map(|v| v.parse::<usize>().unwrap_or(0));
+        let (pid, addr) = (it.next().unwrap_or(0) as i32, it.next().unwrap_or(0));
+        let src = vec![3u8; max];
+        let mut dst = vec![0u8; max];
         for &size in sizes {
-            for dir in ["write", "read"] {
-                let run = |size: usize, slot: usize| -> Result<crate::transport::Work> {
-                    let r = remote.slice((slot * size) as u64, size as u64)?;
-                    if dir == "write" {
-                        transport.start_write(&view_of(size)?, &r, Some(t))
+            for (name, note) in [
+                ("memcpy", "baseline: memcpy between two buffers of one process"),
+                ("process_vm_writev", "baseline: process_vm_writev into the peer's buffer"),
+            ] {
+                let mut copy = || -> Result<()> {
+                    if name == "memcpy" {
+                        dst[..size].copy_from_slice(&src[..size]);
+                        std::hint::black_box(&dst);
+                        Ok(())
                     } else {
-                        transport.start_read(&mem.to_mutable_view(0, Some(size))?, &r, Some(t))
+                        crate::sys::cma::write(pid, &src[..size], addr)
+                            .map_err(|e| Error::InvalidArgument(format!("process_vm_writev baseline: {e}")))
                     }
                 };
-                // Latency: one transfer at a time.
                 let iters = ops_for(size, 64 << 20, 5, 2000);
                 let mut lat = Vec::with_capacity(iters);
                 for i in 0..iters + iters / 10 {
                     let s = Instant::now();
-                    run(size, 0)?.wait(None)?;
+                    copy()?;
                     if i >= iters / 10 {
                         lat.push(s.elapsed());
                     }
                 }
-                let (median, p99) = percentiles(&mut lat);
-                // Bandwidth: `window` transfers in flight.
                 let ops = ops_for(size, 1 << 30, 16, 20_000);
                 let start = Instant::now();
-                let mut inflight = std::collections::VecDeque::with_capacity(window);
-                for i in 0..ops {
-                    if inflight.len() == window {
-                        let w: crate::transport::Work = inflight.pop_front().unwrap_or_else(|| unreachable!());
-                        w.wait(None)?;
-                    }
-                    // Like the baseline stream, which reads into one buffer: every transfer
-                    // targets the same region, so neither side is penalized by cache misses.
-                    let _ = i;
-                    inflight.push_back(run(size, 0)?);
+                for _ in 0..ops {
+                    copy()?;
                 }
-                futures::executor::block_on(wait_all(inflight, Some(t)))?;
                 let d = start.elapsed();
+                let (median, p99) = percentiles(&mut lat);
                 let mut extra = serde_json::Map::new();
-                extra.insert("backend".into(), backend.into());
-                extra.insert("window".into(), window.into());
-                extra.insert("ops_per_s".into(), (ops as f64 / d.as_secs_f64()).round().into());
+                extra.insert("note".into(), note.into());
                 rows.push(BenchResult {
-                    bench: dir.into(),
+                    bench: name.into(),
                     ranks: 2,
                     bytes: Some(size as u64),
                     iters: iters as u64,
@@ -715,6 +734,68 @@ pub fn transport_rank(backend: &str, window: usize, sizes: &[usize]) -> Result<(
                     gbps: Some(gbps(ops * size, d)),
                     extra,
                 });
+            }
+        }
+    }
+    group.barrier(t)?;
+
+    if me == 0 {
+        for (k, kind) in kinds.iter().enumerate() {
+            let (mem, remote) = (&mems[k].1, &theirs[k]);
+            for &size in sizes {
+                for dir in ["write", "read"] {
+                    let run = || -> Result<crate::transport::Work> {
+                        // Like the baselines, every transfer targets the same region.
+                        let r = remote.slice(0, size as u64)?;
+                        if dir == "write" {
+                            transport.start_write(&mem.to_view(0, Some(size))?, &r, Some(t))
+                        } else {
+                            transport.start_read(&mem.to_mutable_view(0, Some(size))?, &r, Some(t))
+                        }
+                    };
+                    // Latency: one transfer at a time.
+                    let iters = ops_for(size, 64 << 20, 5, 2000);
+                    let mut lat = Vec::with_capacity(iters);
+                    for i in 0..iters + iters / 10 {
+                        let s = Instant::now();
+                        run()?.wait(None)?;
+                        if i >= iters / 10 {
+                            lat.push(s.elapsed());
+                        }
+                    }
+                    let (median, p99) = percentiles(&mut lat);
+                    // Bandwidth: `window` transfers in flight.
+                    let ops = ops_for(size, 1 << 30, 16, 20_000);
+                    let start = Instant::now();
+                    let mut inflight = std::collections::VecDeque::with_capacity(window);
+                    for _ in 0..ops {
+                        if inflight.len() == window
+                            && let Some(w) = inflight.pop_front()
+                        {
+                            crate::transport::Work::wait(&w, None)?;
+                        }
+                        inflight.push_back(run()?);
+                    }
+                    for w in inflight {
+                        w.wait(None)?;
+                    }
+                    let d = start.elapsed();
+                    let mut extra = serde_json::Map::new();
+                    extra.insert("backend".into(), transport.describe().into());
+                    extra.insert("memory".into(), (*kind).into());
+                    extra.insert("window".into(), window.into());
+                    extra.insert("ops_per_s".into(), (ops as f64 / d.as_secs_f64()).round().into());
+                    rows.push(BenchResult {
+                        bench: dir.into(),
+                        ranks: 2,
+                        bytes: Some(size as u64),
+                        iters: iters as u64,
+                        lat_us: median,
+                        p99_us: p99,
+                        gbps: Some(gbps(ops * size, d)),
+                        extra,
+                    });
+                }
             }
         }
     }

@@ -11,7 +11,7 @@
 //!   cli        symmem run | demo | bench | store | info (the binary; parses arguments only)
 //!   launch     the one-host launcher behind `symmem run`;   bench: the measurements
 //!   symm       symmetric allocations, rendezvous, handles, signal pads, memory pool
-//!   transport  one-sided read/write between two endpoints; backends: tcp
+//!   transport  one-sided read/write between two endpoints; backends: tcp, shm, auto
 //!   tensor     a small strided tensor over shared storage (used by symm and transport)
 //!   group      who participates: rank, world size, name, scoped store; from the environment
 //!   store      rendezvous key-value store: TCP server and client (PyTorch's TCPStore
@@ -20,8 +20,7 @@
 //!   sys        the only place that calls the OS unsafely
 //! ```
 //!
-//! `ops` (operators on symmetric memory, above `symm`) and the same-host `shm` transport
-//! backend arrive in later releases.
+//! `ops` (operators on symmetric memory, above `symm`) arrives in a later release.
 //!
 //! # The paved path
 //!

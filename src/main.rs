@@ -133,7 +133,7 @@ enum BenchCommand {
         #[arg(long, default_value = "tcp")]
         backend: String,
         /// Message sizes in bytes.
-        #[arg(long, value_delimiter = ',', default_values_t = [8usize, 1024, 65536, 1 << 20, 16 << 20, 64 << 20])]
+        #[arg(long, value_delimiter = ',', default_values_t = [8usize, 4096, 65536, 1 << 20, 16 << 20, 64 << 20])]
         sizes: Vec<usize>,
         /// Transfers in flight for the bandwidth runs.
         #[arg(long, default_value_t = 8)]
@@ -376,7 +376,7 @@ fn demo_rank() -> Result<()> {
     let link = if rank < 2 && world >= 2 {
         let t = Instant::now();
         let link =
-            new_transport_rank("tcp", None, group.store(), 1 - rank as u64, rank as u64, timeout, &Options::new())?;
+            new_transport_rank("auto", None, group.store(), 1 - rank as u64, rank as u64, timeout, &Options::new())?;
         let setup = t.elapsed();
         let weights = if rank == 0 {
             Tensor::from_slice(&[n], &(0..n).map(|i| i as f32).collect::<Vec<f32>>())?
@@ -396,7 +396,8 @@ fn demo_rank() -> Result<()> {
         link.write(&mem.to_view(0, None)?, &remote, None)?;
         let d = t.elapsed();
         say!(
-            "rank 0: trainer connected to the replica over tcp in {:.2} ms and wrote 16 MiB of weights in {:.2} ms ({:.2} GB/s)",
+            "rank 0: trainer connected to the replica ({}) in {:.2} ms and wrote 16 MiB of weights in {:.2} ms ({:.2} GB/s)",
+            link.describe(),
             setup.as_secs_f64() * 1e3,
             d.as_secs_f64() * 1e3,
             (n * 4) as f64 / d.as_secs_f64() / 1e9
@@ -454,7 +455,10 @@ fn info() {
     say!("backends");
     say!("  store      tcp: PyTorch TCPStore protocol (torch 2.15), server and client; needs a reachable TCP port");
     say!("  transport  tcp: any two hosts; needs a TCP port reachable by the peer (SYMMEM_TRANSPORT_TCP_HOST)");
-    say!("             shm: not built yet (same-host one-copy backend)");
+    say!(
+        "             shm: same host, one copy (memcpy through mappings, or process_vm_writev/readv); needs the same user and no ptrace restriction"
+    );
+    say!("             auto: shm for a peer on this host when the kernel allows it, tcp otherwise");
     say!("  symmetric  CPU: shared memory (memfd) between ranks of one host; needs /proc/<pid>/fd access to peers");
     say!();
     say!("this machine");

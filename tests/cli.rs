@@ -285,6 +285,22 @@ fn bench_transport_emits_rows_and_baselines() {
     for r in rows.iter().filter(|r| r["bench"] == "write" || r["bench"] == "read") {
         assert!(r["gbps"].as_f64().is_some_and(|g| g > 0.0) && r["lat_us"].as_f64().is_some_and(|l| l > 0.0), "{r}");
     }
+    // shm: memcpy and process_vm_writev baselines, then heap (cross-memory attach) and shared
+    // (mapped) memory.
+    let out = symmem(&["bench", "transport", "--backend", "shm", "--json", "--sizes", "4096"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let rows: Vec<serde_json::Value> = text(&out.stdout).lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let got: Vec<String> = rows
+        .iter()
+        .map(|r| {
+            format!(
+                "{}{}",
+                r["bench"].as_str().unwrap(),
+                r["memory"].as_str().map(|m| format!("/{m}")).unwrap_or_default()
+            )
+        })
+        .collect();
+    assert_eq!(got, ["memcpy", "process_vm_writev", "write/heap", "read/heap", "write/shared", "read/shared"]);
 }
 
 #[test]

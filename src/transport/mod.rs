@@ -123,7 +123,7 @@ static NEXT_TRANSPORT: AtomicU64 = AtomicU64::new(1);
 #[derive(Debug)]
 pub struct Registration {
     transport: u64,
-    backend: String,
+    backend: Arc<str>,
     /// Random 64-bit id and 128-bit key: together an unguessable capability.
     pub(crate) id: u64,
     pub(crate) key: [u8; 16],
@@ -211,7 +211,7 @@ impl Registration {
 }
 
 /// Counts a transfer against its local registration until dropped (with its Work's state).
-struct InFlight(Arc<Registration>);
+pub(crate) struct InFlight(Arc<Registration>);
 
 impl Drop for InFlight {
     fn drop(&mut self) {
@@ -333,7 +333,7 @@ const SCHEMA: &[(&str, Kind)] = &[
 /// data or native handles; exchange it only with authorized peers.
 #[derive(Clone, PartialEq, Eq)]
 pub struct RemoteBuffer {
-    backend: String,
+    backend: Arc<str>,
     pub(crate) buffer_id: u64,
     pub(crate) offset: u64,
     pub(crate) length: u64,
@@ -393,7 +393,14 @@ impl RemoteBuffer {
         if int(1).checked_add(int(2)).is_none() {
             return Err(Error::InvalidArgument("invalid descriptor field \"length\"".into()));
         }
-        Ok(RemoteBuffer { backend, buffer_id: int(0), offset: int(1), length: int(2), access_key, writable })
+        Ok(RemoteBuffer {
+            backend: Arc::from(backend),
+            buffer_id: int(0),
+            offset: int(1),
+            length: int(2),
+            access_key,
+            writable,
+        })
     }
 
     /// The backend it belongs to.
@@ -583,7 +590,7 @@ impl Transport {
         }
         let reg = Arc::new(Registration {
             transport: self.id,
-            backend: self.backend.name().to_string(),
+            backend: Arc::from(self.backend.name()),
             id: random_u64(),
             key: random_key(),
             _storage: tensor.storage().clone(),
@@ -630,7 +637,7 @@ impl Transport {
     }
 
     fn check_remote(&self, local: &MemoryView, remote: &RemoteBuffer, write: bool) -> Result<()> {
-        if remote.backend != self.backend.name() {
+        if &*remote.backend != self.backend.name() {
             return Err(Error::InvalidArgument(format!(
                 "remote buffer is not a {} descriptor (it is {})",
                 self.backend.name(),
@@ -664,8 +671,7 @@ impl Transport {
             return Err(Error::InvalidArgument(format!("{} transport is not connected{why}", self.backend.name())));
         }
         local.reg.pending.fetch_add(1, Ordering::AcqRel);
-        let keep = InFlight(local.reg.clone());
-        let state = WorkState::new(Box::new(keep));
+        let state = WorkState::new(Some(InFlight(local.reg.clone())));
         let req = Request {
             direction,
             local: local.reg.clone(),
@@ -674,14 +680,16 @@ impl Transport {
             remote: RemoteBuffer { length: local.len as u64, ..remote.clone() },
             work: state.clone(),
         };
-        {
-            let mut out = self.outstanding.lock().unwrap_or_else(|p| p.into_inner());
-            out.retain(|w| w.is_pending());
-            out.push(state.clone());
-        }
         if let Err(e) = self.backend.submit(req) {
             state.complete(Err(e.to_string()));
             return Err(e);
+        }
+        // Backends that copy on the caller's thread complete before returning; only work still
+        // pending needs draining at close.
+        if state.is_pending() {
+            let mut out = self.outstanding.lock().unwrap_or_else(|p| p.into_inner());
+            out.retain(|w| w.is_pending());
+            out.push(state.clone());
         }
         Ok(Work::new(state, Some(self.timeout(timeout))))
     }

@@ -204,7 +204,9 @@ struct Peer {
     table: Table,
     pidfd: OwnedFd,
     alive: AtomicBool,
-    checked: Mutex<Instant>,
+    /// Nanoseconds after `epoch` of the last liveness check.
+    checked: AtomicU64,
+    epoch: Instant,
     /// Mappings of shared registrations, by (id, generation), with the registered range's
     /// offset inside the mapping.
     maps: Mutex<HashMap<(u64, u64), Arc<PeerRange>>>,
@@ -215,9 +217,12 @@ impl Peer {
         if !self.alive.load(Ordering::Acquire) {
             return false;
         }
-        let mut last = self.checked.lock().unwrap_or_else(|p| p.into_inner());
-        if last.elapsed() >= LIVENESS_EVERY {
-            *last = Instant::now();
+        let now = self.epoch.elapsed().as_nanos() as u64;
+        let last = self.checked.load(Ordering::Relaxed);
+        // Relaxed: the timestamp only rate-limits the pidfd poll; racing threads at worst both
+        // poll.
+        if now.saturating_sub(last) >= LIVENESS_EVERY.as_nanos() as u64 {
+            self.checked.store(now, Ordering::Relaxed);
             if cma::exited(&self.pidfd) {
                 self.alive.store(false, Ordering::Release);
                 return false;
@@ -404,7 +409,8 @@ impl Backend for ShmBackend {
             table,
             pidfd,
             alive: AtomicBool::new(true),
-            checked: Mutex::new(Instant::now()),
+            checked: AtomicU64::new(0),
+            epoch: Instant::now(),
             maps: Mutex::new(HashMap::new()),
         };
         *self.peer.lock().unwrap_or_else(|p| p.into_inner()) = Some(Arc::new(peer));

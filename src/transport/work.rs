@@ -7,7 +7,6 @@
 //! failed Work reports its error on every wait. Until it completes, a Work holds what the
 //! transfer uses (the local registration), so its memory outlives any caller that drops it.
 
-use std::any::Any;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU8, Ordering};
@@ -31,7 +30,7 @@ pub(crate) struct WorkState {
     error: OnceLock<String>,
     waiters: Mutex<Vec<Waker>>,
     cv: Condvar,
-    keep: Mutex<Option<Box<dyn Any + Send>>>,
+    keep: Mutex<Option<super::InFlight>>,
 }
 
 impl std::fmt::Debug for WorkState {
@@ -41,10 +40,11 @@ impl std::fmt::Debug for WorkState {
 }
 
 impl WorkState {
-    /// A pending state that holds `keep` until it completes.
-    pub(crate) fn new(keep: Box<dyn Any + Send>) -> Arc<WorkState> {
+    /// A pending state that holds `keep` (the transfer's claim on its registration) until it
+    /// completes.
+    pub(crate) fn new(keep: Option<super::InFlight>) -> Arc<WorkState> {
         let s = WorkState::default();
-        *s.keep.lock().unwrap_or_else(|p| p.into_inner()) = Some(keep);
+        *s.keep.lock().unwrap_or_else(|p| p.into_inner()) = keep;
         Arc::new(s)
     }
 
@@ -230,7 +230,7 @@ mod tests {
 
     #[test]
     fn timeouts_leave_work_pending_and_failures_repeat() {
-        let st = WorkState::new(Box::new(()));
+        let st = WorkState::new(None);
         let w = Work::new(st.clone(), Some(Duration::from_millis(20)));
         assert!(w.wait(None).unwrap_err().is_timeout());
         assert!(!w.is_completed());
@@ -253,8 +253,8 @@ mod tests {
 
     #[test]
     fn futures_and_wait_all() {
-        let a = WorkState::new(Box::new(()));
-        let b = WorkState::new(Box::new(()));
+        let a = WorkState::new(None);
+        let b = WorkState::new(None);
         let works = vec![Work::new(a.clone(), None), Work::new(b.clone(), None)];
         let r = futures::executor::block_on(wait_all(works.clone(), Some(Duration::from_millis(20))));
         assert!(r.unwrap_err().is_timeout());

@@ -41,6 +41,7 @@ pub mod config;
 mod error;
 pub mod group;
 pub mod launch;
+pub mod ops;
 mod rt;
 pub mod store;
 pub mod symm;

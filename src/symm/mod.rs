@@ -263,10 +263,14 @@ pub fn rendezvous(tensor: &Tensor, group: &Group) -> Result<Arc<SymmHandle>> {
         ));
     };
     let offset = base + tensor.storage_offset() * tensor.dtype().size();
-    let key = (group.name().to_string(), offset);
-    if let Some(h) = lock(&alloc.handles).get(&key) {
-        return Ok(h.clone());
+    // The hot path (every operator rendezvouses its input): find the cached handle without
+    // allocating a key.
+    if let Some(h) =
+        lock(&alloc.handles).iter().find(|((g, o), _)| *o == offset && g == group.name()).map(|(_, h)| h.clone())
+    {
+        return Ok(h);
     }
+    let key = (group.name().to_string(), offset);
     let cached = lock(&alloc.peers).get(group.name()).cloned();
     let peers = match cached {
         Some(p) => p,

@@ -1,0 +1,402 @@
+//! Operators on symmetric memory (`spec/symmetric-memory.md`), with PyTorch's names and
+//! semantics and its algorithms (`reference/torch-symm-mem-internals.md` §3.1):
+//!
+//! - one-shot all-reduce: barrier; every rank reads every rank's buffer and reduces in rank
+//!   order into its output; barrier (so nobody overwrites a buffer a peer still reads). Each
+//!   rank reads `ws·n` bytes: best for small messages.
+//! - two-shot all-reduce: barrier; rank r reduces slice r from every rank and pushes it to
+//!   every rank (in place) or keeps it and everyone pulls (out of place); barrier. Each rank
+//!   moves about `2·n` bytes: best for large messages. `reduce_scatter_out` is its first half.
+//! - all-gather, broadcast and all-to-all pull from peers' buffers between two barriers.
+//!
+//! Reductions (sum, avg, min, max; PyTorch has only sum) run in rank order, so results are
+//! bitwise identical on every rank; f16 and bf16 accumulate in f32. Arguments are checked before
+//! any communication; the synchronization is the signal pads' barrier on channel 0, so every
+//! operator is bounded by a timeout (`SYMMEM_OP_TIMEOUT`, 60 s by default) and names the rank it
+//! waited for.
+//!
+//! Layer: uses `symm`, `tensor`, `group`.
+
+mod reduce;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+pub use reduce::ReduceOp;
+
+use crate::error::{Error, Result};
+use crate::group::Group;
+use crate::symm::{self, SymmHandle};
+use crate::tensor::{DType, Tensor};
+
+/// The environment variable that bounds every operator's waits, in seconds.
+pub const TIMEOUT_ENV: &str = "SYMMEM_OP_TIMEOUT";
+
+fn timeout() -> Duration {
+    static T: std::sync::OnceLock<Duration> = std::sync::OnceLock::new();
+    *T.get_or_init(|| {
+        std::env::var(TIMEOUT_ENV)
+            .ok()
+            .and_then(|s| s.trim().parse::<f64>().ok())
+            .and_then(|s| Duration::try_from_secs_f64(s).ok())
+            .unwrap_or(Duration::from_secs(60))
+    })
+}
+
+/// Bytes that every offset and size must be a multiple of (PyTorch: `max(4, esize)`).
+fn alignment(dtype: DType) -> usize {
+    dtype.size().max(4)
+}
+
+#[cold]
+fn bad(op: &str, msg: impl std::fmt::Display) -> Error {
+    Error::InvalidArgument(format!("{op}: {msg}"))
+}
+
+/// Checks that `input` is a contiguous, aligned symmetric tensor and returns its handle.
+fn symmetric(op: &str, input: &Tensor, group: &Group) -> Result<Arc<SymmHandle>> {
+    if !symm::is_symm_mem_tensor(input) {
+        return Err(bad(op, "input must be allocated with symm::empty (a symmetric tensor)"));
+    }
+    if !input.is_contiguous() {
+        return Err(bad(op, "input must be contiguous"));
+    }
+    let a = alignment(input.dtype());
+    let (_, offset) = input.symm_allocation().ok_or_else(|| bad(op, "input is not symmetric"))?;
+    if offset % a != 0 {
+        return Err(bad(op, format!("input ptr + offset must be at least {a}-byte aligned")));
+    }
+    if input.nbytes() % a != 0 {
+        return Err(bad(op, format!("input size must be at least {a}-byte aligned")));
+    }
+    symm::rendezvous(input, group)
+}
+
+fn same_shape(op: &str, input: &Tensor, out: &Tensor) -> Result<()> {
+    if !out.is_contiguous() {
+        return Err(bad(op, "output must be contiguous"));
+    }
+    if out.dtype() != input.dtype() {
+        return Err(bad(op, format!("output is {} but input is {}", out.dtype(), input.dtype())));
+    }
+    if out.shape() != input.shape() {
+        return Err(bad(op, format!("input/output size mismatch: {:?} vs {:?}", input.shape(), out.shape())));
+    }
+    Ok(())
+}
+
+/// Every rank's copy of the tensor behind `h`, as raw pointers, plus `at` bytes.
+fn peers(h: &SymmHandle, at: usize) -> Vec<*const u8> {
+    h.buffer_ptrs().into_iter().map(|p| (p + h.offset() + at) as *const u8).collect()
+}
+
+fn barrier(h: &SymmHandle) -> Result<()> {
+    h.barrier(0, timeout())
+}
+
+/// Out-of-place all-reduce of a symmetric tensor, reading every peer's copy (latency-optimal).
+pub fn one_shot_all_reduce(input: &Tensor, op: ReduceOp, group: &Group) -> Result<Tensor> {
+    let out = Tensor::zeros(input.shape(), input.dtype())?;
+    one_shot_all_reduce_out(input, op, group, &out)?;
+    Ok(out)
+}
+
+/// [`one_shot_all_reduce`] into `out` (any contiguous tensor of the same shape and dtype).
+pub fn one_shot_all_reduce_out(input: &Tensor, op: ReduceOp, group: &Group, out: &Tensor) -> Result<()> {
+    const OP: &str = "one_shot_all_reduce";
+    same_shape(OP, input, out)?;
+    if input.dtype() == DType::Bool {
+        return Err(bad(OP, "bool tensors cannot be reduced"));
+    }
+    let h = symmetric(OP, input, group)?;
+    if input.numel() == 0 {
+        return Ok(());
+    }
+    barrier(&h)?;
+    // SAFETY: between the barriers no rank writes its input (the operator's contract), every
+    // peer pointer addresses numel elements inside that peer's mapped buffer (rendezvous checked
+    // the shapes), and `out` is a contiguous tensor of numel elements.
+    unsafe { reduce::reduce(input.dtype(), op, &peers(&h, 0), &[out.data_ptr()], input.numel(), h.world_size())? };
+    barrier(&h)
+}
+
+/// The slice of `n` elements rank `r` of `ws` owns in the two-shot algorithms: equal, aligned
+/// slices; the last ones may be short or empty.
+fn slice(n: usize, ws: usize, r: usize, per_align: usize) -> (usize, usize) {
+    let per = n.div_ceil(ws).div_ceil(per_align) * per_align;
+    let start = (r * per).min(n);
+    (start, ((r + 1) * per).min(n) - start)
+}
+
+/// In-place all-reduce of a symmetric tensor: every rank reduces one slice and pushes it to all
+/// (bandwidth-optimal).
+pub fn two_shot_all_reduce_(input: &Tensor, op: ReduceOp, group: &Group) -> Result<()> {
+    const OP: &str = "two_shot_all_reduce_";
+    if input.dtype() == DType::Bool {
+        return Err(bad(OP, "bool tensors cannot be reduced"));
+    }
+    let h = symmetric(OP, input, group)?;
+    if input.numel() == 0 {
+        return Ok(());
+    }
+    let (es, ws) = (input.dtype().size(), h.world_size());
+    let (start, len) = slice(input.numel(), ws, h.rank(), alignment(input.dtype()) / es);
+    barrier(&h)?;
+    let srcs = peers(&h, start * es);
+    let dsts: Vec<*mut u8> = srcs.iter().map(|&p| p.cast_mut()).collect();
+    // SAFETY: slice [start, start+len) of every rank's buffer is read and written by this rank
+    // only, between the barriers; the pointers address mapped buffers (checked shapes).
+    unsafe { reduce::reduce(input.dtype(), op, &srcs, &dsts, len, ws)? };
+    barrier(&h)
+}
+
+/// Out-of-place two-shot all-reduce into `out`. Like PyTorch's, it also leaves this rank's
+/// reduced slice in `input`.
+pub fn two_shot_all_reduce_out(input: &Tensor, op: ReduceOp, group: &Group, out: &Tensor) -> Result<()> {
+    const OP: &str = "two_shot_all_reduce_out";
+    same_shape(OP, input, out)?;
+    if input.dtype() == DType::Bool {
+        return Err(bad(OP, "bool tensors cannot be reduced"));
+    }
+    let h = symmetric(OP, input, group)?;
+    if input.numel() == 0 {
+        return Ok(());
+    }
+    let (es, ws) = (input.dtype().size(), h.world_size());
+    let per_align = alignment(input.dtype()) / es;
+    let (start, len) = slice(input.numel(), ws, h.rank(), per_align);
+    barrier(&h)?;
+    let own = (h.buffer_ptrs()[h.rank()] + h.offset() + start * es) as *mut u8;
+    // SAFETY: as in two_shot_all_reduce_; this rank writes only its own slice of its own buffer.
+    unsafe { reduce::reduce(input.dtype(), op, &peers(&h, start * es), &[own], len, ws)? };
+    barrier(&h)?;
+    for k in 0..ws {
+        let r = (h.rank() + k) % ws;
+        let (s, l) = slice(input.numel(), ws, r, per_align);
+        // SAFETY: rank r's reduced slice is final (second barrier) and nobody writes it until
+        // the third; `out` holds numel elements.
+        unsafe { std::ptr::copy_nonoverlapping(peers(&h, s * es)[r], out.data_ptr().add(s * es), l * es) };
+    }
+    barrier(&h)
+}
+
+/// Reduce-scatter: rank r's `out` receives slice r of the reduction. Without
+/// `split_last_dim`, `input` and `out` are 1-D and slice r is the r-th 1/ws of `input`; with
+/// it, slice r is the r-th block of columns of the last dimension.
+pub fn reduce_scatter_out(
+    input: &Tensor,
+    op: ReduceOp,
+    group: &Group,
+    split_last_dim: bool,
+    out: &Tensor,
+) -> Result<()> {
+    const OP: &str = "reduce_scatter_out";
+    if input.dtype() == DType::Bool {
+        return Err(bad(OP, "bool tensors cannot be reduced"));
+    }
+    if out.dtype() != input.dtype() || !out.is_contiguous() {
+        return Err(bad(OP, "output must be a contiguous tensor of the input's dtype"));
+    }
+    let ws = group.world_size();
+    let per_align = alignment(input.dtype()) / input.dtype().size();
+    if split_last_dim {
+        let (is, os) = (input.shape(), out.shape());
+        let last = *is.last().ok_or_else(|| bad(OP, "input has no dimensions"))?;
+        if is.len() != os.len() || is[..is.len() - 1] != os[..os.len() - 1] || os[os.len() - 1] * ws != last {
+            return Err(bad(
+                OP,
+                format!("output shape {os:?} must be the input shape {is:?} with the last dimension / {ws}"),
+            ));
+        }
+        if last % (ws * per_align) != 0 {
+            return Err(bad(OP, format!("the last dimension must be divisible by world_size * {per_align}")));
+        }
+    } else {
+        if input.shape().len() != 1 || out.shape().len() != 1 {
+            return Err(bad(OP, "reduce_scatter expected 1D input/output"));
+        }
+        if input.numel() % (ws * per_align) != 0 {
+            return Err(bad(OP, format!("expected number of elements to be divisible by world_size * {per_align}")));
+        }
+        if out.numel() * ws != input.numel() {
+            return Err(bad(OP, format!("output has {} elements; expected {}", out.numel(), input.numel() / ws)));
+        }
+    }
+    let h = symmetric(OP, input, group)?;
+    if input.numel() == 0 {
+        return Ok(());
+    }
+    let es = input.dtype().size();
+    barrier(&h)?;
+    if split_last_dim {
+        let last = *input.shape().last().unwrap_or(&1);
+        let (cols, rows) = (last / ws, input.numel() / last);
+        for row in 0..rows {
+            let at = (row * last + h.rank() * cols) * es;
+            // SAFETY: column block of this row in every rank's buffer, read-only between the
+            // barriers; the output row holds `cols` elements.
+            unsafe {
+                reduce::reduce(input.dtype(), op, &peers(&h, at), &[out.data_ptr().add(row * cols * es)], cols, ws)?
+            };
+        }
+    } else {
+        let per = input.numel() / ws;
+        // SAFETY: slice r of every rank's buffer, read-only between the barriers; out has `per`.
+        unsafe { reduce::reduce(input.dtype(), op, &peers(&h, h.rank() * per * es), &[out.data_ptr()], per, ws)? };
+    }
+    barrier(&h)
+}
+
+/// All-gather: `out` (shape `[ws · d0, ...]`) receives every rank's `input` in rank order.
+pub fn all_gather_into(input: &Tensor, group: &Group, out: &Tensor) -> Result<()> {
+    const OP: &str = "all_gather";
+    let ws = group.world_size();
+    let (is, os) = (input.shape(), out.shape());
+    if is.is_empty()
+        || os.len() != is.len()
+        || os[0] != is[0] * ws
+        || os[1..] != is[1..]
+        || out.dtype() != input.dtype()
+    {
+        return Err(bad(OP, format!("output must be {} x the input's first dimension ({is:?} -> {os:?})", ws)));
+    }
+    if !out.is_contiguous() {
+        return Err(bad(OP, "output must be contiguous"));
+    }
+    let h = symmetric(OP, input, group)?;
+    let n = input.nbytes();
+    barrier(&h)?;
+    let ptrs = peers(&h, 0);
+    for k in 0..ws {
+        let r = (h.rank() + k) % ws;
+        // SAFETY: rank r's input is not written between the barriers; out has ws·n bytes.
+        unsafe { std::ptr::copy_nonoverlapping(ptrs[r], out.data_ptr().add(r * n), n) };
+    }
+    barrier(&h)
+}
+
+/// Broadcast in place: every rank's `input` becomes `root`'s.
+pub fn broadcast_(input: &Tensor, root: usize, group: &Group) -> Result<()> {
+    const OP: &str = "broadcast";
+    if root >= group.world_size() {
+        return Err(bad(OP, format!("root {root} is not a rank of a group of {}", group.world_size())));
+    }
+    let h = symmetric(OP, input, group)?;
+    barrier(&h)?;
+    if h.rank() != root {
+        // SAFETY: root's buffer is not written between the barriers; ours is written only here.
+        unsafe { std::ptr::copy_nonoverlapping(peers(&h, 0)[root], input.data_ptr(), input.nbytes()) };
+    }
+    barrier(&h)
+}
+
+/// Equal-split all-to-all: `input` and `out` have the same shape, the first dimension divisible
+/// by the world size; block j of rank i's `out` is block i of rank j's `input`.
+pub fn all_to_all(input: &Tensor, out: &Tensor, group: &Group) -> Result<()> {
+    const OP: &str = "all_to_all";
+    same_shape(OP, input, out)?;
+    let ws = group.world_size();
+    if input.shape().first().is_none_or(|d| d % ws != 0) {
+        return Err(bad(
+            OP,
+            format!("the first dimension {:?} must be divisible by world size {ws}", input.shape().first()),
+        ));
+    }
+    let h = symmetric(OP, input, group)?;
+    let block = input.nbytes() / ws;
+    barrier(&h)?;
+    for k in 0..ws {
+        let j = (h.rank() + k) % ws;
+        let src = peers(&h, h.rank() * block)[j];
+        // SAFETY: inputs are not written between the barriers; out has ws blocks.
+        unsafe { std::ptr::copy_nonoverlapping(src, out.data_ptr().add(j * block), block) };
+    }
+    barrier(&h)
+}
+
+/// Messages up to this size use the one-shot algorithm in [`all_reduce`].
+pub const ONE_SHOT_MAX: usize = 256 * 1024;
+
+/// In-place all-reduce of a symmetric tensor: one-shot up to [`ONE_SHOT_MAX`] bytes (through a
+/// per-thread scratch buffer, reused across calls), two-shot above.
+pub fn all_reduce(tensor: &Tensor, op: ReduceOp, group: &Group) -> Result<()> {
+    if tensor.nbytes() > ONE_SHOT_MAX {
+        return two_shot_all_reduce_(tensor, op, group);
+    }
+    const OP: &str = "all_reduce";
+    if tensor.dtype() == DType::Bool {
+        return Err(bad(OP, "bool tensors cannot be reduced"));
+    }
+    let h = symmetric(OP, tensor, group)?;
+    if tensor.numel() == 0 {
+        return Ok(());
+    }
+    thread_local! {
+        static SCRATCH: std::cell::RefCell<Vec<u64>> = const { std::cell::RefCell::new(Vec::new()) };
+    }
+    SCRATCH.with(|s| {
+        let mut s = s.borrow_mut();
+        let words = tensor.nbytes().div_ceil(8);
+        if s.len() < words {
+            s.resize(words, 0);
+        }
+        let scratch = s.as_mut_ptr().cast::<u8>();
+        barrier(&h)?;
+        // SAFETY: as in one_shot_all_reduce_out; the scratch holds nbytes and is 8-aligned.
+        unsafe { reduce::reduce(tensor.dtype(), op, &peers(&h, 0), &[scratch], tensor.numel(), h.world_size())? };
+        barrier(&h)?;
+        // SAFETY: every peer has finished reading our buffer (second barrier).
+        unsafe { std::ptr::copy_nonoverlapping(scratch, tensor.data_ptr(), tensor.nbytes()) };
+        Ok(())
+    })
+}
+
+/// Operators that need GPU hardware: they answer with what they need.
+pub fn multimem_all_reduce_(_input: &Tensor, _op: ReduceOp, _group: &Group) -> Result<()> {
+    Err(unsupported("multimem_all_reduce_", "NVLink SHARP multicast (multimem) on CUDA devices"))
+}
+
+/// See [`multimem_all_reduce_`].
+pub fn multimem_all_gather_out(_input: &Tensor, _group: &Group, _out: &Tensor) -> Result<()> {
+    Err(unsupported("multimem_all_gather_out", "NVLink SHARP multicast (multimem) on CUDA devices"))
+}
+
+/// See [`multimem_all_reduce_`].
+pub fn stream_write_value32_(_input: &Tensor, _offset: usize, _value: u32) -> Result<()> {
+    Err(unsupported("stream_write_value32_", "a CUDA stream"))
+}
+
+/// See [`multimem_all_reduce_`].
+pub fn fused_all_gather_scaled_matmul() -> Result<()> {
+    Err(unsupported("fused_all_gather_scaled_matmul", "FP8 tensor cores (CUDA)"))
+}
+
+/// See [`multimem_all_reduce_`].
+pub fn fused_scaled_matmul_reduce_scatter() -> Result<()> {
+    Err(unsupported("fused_scaled_matmul_reduce_scatter", "FP8 tensor cores (CUDA)"))
+}
+
+#[cold]
+fn unsupported(what: &str, needs: &str) -> Error {
+    Error::Unsupported { what: what.into(), needs: needs.into() }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn slices_cover_everything_once() {
+        for n in [0, 1, 7, 64, 1000, 1001] {
+            for ws in 1..=8 {
+                let mut covered = 0;
+                for r in 0..ws {
+                    let (s, l) = slice(n, ws, r, 4);
+                    assert_eq!(s, covered.min(n));
+                    covered = s + l;
+                }
+                assert_eq!(covered, n);
+            }
+        }
+    }
+}

@@ -48,7 +48,7 @@ fn tensor_of(dtype: DType, t: &Tensor, vals: &[i64]) {
         DType::I8 => t.copy_from_slice(&vals.iter().map(|&v| v as i8).collect::<Vec<_>>()),
         DType::I16 => t.copy_from_slice(&vals.iter().map(|&v| v as i16).collect::<Vec<_>>()),
         DType::I32 => t.copy_from_slice(&vals.iter().map(|&v| v as i32).collect::<Vec<_>>()),
-        DType::I64 => t.copy_from_slice(&vals.to_vec()),
+        DType::I64 => t.copy_from_slice(vals),
         DType::U8 => t.copy_from_slice(&vals.iter().map(|&v| v as u8).collect::<Vec<_>>()),
         DType::U32 => t.copy_from_slice(&vals.iter().map(|&v| v as u32).collect::<Vec<_>>()),
         DType::Bool => unreachable!(),

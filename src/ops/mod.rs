@@ -66,7 +66,7 @@ fn symmetric(op: &str, input: &Tensor, group: &Group) -> Result<Arc<SymmHandle>>
     if offset % a != 0 {
         return Err(bad(op, format!("input ptr + offset must be at least {a}-byte aligned")));
     }
-    if input.nbytes() % a != 0 {
+    if !input.nbytes().is_multiple_of(a) {
         return Err(bad(op, format!("input size must be at least {a}-byte aligned")));
     }
     symm::rendezvous(input, group)
@@ -215,7 +215,7 @@ pub fn reduce_scatter_out(
         if input.shape().len() != 1 || out.shape().len() != 1 {
             return Err(bad(OP, "reduce_scatter expected 1D input/output"));
         }
-        if input.numel() % (ws * per_align) != 0 {
+        if !input.numel().is_multiple_of(ws * per_align) {
             return Err(bad(OP, format!("expected number of elements to be divisible by world_size * {per_align}")));
         }
         if out.numel() * ws != input.numel() {

@@ -803,3 +803,155 @@ pub fn transport_rank(backend: &str, window: usize, sizes: &[usize]) -> Result<(
     transport.close(Some(t))?;
     if me == 0 { report(&rows) } else { Ok(()) }
 }
+
+/// What `symmem bench <collective>` measures.
+#[derive(Clone, Debug)]
+pub struct OpBenchOptions {
+    /// `all_reduce`, `all_gather`, `reduce_scatter` or `all_to_all`.
+    pub op: String,
+    /// For all-reduce: `one_shot`, `two_shot` or `auto`.
+    pub algo: String,
+    /// Ranks to launch.
+    pub ranks: usize,
+    /// Message sizes in bytes (all-reduce: the tensor; all-gather: the gathered output;
+    /// reduce-scatter and all-to-all: the input), as nccl-tests counts them.
+    pub sizes: Vec<usize>,
+    /// Element type.
+    pub dtype: DType,
+    /// Timed iterations per size (fewer for large sizes).
+    pub iters: usize,
+    /// Untimed iterations first.
+    pub warmup: usize,
+    /// The `symmem` executable to launch ranks of.
+    pub exe: std::path::PathBuf,
+}
+
+use crate::tensor::DType;
+
+/// nccl-tests' bus-bandwidth factor for `op` on `n` ranks.
+fn bus_factor(op: &str, n: usize) -> f64 {
+    let n = n as f64;
+    match op {
+        "all_reduce" => 2.0 * (n - 1.0) / n,
+        _ => (n - 1.0) / n,
+    }
+}
+
+/// Latency and bandwidth of a collective across launched ranks.
+pub fn collective(options: &OpBenchOptions, mut emit: impl FnMut(BenchResult)) -> Result<()> {
+    let dir = std::env::temp_dir().join(format!("symmem-bench-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).map_err(|e| Error::io(format!("create {}", dir.display()), e))?;
+    let out = dir.join("op.jsonl");
+    let sizes = options.sizes.iter().map(usize::to_string).collect::<Vec<_>>().join(",");
+    let args: Vec<std::ffi::OsString> = vec![
+        "__bench-op-rank".into(),
+        "--op".into(),
+        options.op.clone().into(),
+        "--algo".into(),
+        options.algo.clone().into(),
+        "--dtype".into(),
+        options.dtype.to_string().into(),
+        "--iters".into(),
+        options.iters.to_string().into(),
+        "--warmup".into(),
+        options.warmup.to_string().into(),
+        "--sizes".into(),
+        sizes.into(),
+    ];
+    let mut launch = crate::launch::LaunchOptions::local(options.ranks, options.exe.clone(), args);
+    launch.env.push((BENCH_OUT_ENV.into(), out.clone().into()));
+    launch.timeout = Some(Duration::from_secs(1200));
+    let result = crate::launch::run(&launch).and_then(|outcome| {
+        if outcome != crate::launch::Outcome::Success {
+            return Err(Error::InvalidArgument(format!("benchmark job failed: {outcome}")));
+        }
+        let text = std::fs::read_to_string(&out).map_err(|e| Error::io(format!("read {}", out.display()), e))?;
+        for line in text.lines() {
+            emit(serde_json::from_str(line).map_err(|e| Error::InvalidArgument(format!("bad result {line:?}: {e}")))?);
+        }
+        Ok(())
+    });
+    let _ = std::fs::remove_dir_all(&dir);
+    result
+}
+
+/// Parses `float32`, `f32`, `bf16`, ... into a dtype.
+pub fn parse_dtype(s: &str) -> Result<DType> {
+    let s = s.to_ascii_lowercase();
+    DType::ALL
+        .into_iter()
+        .find(|d| d.to_string() == s || format!("{d:?}").to_ascii_lowercase() == s)
+        .ok_or_else(|| Error::InvalidArgument(format!("unknown dtype {s:?}")))
+}
+
+/// One rank of `symmem bench <collective>`.
+pub fn collective_rank(op: &str, algo: &str, dtype: DType, iters: usize, warmup: usize, sizes: &[usize]) -> Result<()> {
+    use crate::ops::{self, ReduceOp};
+    use crate::symm::{self, Device};
+    use crate::tensor::Tensor;
+    let group = crate::Group::from_env()?;
+    let ws = group.world_size();
+    let es = dtype.size();
+    let mut rows = Vec::new();
+    for &size in sizes {
+        // Elements per rank's input, rounded to what every operator accepts.
+        let unit = es.max(4) / es * ws;
+        let numel = match op {
+            "all_gather" => (size / es / ws).max(1),
+            _ => (size / es).div_ceil(unit).max(1) * unit,
+        };
+        let input = symm::empty(&[numel], dtype, Device::Cpu)?;
+        let out_len = match op {
+            "all_gather" => numel * ws,
+            "reduce_scatter" => numel / ws,
+            _ => numel,
+        };
+        let out = Tensor::zeros(&[out_len], dtype)?;
+        let run = || -> Result<()> {
+            match (op, algo) {
+                ("all_reduce", "one_shot") => ops::one_shot_all_reduce_out(&input, ReduceOp::Sum, &group, &out),
+                ("all_reduce", "two_shot") => ops::two_shot_all_reduce_(&input, ReduceOp::Sum, &group),
+                ("all_reduce", _) => ops::all_reduce(&input, ReduceOp::Sum, &group),
+                ("all_gather", _) => ops::all_gather_into(&input, &group, &out),
+                ("reduce_scatter", _) => ops::reduce_scatter_out(&input, ReduceOp::Sum, &group, false, &out),
+                ("all_to_all", _) => ops::all_to_all(&input, &out, &group),
+                (other, _) => Err(Error::InvalidArgument(format!("unknown collective {other:?}"))),
+            }
+        };
+        let n_iters = ops_for(size, 256 << 20, 10, iters);
+        for _ in 0..warmup.min(n_iters) {
+            run()?;
+        }
+        let mut lat = Vec::with_capacity(n_iters);
+        let start = Instant::now();
+        for _ in 0..n_iters {
+            let t = Instant::now();
+            run()?;
+            lat.push(t.elapsed());
+        }
+        let total = start.elapsed();
+        let bytes = match op {
+            "all_gather" => numel * ws * es,
+            _ => numel * es,
+        };
+        let (median, p99) = percentiles(&mut lat);
+        let algbw = bytes as f64 / (median / 1e6) / 1e9;
+        let mut extra = serde_json::Map::new();
+        extra.insert("algo".into(), if op == "all_reduce" { algo } else { "pull" }.into());
+        extra.insert("dtype".into(), dtype.to_string().into());
+        extra.insert("busbw_gbps".into(), (algbw * bus_factor(op, ws)).into());
+        extra.insert("ops_per_s".into(), (n_iters as f64 / total.as_secs_f64()).round().into());
+        rows.push(BenchResult {
+            bench: op.into(),
+            ranks: ws,
+            bytes: Some(bytes as u64),
+            iters: n_iters as u64,
+            lat_us: median,
+            p99_us: p99,
+            gbps: Some(algbw),
+            extra,
+        });
+    }
+    group.barrier(Duration::from_secs(60))?;
+    if group.rank() == 0 { report(&rows) } else { Ok(()) }
+}

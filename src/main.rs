@@ -59,6 +59,22 @@ enum Command {
         #[arg(long)]
         iters: usize,
     },
+    /// One rank of `symmem bench <collective>`.
+    #[command(name = "__bench-op-rank", hide = true)]
+    BenchOpRank {
+        #[arg(long)]
+        op: String,
+        #[arg(long)]
+        algo: String,
+        #[arg(long)]
+        dtype: String,
+        #[arg(long)]
+        iters: usize,
+        #[arg(long)]
+        warmup: usize,
+        #[arg(long, value_delimiter = ',')]
+        sizes: Vec<usize>,
+    },
     /// One rank of `symmem bench transport`.
     #[command(name = "__bench-transport-rank", hide = true)]
     BenchTransportRank {
@@ -121,8 +137,68 @@ struct StoreArgs {
     port: u16,
 }
 
+#[derive(Args, Clone)]
+struct CollectiveArgs {
+    /// One JSON object per result line instead of a table.
+    #[arg(long)]
+    json: bool,
+    /// Ranks to launch on this host.
+    #[arg(long, default_value_t = 2)]
+    ranks: usize,
+    /// Message sizes (bytes; K and M suffixes allowed).
+    #[arg(long, value_delimiter = ',', default_values_t = ["8".to_string(), "4K".into(), "64K".into(), "1M".into(), "16M".into()])]
+    sizes: Vec<String>,
+    /// Element type.
+    #[arg(long, default_value = "float32")]
+    dtype: String,
+    /// For all-reduce: one_shot, two_shot, or auto (one-shot up to 8 KiB).
+    #[arg(long, default_value = "auto")]
+    algo: String,
+    /// Timed iterations per size (fewer for large messages).
+    #[arg(long, default_value_t = 2000)]
+    iters: usize,
+    /// Untimed iterations before timing.
+    #[arg(long, default_value_t = 100)]
+    warmup: usize,
+}
+
+fn parse_size(s: &str) -> Result<usize> {
+    let s = s.trim();
+    let (num, mult) = match s.chars().last() {
+        Some('K' | 'k') => (&s[..s.len() - 1], 1024),
+        Some('M' | 'm') => (&s[..s.len() - 1], 1024 * 1024),
+        Some('G' | 'g') => (&s[..s.len() - 1], 1024 * 1024 * 1024),
+        _ => (s, 1),
+    };
+    Ok(num.parse::<usize>().with_context(|| format!("size {s:?} is not a number of bytes"))? * mult)
+}
+
+fn bench_collective(op: &str, a: &CollectiveArgs) -> Result<ExitCode> {
+    let options = bench::OpBenchOptions {
+        op: op.into(),
+        algo: a.algo.clone(),
+        ranks: a.ranks,
+        sizes: a.sizes.iter().map(|s| parse_size(s)).collect::<Result<_>>()?,
+        dtype: bench::parse_dtype(&a.dtype)?,
+        iters: a.iters,
+        warmup: a.warmup,
+        exe: std::env::current_exe().context("find the symmem executable")?,
+    };
+    let mut table = Table::new(a.json);
+    bench::collective(&options, |r| table.row(&r))?;
+    Ok(ExitCode::SUCCESS)
+}
+
 #[derive(Subcommand)]
 enum BenchCommand {
+    /// All-reduce on symmetric memory (one-shot, two-shot, or picked by size).
+    AllReduce(CollectiveArgs),
+    /// All-gather into a tensor.
+    AllGather(CollectiveArgs),
+    /// Reduce-scatter.
+    ReduceScatter(CollectiveArgs),
+    /// Equal-split all-to-all.
+    AllToAll(CollectiveArgs),
     /// One-sided write and read latency and bandwidth between two processes, next to a plain
     /// TCP stream between the same two processes.
     Transport {
@@ -200,6 +276,12 @@ fn dispatch(command: Command) -> Result<ExitCode> {
         Command::DemoRank => demo_rank().map(|()| ExitCode::SUCCESS),
         Command::BenchSignalRank { iters } => bench::signal_rank(iters).map(|()| ExitCode::SUCCESS).map_err(Into::into),
         Command::BenchFlagRank { iters } => bench::flag_rank(iters).map(|()| ExitCode::SUCCESS).map_err(Into::into),
+        Command::BenchOpRank { op, algo, dtype, iters, warmup, sizes } => {
+            let dtype = bench::parse_dtype(&dtype)?;
+            bench::collective_rank(&op, &algo, dtype, iters, warmup, &sizes)
+                .map(|()| ExitCode::SUCCESS)
+                .map_err(Into::into)
+        }
         Command::BenchTransportRank { backend, window, sizes } => {
             bench::transport_rank(&backend, window, &sizes).map(|()| ExitCode::SUCCESS).map_err(Into::into)
         }
@@ -209,6 +291,10 @@ fn dispatch(command: Command) -> Result<ExitCode> {
             info();
             Ok(ExitCode::SUCCESS)
         }
+        Command::Bench { which: BenchCommand::AllReduce(a) } => bench_collective("all_reduce", &a),
+        Command::Bench { which: BenchCommand::AllGather(a) } => bench_collective("all_gather", &a),
+        Command::Bench { which: BenchCommand::ReduceScatter(a) } => bench_collective("reduce_scatter", &a),
+        Command::Bench { which: BenchCommand::AllToAll(a) } => bench_collective("all_to_all", &a),
         Command::Bench { which: BenchCommand::Transport { json, backend, sizes, window } } => {
             let exe = std::env::current_exe().context("find the symmem executable")?;
             let mut table = Table::new(json);

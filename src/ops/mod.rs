@@ -315,7 +315,7 @@ pub fn all_to_all(input: &Tensor, out: &Tensor, group: &Group) -> Result<()> {
 }
 
 /// Messages up to this size use the one-shot algorithm in [`all_reduce`].
-pub const ONE_SHOT_MAX: usize = 256 * 1024;
+pub const ONE_SHOT_MAX: usize = 8 * 1024;
 
 /// In-place all-reduce of a symmetric tensor: one-shot up to [`ONE_SHOT_MAX`] bytes (through a
 /// per-thread scratch buffer, reused across calls), two-shot above.

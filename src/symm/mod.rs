@@ -496,9 +496,14 @@ impl SymmHandle {
     }
 
     fn patience(&self, timeout: Duration) -> Patience {
-        // When ranks outnumber cores, spinning only steals time from the rank being waited for.
-        let spin = if self.world_size() > cores() { Duration::from_micros(2) } else { spin() };
-        Patience { spin, deadline: Instant::now() + timeout }
+        // When ranks outnumber cores, spinning only steals time from the rank being waited for:
+        // yield the core to it instead, and sleep only after that.
+        let (spin, yield_for) = if self.world_size() > cores() {
+            (Duration::ZERO, Duration::from_millis(2))
+        } else {
+            (spin(), Duration::from_micros(100))
+        };
+        Patience { spin, yield_for, deadline: Instant::now() + timeout }
     }
 
     /// Raises a signal at `dst_rank` on `channel`; blocks while the previous signal on that

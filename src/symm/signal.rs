@@ -54,12 +54,18 @@ pub(crate) trait SlotWord {
     fn wake(&self);
     /// One step of busy waiting.
     fn relax(&self);
+    /// Gives the core to another runnable thread or process.
+    fn yield_now(&self);
 }
 
-/// How long to spin before sleeping, and when to give up.
+/// How long to spin, then yield the core, before sleeping; and when to give up.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Patience {
     pub(crate) spin: Duration,
+    /// After spinning: how long to keep yielding the core (`sched_yield`) before sleeping.
+    /// When ranks outnumber cores, the rank being waited for is often runnable on this very
+    /// core, and yielding lets it run at once instead of after a futex round trip.
+    pub(crate) yield_for: Duration,
     pub(crate) deadline: Instant,
 }
 
@@ -78,18 +84,34 @@ const MAX_NAP: Duration = Duration::from_millis(100);
 struct Spinner {
     start: Instant,
     spins: u32,
+    yielding: bool,
 }
 
 impl Spinner {
     fn new() -> Spinner {
-        Spinner { start: Instant::now(), spins: 0 }
+        Spinner { start: Instant::now(), spins: 0, yielding: false }
     }
 
-    /// Whether to keep spinning rather than sleep.
-    fn keep_spinning(&mut self, p: &Patience) -> bool {
+    /// Whether to keep busy-waiting (spinning or yielding) rather than sleep; yields the core
+    /// itself once past the spinning phase.
+    fn keep_spinning<W: SlotWord>(&mut self, p: &Patience, slot: &W) -> bool {
         self.spins += 1;
-        // Reading the clock costs ~20 ns; do it every 64 spins.
-        !self.spins.is_multiple_of(64) || self.start.elapsed() < p.spin
+        // Reading the clock costs ~20 ns; while spinning, do it every 64 spins.
+        if self.spins < 64 || !self.spins.is_multiple_of(64) && !self.yielding {
+            slot.relax();
+            return true;
+        }
+        let elapsed = self.start.elapsed();
+        if elapsed < p.spin {
+            slot.relax();
+            return true;
+        }
+        if elapsed < p.spin + p.yield_for {
+            self.yielding = true;
+            slot.yield_now();
+            return true;
+        }
+        false
     }
 }
 
@@ -115,8 +137,7 @@ pub(crate) fn put<W: SlotWord>(slot: &W, p: &Patience) -> Result<(), Failure> {
                 }
             }
             SIGNALED => {
-                if spinner.keep_spinning(p) {
-                    slot.relax();
+                if spinner.keep_spinning(p, slot) {
                     continue;
                 }
                 let Some(t) = nap(p) else { return Err(Failure::TimedOut) };
@@ -152,8 +173,7 @@ pub(crate) fn wait<W: SlotWord>(slot: &W, p: &Patience) -> Result<(), Failure> {
                 }
             }
             EMPTY => {
-                if spinner.keep_spinning(p) {
-                    slot.relax();
+                if spinner.keep_spinning(p, slot) {
                     continue;
                 }
                 let Some(t) = nap(p) else { return Err(Failure::TimedOut) };
@@ -195,6 +215,10 @@ impl SlotWord for std::sync::atomic::AtomicU32 {
     fn relax(&self) {
         std::hint::spin_loop();
     }
+
+    fn yield_now(&self) {
+        std::thread::yield_now();
+    }
 }
 
 #[cfg(test)]
@@ -204,7 +228,11 @@ mod tests {
     use std::sync::atomic::AtomicU32;
 
     fn patience(spin_us: u64, timeout_ms: u64) -> Patience {
-        Patience { spin: Duration::from_micros(spin_us), deadline: Instant::now() + Duration::from_millis(timeout_ms) }
+        Patience {
+            spin: Duration::from_micros(spin_us),
+            yield_for: Duration::from_micros(spin_us),
+            deadline: Instant::now() + Duration::from_millis(timeout_ms),
+        }
     }
 
     #[test]
@@ -265,11 +293,18 @@ mod tests {
             fn relax(&self) {
                 loom::thread::yield_now();
             }
+            fn yield_now(&self) {
+                loom::thread::yield_now();
+            }
         }
 
         fn forever() -> Patience {
             // No spinning: go straight to the sleeping states, the interesting part.
-            Patience { spin: Duration::ZERO, deadline: Instant::now() + Duration::from_secs(3600) }
+            Patience {
+                spin: Duration::ZERO,
+                yield_for: Duration::ZERO,
+                deadline: Instant::now() + Duration::from_secs(3600),
+            }
         }
 
         #[test]

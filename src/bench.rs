@@ -895,7 +895,8 @@ pub fn collective_rank(op: &str, algo: &str, dtype: DType, iters: usize, warmup:
     let mut rows = Vec::new();
     for &size in sizes {
         // Elements per rank's input, rounded to what every operator accepts.
-        let unit = es.max(4) / es * ws;
+        let aligned = es.max(4) / es;
+        let unit = if matches!(op, "reduce_scatter" | "all_to_all") { aligned * ws } else { aligned };
         let numel = match op {
             "all_gather" => (size / es / ws).max(1),
             _ => (size / es).div_ceil(unit).max(1) * unit,

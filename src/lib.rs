@@ -10,6 +10,7 @@
 //! ```text
 //!   cli        symmem run | demo | bench | store | info (the binary; parses arguments only)
 //!   launch     the one-host launcher behind `symmem run`;   bench: the measurements
+//!   ops        collectives on symmetric memory (all-reduce, reduce-scatter, all-gather, ...)
 //!   symm       symmetric allocations, rendezvous, handles, signal pads, memory pool
 //!   transport  one-sided read/write between two endpoints; backends: tcp, shm, auto
 //!   tensor     a small strided tensor over shared storage (used by symm and transport)
@@ -20,7 +21,8 @@
 //!   sys        the only place that calls the OS unsafely
 //! ```
 //!
-//! `ops` (operators on symmetric memory, above `symm`) arrives in a later release.
+//! Custom operators are built from a handle's buffer pointers and signal pads, as
+//! `examples/custom_all_reduce.rs` shows.
 //!
 //! # The paved path
 //!

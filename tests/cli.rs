@@ -182,6 +182,7 @@ fn ranks_rendezvous_through_the_launchers_store() {
     assert!(out.status.success(), "{stdout}\n{}", text(&out.stderr));
     assert!(stdout.contains("[0] rank 0: done: 3 ranks joined"), "{stdout}");
     assert!(stdout.contains("laps of a signal around the 3-rank ring"), "{stdout}");
+    assert!(stdout.contains("all-reduce of 1 MiB (two-shot) on 3 ranks"), "{stdout}");
     assert!(stdout.contains("[1] rank 1: read rank 2's 4 KiB buffer directly"), "{stdout}");
     assert!(stdout.contains("[1] rank 1: replica verified all 4194304 weights"), "{stdout}");
     for r in 0..3 {

@@ -938,7 +938,12 @@ pub fn collective_rank(op: &str, algo: &str, dtype: DType, iters: usize, warmup:
         let (median, p99) = percentiles(&mut lat);
         let algbw = bytes as f64 / (median / 1e6) / 1e9;
         let mut extra = serde_json::Map::new();
-        extra.insert("algo".into(), if op == "all_reduce" { algo } else { "pull" }.into());
+        let used = match (op, algo) {
+            ("all_reduce", "auto") => crate::ops::all_reduce_algo(bytes, ws),
+            ("all_reduce", a) => a,
+            _ => "pull",
+        };
+        extra.insert("algo".into(), used.into());
         extra.insert("dtype".into(), dtype.to_string().into());
         extra.insert("busbw_gbps".into(), (algbw * bus_factor(op, ws)).into());
         extra.insert("ops_per_s".into(), (n_iters as f64 / total.as_secs_f64()).round().into());

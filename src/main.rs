@@ -474,7 +474,7 @@ fn demo_rank() -> Result<()> {
         }
         let (median, _) = bench::percentiles(&mut lat);
         if rank == 0 {
-            let algo = if bytes <= ops::ONE_SHOT_MAX { "one-shot" } else { "two-shot" };
+            let algo = ops::all_reduce_algo(bytes, world).replace('_', "-");
             say!(
                 "rank 0: all-reduce of {label} ({algo}) on {world} ranks: median {median:.2} us, result checked on every rank"
             );

@@ -104,7 +104,7 @@ fn globals() -> MutexGuard<'static, Globals> {
 
 /// The CPUs this process may use. Cached: `available_parallelism` reads cgroup files, far too
 /// slow for the signal path.
-fn cores() -> usize {
+pub(crate) fn cores() -> usize {
     static CORES: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
     *CORES.get_or_init(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
 }
@@ -409,6 +409,12 @@ impl SymmHandle {
     /// The byte offset of the rendezvoused tensor in the allocation.
     pub fn offset(&self) -> usize {
         self.offset
+    }
+
+    /// The address of `rank`'s data buffer in this process (no allocation; panics if `rank`
+    /// is out of range).
+    pub fn buffer_ptr(&self, rank: usize) -> usize {
+        self.peers.segments[rank].data_ptr() as usize
     }
 
     /// The address of every rank's data buffer, in this process's address space.

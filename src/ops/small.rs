@@ -1,0 +1,150 @@
+//! The small-message all-reduce: one synchronization per call (DeepSpeed's "symmetric naive"
+//! scheme, `reference/torch-symm-mem-internals.md` §4.1, with epoch counters).
+//!
+//! ```text
+//!   per group, a symmetric workspace:  [ epoch u64 | sleepers u32 ... (128 B) | buf 0 | buf 1 ]
+//!   call k:  wait until every peer's epoch >= k-1   (they finished reading buf k%2 of call k-2)
+//!            copy the input into my buf k%2; publish epoch = k
+//!            wait until every peer's epoch >= k     (their inputs of call k are in place)
+//!            reduce every rank's buf k%2, in rank order, into the output
+//! ```
+//!
+//! A rank that publishes epoch k has finished call k-1, reads included, so a buffer is reused
+//! only after every peer is done with it: no trailing barrier. Orderings: the epoch store is
+//! Release after the copy and pairs with the Acquire epoch loads of the readers; a reader's
+//! next epoch store (Release) comes after its reads and pairs with the writer's Acquire wait
+//! before it overwrites. Waiting spins, then yields the core, then sleeps on the epoch word's
+//! futex; a publisher wakes sleepers only when one declared itself (Dekker-style on SeqCst
+//! operations, with a timeout on every sleep as a safety net).
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use super::reduce::{self, ReduceOp};
+use crate::error::{Error, Result};
+use crate::group::Group;
+use crate::symm::{self, Device, SymmHandle};
+use crate::tensor::{DType, Tensor};
+
+/// The largest message this path takes.
+pub(crate) const MAX: usize = super::ONE_SHOT_MAX;
+const HEADER: usize = 128;
+
+struct Workspace {
+    _tensor: Tensor,
+    handle: Arc<SymmHandle>,
+    epoch: u64,
+}
+
+fn workspaces() -> &'static Mutex<HashMap<String, Workspace>> {
+    static W: std::sync::OnceLock<Mutex<HashMap<String, Workspace>>> = std::sync::OnceLock::new();
+    W.get_or_init(|| Mutex::new(HashMap::new()))
+}
+
+/// The epoch word and the sleepers count of `rank`'s workspace.
+fn words(h: &SymmHandle, rank: usize) -> (&AtomicU64, &AtomicU32) {
+    let base = h.buffer_ptr(rank) + h.offset();
+    // SAFETY: the workspace starts with a 128-byte header (allocated below), 8-aligned, mapped
+    // while `h` lives; every process touches these words only atomically.
+    unsafe { (&*(base as *const AtomicU64), &*((base + 64) as *const AtomicU32)) }
+}
+
+fn wait_for(h: &SymmHandle, rank: usize, at_least: u64, deadline: Instant, timeout: Duration) -> Result<()> {
+    let (epoch, sleepers) = words(h, rank);
+    let start = Instant::now();
+    let oversubscribed = h.world_size() > symm::cores();
+    let spin = if oversubscribed { Duration::ZERO } else { Duration::from_micros(50) };
+    let mut spins = 0u32;
+    loop {
+        // Acquire: pairs with the Release store of `publish`.
+        let seen = epoch.load(Ordering::Acquire);
+        if seen >= at_least {
+            return Ok(());
+        }
+        spins += 1;
+        let elapsed = if spins.is_multiple_of(64) || oversubscribed { start.elapsed() } else { Duration::ZERO };
+        if elapsed < spin {
+            std::hint::spin_loop();
+        } else if elapsed < spin + Duration::from_millis(2) {
+            std::thread::yield_now();
+        } else {
+            if Instant::now() >= deadline {
+                return Err(Error::timeout(
+                    format!("all_reduce: rank {} waiting for rank {rank} to reach call {at_least}", h.rank()),
+                    timeout,
+                ));
+            }
+            // SeqCst pairs with the SeqCst store and load in `publish` (no lost wake-up).
+            sleepers.fetch_add(1, Ordering::SeqCst);
+            let now = epoch.load(Ordering::SeqCst);
+            if now < at_least {
+                // The futex word is the epoch's low half (little-endian), which changes with
+                // every publish.
+                // SAFETY: the low 4 bytes of an 8-aligned AtomicU64 are an aligned u32 in the
+                // same shared mapping, only accessed atomically.
+                let low = unsafe { &*(epoch as *const AtomicU64 as *const AtomicU32) };
+                crate::sys::futex::wait(low, now as u32, Duration::from_millis(1));
+            }
+            sleepers.fetch_sub(1, Ordering::SeqCst);
+        }
+    }
+}
+
+fn publish(h: &SymmHandle, k: u64) {
+    let (epoch, sleepers) = words(h, h.rank());
+    // SeqCst (a Release at least): pairs with the Acquire/SeqCst loads in `wait_for`.
+    epoch.store(k, Ordering::SeqCst);
+    if sleepers.load(Ordering::SeqCst) > 0 {
+        // SAFETY: as in wait_for.
+        let low = unsafe { &*(epoch as *const AtomicU64 as *const AtomicU32) };
+        crate::sys::futex::wake(low);
+    }
+}
+
+/// In-place all-reduce of at most [`MAX`] bytes.
+pub(crate) fn all_reduce(tensor: &Tensor, op: ReduceOp, group: &Group, timeout: Duration) -> Result<()> {
+    let bytes = tensor.nbytes();
+    let mut all = workspaces().lock().unwrap_or_else(|p| p.into_inner());
+    if !all.contains_key(group.name()) {
+        // Collective: every rank's first small all-reduce on this group creates it.
+        let t = symm::empty(&[HEADER + 2 * MAX], DType::U8, Device::Cpu)?;
+        let handle = symm::rendezvous(&t, group)?;
+        handle.barrier(0, timeout)?;
+        all.insert(group.name().to_string(), Workspace { _tensor: t, handle, epoch: 0 });
+    }
+    let ws = all.get_mut(group.name()).ok_or_else(|| Error::InvalidArgument("workspace vanished".into()))?;
+    ws.epoch += 1;
+    let (k, h) = (ws.epoch, ws.handle.clone());
+    drop(all);
+    let deadline = Instant::now() + timeout;
+    let buf = HEADER + ((k % 2) as usize) * MAX;
+    let n = h.world_size();
+    for r in (0..n).filter(|&r| r != h.rank()) {
+        wait_for(&h, r, k - 1, deadline, timeout)?;
+    }
+    let mine = (h.buffer_ptr(h.rank()) + h.offset() + buf) as *mut u8;
+    // SAFETY: buf k%2 of my workspace holds MAX >= bytes bytes, and no peer reads it now (each
+    // has published k-1, so finished call k-2, the last to read it).
+    unsafe { std::ptr::copy_nonoverlapping(tensor.data_ptr().cast_const(), mine, bytes) };
+    publish(&h, k);
+    for r in (0..n).filter(|&r| r != h.rank()) {
+        wait_for(&h, r, k, deadline, timeout)?;
+    }
+    // Source pointers on the stack: no allocation on the small-message path.
+    let mut srcs = [std::ptr::null::<u8>(); 64];
+    let mut heap = Vec::new();
+    let srcs: &[*const u8] = if n <= srcs.len() {
+        for (r, s) in srcs.iter_mut().enumerate().take(n) {
+            *s = (h.buffer_ptr(r) + h.offset() + buf) as *const u8;
+        }
+        &srcs[..n]
+    } else {
+        heap.extend((0..n).map(|r| (h.buffer_ptr(r) + h.offset() + buf) as *const u8));
+        &heap
+    };
+    // SAFETY: every rank's buf k%2 holds its input of call k (published with Release, observed
+    // with Acquire) and is not rewritten before call k+2, which waits for our epoch k+1.
+    unsafe { reduce::reduce(tensor.dtype(), op, srcs, &[tensor.data_ptr()], tensor.numel(), n) }
+}

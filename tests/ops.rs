@@ -236,3 +236,122 @@ fn operators_match_the_reference_on_2_3_4_and_8_ranks() {
         job(n, "rank_ops");
     }
 }
+
+fn i64_symm(vals: &[i64], shape: &[usize]) -> Tensor {
+    let t = symm::empty(shape, DType::I64, Device::Cpu).unwrap();
+    t.copy_from_slice(vals).unwrap();
+    t
+}
+
+#[test]
+#[ignore = "a rank program; run by all_to_all_v_and_tiles_match_the_reference"]
+fn rank_a2av_tiles() {
+    if std::env::var("RANK").is_err() {
+        return;
+    }
+    let g = Group::from_env().unwrap();
+    let (me, ws) = (g.rank(), g.world_size());
+    let cols = 3;
+    let cap = 64;
+    // Rows tagged (source rank, row index) so every landing place can be checked.
+    let tag = |src: usize, row: usize, c: usize| (src * 10_000 + row * 10 + c) as f32;
+    let split = |src: usize, dst: usize| ((src * 3 + dst * 5) % 4) as i64;
+
+    // all_to_all_vdev: src sends split(src, dst) rows to dst.
+    let input = symm::empty(&[cap, cols], DType::F32, Device::Cpu).unwrap();
+    input.copy_from_slice(&(0..cap * cols).map(|i| tag(me, i / cols, i % cols)).collect::<Vec<_>>()).unwrap();
+    let in_splits = i64_symm(&(0..ws).map(|d| split(me, d)).collect::<Vec<_>>(), &[ws]);
+    let out = symm::empty(&[cap * ws, cols], DType::F32, Device::Cpu).unwrap();
+    let oso = symm::empty(&[2, ws], DType::I64, Device::Cpu).unwrap();
+    ops::all_to_all_vdev(&input, &out, &in_splits, &oso, &g).unwrap();
+    let so = oso.to_vec::<i64>().unwrap();
+    let got = out.to_vec::<f32>().unwrap();
+    let mut at = 0;
+    for src in 0..ws {
+        assert_eq!(so[src], split(src, me), "out_splits");
+        assert_eq!(so[ws + src], at as i64, "out_offsets");
+        let first: i64 = (0..me).map(|d| split(src, d)).sum();
+        for r in 0..split(src, me) as usize {
+            for c in 0..cols {
+                assert_eq!(got[(at + r) * cols + c], tag(src, first as usize + r, c), "all_to_all_vdev row");
+            }
+        }
+        at += split(src, me) as usize;
+    }
+
+    // 2d dispatch then 2d_offset combine restores the input exactly, with and without padding.
+    let ne = 3;
+    let split2 = |src: usize, i: usize| ((src * 7 + i * 3) % 5) as i64;
+    for align in [None, Some(4)] {
+        let s2: Vec<i64> = (0..ws * ne).map(|i| split2(me, i)).collect();
+        let total: i64 = s2.iter().sum();
+        let in2 = i64_symm(&s2, &[ws * ne]);
+        let out2 = symm::empty(&[cap * ws, cols], DType::F32, Device::Cpu).unwrap();
+        let oso2 = symm::empty(&[2, ws * ne], DType::I64, Device::Cpu).unwrap();
+        ops::all_to_all_vdev_2d(&input, &out2, &in2, &oso2, &g, align).unwrap();
+        let so2 = oso2.to_vec::<i64>().unwrap();
+        for e in 0..ne {
+            for src in 0..ws {
+                assert_eq!(so2[e * ws + src], split2(src, me * ne + e), "expert-major splits");
+            }
+        }
+        if let Some(a) = align {
+            for e in 0..ne {
+                assert_eq!(so2[ws * ne + e * ws] % a as i64, 0, "expert segments start aligned");
+            }
+        }
+        let back = symm::empty(&[cap, cols], DType::F32, Device::Cpu).unwrap();
+        let back_so = symm::empty(&[2, ws * ne], DType::I64, Device::Cpu).unwrap();
+        ops::all_to_all_vdev_2d_offset(&out2, &back, &oso2, &back_so, &g).unwrap();
+        let n = total as usize * cols;
+        assert_eq!(
+            back.to_vec::<f32>().unwrap()[..n],
+            input.to_vec::<f32>().unwrap()[..n],
+            "round trip restores the input"
+        );
+        let bso = back_so.to_vec::<i64>().unwrap();
+        assert_eq!(bso[..ws * ne], s2[..], "combine splits == in_splits");
+        let mut acc = 0;
+        for i in 0..ws * ne {
+            assert_eq!(bso[ws * ne + i], acc, "combine offsets == exclusive scan");
+            acc += s2[i];
+        }
+    }
+    // Bad splits fail on every rank without hanging anyone.
+    let bad = i64_symm(&vec![-1; ws], &[ws]);
+    assert!(ops::all_to_all_vdev(&input, &out, &bad, &oso, &g).is_err());
+
+    // tile_reduce on a quadrant view; multi_root_tile_reduce with every rank a root.
+    let full = symm::empty(&[8, 8], DType::F64, Device::Cpu).unwrap();
+    full.copy_from_slice(&(0..64).map(|i| (i * (me + 1)) as f64).collect::<Vec<_>>()).unwrap();
+    let quad = full.tile(2..6, 4..8).unwrap();
+    let out_tile = Tensor::zeros(&[4, 4], DType::F64).unwrap();
+    let root = ws - 1;
+    ops::tile_reduce(&quad, &out_tile, root, &g, ReduceOp::Sum).unwrap();
+    let tri = (ws * (ws + 1) / 2) as f64;
+    if me == root {
+        let want: Vec<f64> = (2..6).flat_map(|r| (4..8).map(move |c| ((r * 8 + c) as f64) * tri)).collect();
+        assert_eq!(out_tile.to_vec::<f64>().unwrap(), want, "tile_reduce");
+    } else {
+        assert!(out_tile.to_vec::<f64>().unwrap().iter().all(|&v| v == 0.0), "only the root receives");
+    }
+    let tiles: Vec<Tensor> = (0..ws).map(|i| full.tile(i % 4 * 2..i % 4 * 2 + 2, 0..2).unwrap()).collect();
+    let roots: Vec<usize> = (0..ws).rev().collect();
+    let mine = Tensor::zeros(&[2, 2], DType::F64).unwrap();
+    ops::multi_root_tile_reduce(&tiles, &mine, &roots, &g, ReduceOp::Max).unwrap();
+    let i = ws - 1 - me;
+    let want: Vec<f64> =
+        (i % 4 * 2..i % 4 * 2 + 2).flat_map(|r| (0..2).map(move |c| ((r * 8 + c) * ws) as f64)).collect();
+    assert_eq!(mine.to_vec::<f64>().unwrap(), want, "multi_root_tile_reduce");
+    assert!(ops::multi_root_tile_reduce(&tiles, &mine, &vec![0; ws], &g, ReduceOp::Sum).is_err() || ws == 1);
+    assert!(ops::tile_reduce(&quad, &out_tile, ws, &g, ReduceOp::Sum).is_err());
+    g.barrier(std::time::Duration::from_secs(60)).unwrap();
+    println!("rank {me} ok");
+}
+
+#[test]
+fn all_to_all_v_and_tiles_match_the_reference() {
+    for n in [2, 3, 4, 8] {
+        job(n, "rank_a2av_tiles");
+    }
+}

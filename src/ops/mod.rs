@@ -17,13 +17,17 @@
 //!
 //! Layer: uses `symm`, `tensor`, `group`.
 
+mod a2av;
 mod reduce;
 mod small;
+mod tile;
 
 use std::sync::Arc;
 use std::time::Duration;
 
+pub use a2av::{all_to_all_vdev, all_to_all_vdev_2d, all_to_all_vdev_2d_offset};
 pub use reduce::ReduceOp;
+pub use tile::{multi_root_tile_reduce, tile_reduce};
 
 use crate::error::{Error, Result};
 use crate::group::Group;

@@ -1,0 +1,252 @@
+//! All-to-all-v on symmetric memory, with PyTorch's layouts
+//! (`reference/torch-symm-mem-internals.md` §3.3). Units are rows of dimension 0.
+//!
+//! Every operator pulls: after a barrier, each rank reads its peers' splits (and offsets) from
+//! their symmetric split tensors, computes where everything lands, and copies its rows out of
+//! the peers' inputs; a final barrier keeps the inputs alive until everyone has read them. A
+//! rank that finds an error (a negative split, an output too small) still takes part in the
+//! final barrier, so no peer is left waiting, and then reports it.
+
+use super::{bad, barrier, symmetric};
+use crate::error::Result;
+use crate::group::Group;
+use crate::symm::SymmHandle;
+use crate::tensor::{DType, Tensor};
+
+fn exclusive_scan(v: &[i64]) -> Vec<i64> {
+    let mut acc = 0;
+    v.iter()
+        .map(|&x| {
+            let s = acc;
+            acc += x;
+            s
+        })
+        .collect()
+}
+
+/// `count` i64 values at element `at` of `rank`'s copy of the symmetric tensor behind `h`.
+fn peer_i64(h: &SymmHandle, rank: usize, at: usize, count: usize) -> Vec<i64> {
+    let base = (h.buffer_ptr(rank) + h.offset()) as *const i64;
+    // SAFETY: the split tensors were checked to hold at least at+count i64 on every rank
+    // (symmetric shapes), and nobody writes them between the barriers.
+    (0..count).map(|i| unsafe { base.add(at + i).read() }).collect()
+}
+
+fn row_bytes(t: &Tensor) -> usize {
+    t.shape()[1..].iter().product::<usize>() * t.dtype().size()
+}
+
+fn check_rows(op: &str, input: &Tensor, out: &Tensor) -> Result<usize> {
+    if input.shape().is_empty() || out.shape().is_empty() {
+        return Err(bad(op, "input and out need a first dimension"));
+    }
+    if !out.is_contiguous() {
+        return Err(bad(op, "out must be contiguous"));
+    }
+    if input.dtype() != out.dtype() || row_bytes(input) != row_bytes(out) {
+        return Err(bad(op, "input and out must have the same dtype and the same stride(0)"));
+    }
+    Ok(row_bytes(input))
+}
+
+fn check_splits(op: &str, t: &Tensor, shape: &[usize]) -> Result<()> {
+    if t.dtype() != DType::I64 {
+        return Err(bad(op, "splits and offsets must be int64"));
+    }
+    if t.shape() != shape || !t.is_contiguous() {
+        return Err(bad(op, format!("a splits tensor has shape {:?}; expected {shape:?}", t.shape())));
+    }
+    Ok(())
+}
+
+/// Copies `rows` rows from `src`'s input (at row `from`) into `out` (at row `to`).
+fn copy_rows(h: &SymmHandle, src: usize, from: i64, to: i64, rows: i64, row: usize, out: &Tensor) {
+    if rows <= 0 {
+        return;
+    }
+    let s = (h.buffer_ptr(src) + h.offset() + from as usize * row) as *const u8;
+    // SAFETY: the caller checked [from, from+rows) inside src's input and [to, to+rows) inside
+    // out; inputs are not written between the barriers.
+    unsafe { std::ptr::copy_nonoverlapping(s, out.data_ptr().add(to as usize * row), rows as usize * row) };
+}
+
+/// Finishes a collective: the final barrier always happens, then the first error, if any.
+fn finish(h: &SymmHandle, outcome: Result<()>) -> Result<()> {
+    let b = barrier(h);
+    outcome.and(b)
+}
+
+/// All-to-all with per-peer row counts: `in_splits[p]` rows (contiguous, in peer order) go to
+/// peer p; `out_splits_offsets[0]` receives how many rows came from each peer and `[1]` where
+/// they start in `out`. `input` and `in_splits` must be symmetric; `out` must hold them all.
+pub fn all_to_all_vdev(
+    input: &Tensor,
+    out: &Tensor,
+    in_splits: &Tensor,
+    out_splits_offsets: &Tensor,
+    group: &Group,
+) -> Result<()> {
+    const OP: &str = "all_to_all_vdev";
+    let ws = group.world_size();
+    let row = check_rows(OP, input, out)?;
+    check_splits(OP, in_splits, &[ws])?;
+    check_splits(OP, out_splits_offsets, &[2, ws])?;
+    let hs = symmetric(OP, in_splits, group)?;
+    let h = symmetric(OP, input, group)?;
+    barrier(&h)?;
+    let me = h.rank();
+    let outcome = (|| {
+        let mut out_splits = vec![0i64; ws];
+        let mut src_off = vec![0i64; ws];
+        for p in 0..ws {
+            let theirs = peer_i64(&hs, p, 0, ws);
+            if theirs.iter().any(|&x| x < 0) || theirs.iter().sum::<i64>() > input.shape()[0] as i64 {
+                return Err(bad(
+                    OP,
+                    format!("rank {p}'s splits {theirs:?} are negative or exceed its {} rows", input.shape()[0]),
+                ));
+            }
+            out_splits[p] = theirs[me];
+            src_off[p] = exclusive_scan(&theirs)[me];
+        }
+        let out_off = exclusive_scan(&out_splits);
+        let total: i64 = out_splits.iter().sum();
+        if total > out.shape()[0] as i64 {
+            return Err(bad(OP, format!("{total} rows arrive but out has {}", out.shape()[0])));
+        }
+        for k in 0..ws {
+            let p = (me + k) % ws;
+            copy_rows(&h, p, src_off[p], out_off[p], out_splits[p], row, out);
+        }
+        out_splits_offsets.copy_from_slice(&[out_splits, out_off].concat())
+    })();
+    finish(&h, outcome)
+}
+
+/// All-to-all-v for mixture-of-experts dispatch: `ne = in_splits.numel() / ws` experts per
+/// rank. The input is rank-major (split `dst·ne + e`), the output expert-major (split
+/// `e·ws + src`), each expert's segment padded to a multiple of `major_align` rows (an empty
+/// expert still takes `major_align`). `out_splits_offsets` receives the splits and the padded
+/// offsets, and must be symmetric to be fed to [`all_to_all_vdev_2d_offset`].
+pub fn all_to_all_vdev_2d(
+    input: &Tensor,
+    out: &Tensor,
+    in_splits: &Tensor,
+    out_splits_offsets: &Tensor,
+    group: &Group,
+    major_align: Option<usize>,
+) -> Result<()> {
+    const OP: &str = "all_to_all_vdev_2d";
+    let ws = group.world_size();
+    let align = major_align.unwrap_or(1) as i64;
+    if align <= 0 {
+        return Err(bad(OP, "major_align must be positive"));
+    }
+    let row = check_rows(OP, input, out)?;
+    let n = in_splits.numel();
+    if n == 0 || n % ws != 0 {
+        return Err(bad(OP, format!("in_splits has {n} entries; expected a positive multiple of world size {ws}")));
+    }
+    let ne = n / ws;
+    check_splits(OP, in_splits, &[n])?;
+    check_splits(OP, out_splits_offsets, &[2, n])?;
+    let hs = symmetric(OP, in_splits, group)?;
+    let h = symmetric(OP, input, group)?;
+    barrier(&h)?;
+    let me = h.rank();
+    let outcome = (|| {
+        // out split e·ws + src = in_splits_src[me·ne + e]; the source offset is src's scan.
+        let mut out_splits = vec![0i64; n];
+        let mut src_off = vec![0i64; n];
+        for src in 0..ws {
+            let theirs = peer_i64(&hs, src, 0, n);
+            if theirs.iter().any(|&x| x < 0) || theirs.iter().sum::<i64>() > input.shape()[0] as i64 {
+                return Err(bad(OP, "sum of splits is larger than input dim, or a split is negative"));
+            }
+            let scan = exclusive_scan(&theirs);
+            for e in 0..ne {
+                out_splits[e * ws + src] = theirs[me * ne + e];
+                src_off[e * ws + src] = scan[me * ne + e];
+            }
+        }
+        let mut offsets = vec![0i64; n];
+        let mut start = 0i64;
+        for e in 0..ne {
+            let tile = &out_splits[e * ws..(e + 1) * ws];
+            let mut at = start;
+            for (src, &len) in tile.iter().enumerate() {
+                offsets[e * ws + src] = at;
+                at += len;
+            }
+            let l: i64 = tile.iter().sum();
+            start += ((l + align - 1) / align * align).max(align);
+        }
+        if start > out.shape()[0] as i64 {
+            return Err(bad(OP, format!("{start} rows (with padding) arrive but out has {}", out.shape()[0])));
+        }
+        for k in 0..n {
+            let j = (me * ne + k) % n;
+            copy_rows(&h, j % ws, src_off[j], offsets[j], out_splits[j], row, out);
+        }
+        out_splits_offsets.copy_from_slice(&[out_splits, offsets].concat())
+    })();
+    finish(&h, outcome)
+}
+
+/// The combine of [`all_to_all_vdev_2d`]: the input is expert-major (split `e·ws + dst`) at the
+/// explicit offsets of `in_splits_offsets[1]` (gaps are skipped), the output rank-major (split
+/// `src·ne + e`), packed. `in_splits_offsets` must be symmetric.
+pub fn all_to_all_vdev_2d_offset(
+    input: &Tensor,
+    out: &Tensor,
+    in_splits_offsets: &Tensor,
+    out_splits_offsets: &Tensor,
+    group: &Group,
+) -> Result<()> {
+    const OP: &str = "all_to_all_vdev_2d_offset";
+    let ws = group.world_size();
+    let row = check_rows(OP, input, out)?;
+    let shape = in_splits_offsets.shape().to_vec();
+    if shape.len() != 2 || shape[0] != 2 || shape[1] == 0 || shape[1] % ws != 0 {
+        return Err(bad(OP, format!("in_splits_offsets has shape {shape:?}; expected (2, k·{ws})")));
+    }
+    let n = shape[1];
+    let ne = n / ws;
+    check_splits(OP, in_splits_offsets, &[2, n])?;
+    check_splits(OP, out_splits_offsets, &[2, n])?;
+    let hs = symmetric(OP, in_splits_offsets, group)?;
+    let h = symmetric(OP, input, group)?;
+    barrier(&h)?;
+    let me = h.rank();
+    let outcome = (|| {
+        let mut out_splits = vec![0i64; n];
+        let mut src_off = vec![0i64; n];
+        for src in 0..ws {
+            let splits = peer_i64(&hs, src, 0, n);
+            let offs = peer_i64(&hs, src, n, n);
+            for e in 0..ne {
+                let i = e * ws + me;
+                let (len, off) = (splits[i], offs[i]);
+                if len < 0 || off < 0 || off + len > input.shape()[0] as i64 {
+                    return Err(bad(
+                        OP,
+                        format!("rank {src}'s chunk for expert {e} ({len} rows at {off}) is outside its input"),
+                    ));
+                }
+                out_splits[src * ne + e] = len;
+                src_off[src * ne + e] = off;
+            }
+        }
+        let offsets = exclusive_scan(&out_splits);
+        let total: i64 = out_splits.iter().sum();
+        if total > out.shape()[0] as i64 {
+            return Err(bad(OP, format!("{total} rows arrive but out has {}", out.shape()[0])));
+        }
+        for k in 0..n {
+            let j = (me * ne + k) % n;
+            copy_rows(&h, j / ne, src_off[j], offsets[j], out_splits[j], row, out);
+        }
+        out_splits_offsets.copy_from_slice(&[out_splits, offsets].concat())
+    })();
+    finish(&h, outcome)
+}

@@ -1,0 +1,107 @@
+//! Tile reductions on strided 2-D views of symmetric tensors
+//! (`reference/torch-symm-mem-internals.md` §3.4): only the root's `out_tile` receives the
+//! reduction of every rank's tile; the other ranks contribute and synchronize.
+
+use super::reduce::{self, ReduceOp};
+use super::{bad, barrier};
+use crate::error::Result;
+use crate::group::Group;
+use crate::symm::{self, SymmHandle};
+use crate::tensor::Tensor;
+
+fn check_tile(op: &str, t: &Tensor, out: &Tensor) -> Result<()> {
+    if t.shape().len() != 2 || out.shape().len() != 2 {
+        return Err(bad(op, "tiles must be 2-D"));
+    }
+    if t.shape() != out.shape() || t.dtype() != out.dtype() {
+        return Err(bad(
+            op,
+            format!("in_tile {:?} {} and out_tile {:?} {} differ", t.shape(), t.dtype(), out.shape(), out.dtype()),
+        ));
+    }
+    if t.strides()[1] != 1 || out.strides()[1] != 1 {
+        return Err(bad(op, "tile rows must be contiguous (stride 1 in the last dimension)"));
+    }
+    if !symm::is_symm_mem_tensor(t) {
+        return Err(bad(op, "in_tile must be a view of a symmetric tensor"));
+    }
+    Ok(())
+}
+
+/// Reduces every rank's tile behind `h` into `out`, row by row.
+fn reduce_tile(h: &SymmHandle, t: &Tensor, out: &Tensor, op: ReduceOp) -> Result<()> {
+    let (rows, cols) = (t.shape()[0], t.shape()[1]);
+    let es = t.dtype().size();
+    for r in 0..rows {
+        let at = r * t.strides()[0] * es;
+        let srcs: Vec<*const u8> =
+            (0..h.world_size()).map(|p| (h.buffer_ptr(p) + h.offset() + at) as *const u8).collect();
+        // SAFETY: row r of every rank's tile lies in its mapped buffer (same view on every
+        // rank: rendezvous checked the allocation; the view was checked at creation), tiles are
+        // not written between the barriers, and out's row r holds `cols` elements.
+        unsafe {
+            reduce::reduce(
+                t.dtype(),
+                op,
+                &srcs,
+                &[out.data_ptr().add(r * out.strides()[0] * es)],
+                cols,
+                h.world_size(),
+            )?
+        };
+    }
+    Ok(())
+}
+
+/// Reduces every rank's `in_tile` (a strided 2-D view of a symmetric tensor, the same view on
+/// every rank) into `root`'s `out_tile`.
+pub fn tile_reduce(in_tile: &Tensor, out_tile: &Tensor, root: usize, group: &Group, op: ReduceOp) -> Result<()> {
+    const OP: &str = "tile_reduce";
+    check_tile(OP, in_tile, out_tile)?;
+    if root >= group.world_size() {
+        return Err(bad(OP, format!("root must be smaller than group size ({root} >= {})", group.world_size())));
+    }
+    let h = symm::rendezvous(in_tile, group)?;
+    barrier(&h)?;
+    let outcome = if h.rank() == root { reduce_tile(&h, in_tile, out_tile, op) } else { Ok(()) };
+    let b = barrier(&h);
+    outcome.and(b)
+}
+
+/// Several tile reductions at once: tile i is reduced into the `out_tile` of rank `roots[i]`;
+/// each rank is a root at most once.
+pub fn multi_root_tile_reduce(
+    in_tiles: &[Tensor],
+    out_tile: &Tensor,
+    roots: &[usize],
+    group: &Group,
+    op: ReduceOp,
+) -> Result<()> {
+    const OP: &str = "multi_root_tile_reduce";
+    if roots.len() != in_tiles.len() {
+        return Err(bad(OP, "Number of roots must match number of tiles"));
+    }
+    let ws = group.world_size();
+    let mut seen = vec![false; ws];
+    for &r in roots {
+        if r >= ws {
+            return Err(bad(OP, format!("Invalid root {r}")));
+        }
+        if std::mem::replace(&mut seen[r], true) {
+            return Err(bad(OP, "Each rank can only be a root once"));
+        }
+    }
+    for t in in_tiles {
+        check_tile(OP, t, out_tile)?;
+    }
+    let handles = in_tiles.iter().map(|t| symm::rendezvous(t, group)).collect::<Result<Vec<_>>>()?;
+    let Some(first) = handles.first() else { return Ok(()) };
+    barrier(first)?;
+    let mine = roots.iter().position(|&r| r == first.rank());
+    let outcome = match mine {
+        Some(i) => reduce_tile(&handles[i], &in_tiles[i], out_tile, op),
+        None => Ok(()),
+    };
+    let b = barrier(first);
+    outcome.and(b)
+}

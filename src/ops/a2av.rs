@@ -144,7 +144,7 @@ pub fn all_to_all_vdev_2d(
     }
     let row = check_rows(OP, input, out)?;
     let n = in_splits.numel();
-    if n == 0 || n % ws != 0 {
+    if n == 0 || !n.is_multiple_of(ws) {
         return Err(bad(OP, format!("in_splits has {n} entries; expected a positive multiple of world size {ws}")));
     }
     let ne = n / ws;
@@ -207,7 +207,7 @@ pub fn all_to_all_vdev_2d_offset(
     let ws = group.world_size();
     let row = check_rows(OP, input, out)?;
     let shape = in_splits_offsets.shape().to_vec();
-    if shape.len() != 2 || shape[0] != 2 || shape[1] == 0 || shape[1] % ws != 0 {
+    if shape.len() != 2 || shape[0] != 2 || shape[1] == 0 || !shape[1].is_multiple_of(ws) {
         return Err(bad(OP, format!("in_splits_offsets has shape {shape:?}; expected (2, k·{ws})")));
     }
     let n = shape[1];

@@ -355,3 +355,104 @@ fn all_to_all_v_and_tiles_match_the_reference() {
         job(n, "rank_a2av_tiles");
     }
 }
+
+#[test]
+#[ignore = "a rank program; run by offset_reductions_and_nd_exchanges_match_the_reference"]
+fn rank_nd() {
+    if std::env::var("RANK").is_err() {
+        return;
+    }
+    let g = Group::from_env().unwrap();
+    let (me, ws) = (g.rank(), g.world_size());
+    let val = |r: usize, i: usize| (i * 3 + r * 100) as f32;
+    let (rows, cols) = (ws * 4, ws * 6);
+    let x = symm::empty(&[rows, cols], DType::F32, Device::Cpu).unwrap();
+    x.copy_from_slice(&(0..rows * cols).map(|i| val(me, i)).collect::<Vec<_>>()).unwrap();
+    let sum = |i: usize| (0..ws).map(|r| val(r, i)).sum::<f32>();
+    // reduce_scatter_offset: uneven blocks, custom owners (reversed), both dims.
+    for dim in [0usize, 1] {
+        let extent = if dim == 0 { rows } else { cols };
+        // 2·ws blocks: pairs of sizes (1, extent/ws - 1), so the j-th owned blocks match in size.
+        let mut sizes = Vec::new();
+        for _ in 0..ws {
+            sizes.push(1);
+            sizes.push(extent / ws - 1);
+        }
+        let offsets: Vec<usize> = sizes
+            .iter()
+            .scan(0, |a, &s| {
+                *a += s;
+                Some(*a)
+            })
+            .collect();
+        let dst: Vec<usize> = (0..2 * ws).map(|i| ws - 1 - (i / 2) % ws).collect();
+        let owned: Vec<usize> = (0..2 * ws).filter(|&i| dst[i] == me).collect();
+        let outs: Vec<Tensor> = owned
+            .iter()
+            .map(|&i| {
+                let s = sizes[i];
+                let shape = if dim == 0 { [s, cols] } else { [rows, s] };
+                Tensor::zeros(&shape, DType::F32).unwrap()
+            })
+            .collect();
+        ops::reduce_scatter_offset(&x, &outs, &g, dim, Some(&offsets), Some(&dst), ReduceOp::Sum).unwrap();
+        for (j, &i) in owned.iter().enumerate() {
+            let start = offsets[i] - sizes[i];
+            let got = outs[j].to_vec::<f32>().unwrap();
+            let want: Vec<f32> = if dim == 0 {
+                (start * cols..(start + sizes[i]) * cols).map(sum).collect()
+            } else {
+                (0..rows).flat_map(|r| (start..start + sizes[i]).map(move |c| r * cols + c)).map(sum).collect()
+            };
+            assert_eq!(got, want, "reduce_scatter_offset dim {dim} block {i}");
+        }
+    }
+    // Default equal blocks, round-robin owners.
+    let out = Tensor::zeros(&[rows / ws, cols], DType::F32).unwrap();
+    ops::reduce_scatter_offset(&x, std::slice::from_ref(&out), &g, 0, None, None, ReduceOp::Sum).unwrap();
+    assert_eq!(
+        out.to_vec::<f32>().unwrap(),
+        (me * rows / ws * cols..(me + 1) * rows / ws * cols).map(sum).collect::<Vec<_>>()
+    );
+    assert!(ops::reduce_scatter_offset(&x, &[], &g, 2, None, None, ReduceOp::Sum).is_err());
+    // all_to_all_nd, both pairs, 2-D and 3-D outputs.
+    let (lc, lr) = (cols / ws, rows / ws);
+    for three_d in [false, true] {
+        let o = if three_d {
+            Tensor::zeros(&[ws, rows, lc], DType::F32)
+        } else {
+            Tensor::zeros(&[ws * rows, lc], DType::F32)
+        }
+        .unwrap();
+        ops::all_to_all_nd(&x, &o, 1, 0, &g).unwrap();
+        let want: Vec<f32> = (0..ws)
+            .flat_map(|j| (0..rows).flat_map(move |r| (0..lc).map(move |c| val(j, r * cols + me * lc + c))))
+            .collect();
+        assert_eq!(o.to_vec::<f32>().unwrap(), want, "all_to_all_nd (1, 0)");
+        let o = if three_d {
+            Tensor::zeros(&[lr, ws, cols], DType::F32)
+        } else {
+            Tensor::zeros(&[lr, ws * cols], DType::F32)
+        }
+        .unwrap();
+        ops::all_to_all_nd(&x, &o, 0, 1, &g).unwrap();
+        let want: Vec<f32> = (0..lr)
+            .flat_map(|r| (0..ws).flat_map(move |j| (0..cols).map(move |c| val(j, (me * lr + r) * cols + c))))
+            .collect();
+        assert_eq!(o.to_vec::<f32>().unwrap(), want, "all_to_all_nd (0, 1)");
+    }
+    // 3-D input view of the same memory.
+    let x3 = x.view(&[rows, ws, lc]).unwrap();
+    let o = Tensor::zeros(&[ws, rows, lc], DType::F32).unwrap();
+    ops::all_to_all_nd(&x3, &o, 1, 0, &g).unwrap();
+    assert!(ops::all_to_all_nd(&x, &o, 1, 1, &g).is_err());
+    g.barrier(std::time::Duration::from_secs(60)).unwrap();
+    println!("rank {me} ok");
+}
+
+#[test]
+fn offset_reductions_and_nd_exchanges_match_the_reference() {
+    for n in [2, 3, 4, 8] {
+        job(n, "rank_nd");
+    }
+}

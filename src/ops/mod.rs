@@ -18,6 +18,7 @@
 //! Layer: uses `symm`, `tensor`, `group`.
 
 mod a2av;
+mod nd;
 mod reduce;
 mod small;
 mod tile;
@@ -26,6 +27,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 pub use a2av::{all_to_all_vdev, all_to_all_vdev_2d, all_to_all_vdev_2d_offset};
+pub use nd::{all_to_all_nd, reduce_scatter_offset};
 pub use reduce::ReduceOp;
 pub use tile::{multi_root_tile_reduce, tile_reduce};
 

@@ -130,24 +130,23 @@ pub fn all_to_all_nd(input: &Tensor, out: &Tensor, scatter_dim: usize, gather_di
             ));
         }
     };
-    let expected: (Vec<usize>, Vec<usize>);
-    match (scatter_dim, gather_dim) {
+    let expected: (Vec<usize>, Vec<usize>) = match (scatter_dim, gather_dim) {
         (1, 0) => {
-            if cols % g != 0 {
+            if !cols.is_multiple_of(g) {
                 return Err(bad(OP, format!("input columns {cols} are not divisible by world size {g}")));
             }
             let lc = cols / g;
-            expected = (vec![g, rows, lc], vec![g * rows, lc]);
+            (vec![g, rows, lc], vec![g * rows, lc])
         }
         (0, 1) => {
-            if rows % g != 0 {
+            if !rows.is_multiple_of(g) {
                 return Err(bad(OP, format!("input rows {rows} are not divisible by world size {g}")));
             }
             let lr = rows / g;
-            expected = (vec![lr, g, cols], vec![lr, g * cols]);
+            (vec![lr, g, cols], vec![lr, g * cols])
         }
         _ => return Err(bad(OP, "supported (scatter_dim, gather_dim) pairs are (1, 0) and (0, 1)")),
-    }
+    };
     if os != expected.0.as_slice() && os != expected.1.as_slice() {
         return Err(bad(OP, format!("out shape {os:?}; expected {:?} or {:?}", expected.0, expected.1)));
     }

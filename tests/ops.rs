@@ -456,3 +456,113 @@ fn offset_reductions_and_nd_exchanges_match_the_reference() {
         job(n, "rank_nd");
     }
 }
+
+/// C = A @ B in f64, row-major.
+fn matmul(a: &[f64], b: &[f64], m: usize, k: usize, n: usize) -> Vec<f64> {
+    let mut c = vec![0.0; m * n];
+    for i in 0..m {
+        for p in 0..k {
+            for j in 0..n {
+                c[i * n + j] += a[i * k + p] * b[p * n + j];
+            }
+        }
+    }
+    c
+}
+
+#[test]
+#[ignore = "a rank program; run by fused_matmuls_match_matmul_over_the_gathered_input"]
+fn rank_matmul() {
+    if std::env::var("RANK").is_err() {
+        return;
+    }
+    let g = Group::from_env().unwrap();
+    let (me, ws) = (g.rank(), g.world_size());
+    let (m, k, n) = (4, 6, 5);
+    let a_val = |r: usize, i: usize| ((i * 5 + r * 3) % 7) as f64 - 3.0;
+    let b_val = |t: usize, i: usize| ((i * 3 + t) % 5) as f64 - 2.0;
+    for dtype in [DType::F32, DType::F64, DType::BF16] {
+        for gather_dim in [0usize, 1] {
+            let a = symm::empty(&[m, k], dtype, Device::Cpu).unwrap();
+            tensor_of(dtype, &a, &(0..m * k).map(|i| a_val(me, i) as i64).collect::<Vec<_>>());
+            let kk = if gather_dim == 1 { k * ws } else { k };
+            let bs: Vec<Tensor> = (0..2)
+                .map(|t| {
+                    let b = Tensor::zeros(&[kk, n + t], dtype).unwrap();
+                    tensor_of(dtype, &b, &(0..kk * (n + t)).map(|i| b_val(t, i) as i64).collect::<Vec<_>>());
+                    b
+                })
+                .collect();
+            let (gathered, outs) = ops::fused_all_gather_matmul(&a, &bs, gather_dim, &g, true).unwrap();
+            // The reference: gather on the host, then multiply.
+            let full: Vec<f64> = if gather_dim == 0 {
+                (0..ws).flat_map(|r| (0..m * k).map(move |i| a_val(r, i))).collect()
+            } else {
+                (0..m).flat_map(|row| (0..ws).flat_map(move |r| (0..k).map(move |c| a_val(r, row * k + c)))).collect()
+            };
+            let rows = if gather_dim == 0 { m * ws } else { m };
+            assert_eq!(values(gathered.as_ref().unwrap()), full, "gathered A ({dtype}, dim {gather_dim})");
+            for (t, out) in outs.iter().enumerate() {
+                let b: Vec<f64> = (0..kk * (n + t)).map(|i| b_val(t, i)).collect();
+                let want = matmul(&full, &b, rows, kk, n + t);
+                let got = values(out);
+                for (x, y) in got.iter().zip(&want) {
+                    assert!(close(*x, *y, dtype), "fused_all_gather_matmul {dtype} dim {gather_dim}: {x} vs {y}");
+                }
+                agree(&g, &format!("agmm-{dtype}-{gather_dim}-{t}"), out);
+            }
+            let (none, _) = ops::fused_all_gather_matmul(&a, &bs, gather_dim, &g, false).unwrap();
+            assert!(none.is_none());
+        }
+        // fused_matmul_reduce_scatter: Σ_r A_r @ B_r, block `me`.
+        let (mm, kk2, nn) = (ws * 2, 3, ws * 3);
+        let a = Tensor::zeros(&[mm, kk2], dtype).unwrap();
+        tensor_of(dtype, &a, &(0..mm * kk2).map(|i| a_val(me, i) as i64).collect::<Vec<_>>());
+        let b = Tensor::zeros(&[kk2, nn], dtype).unwrap();
+        tensor_of(dtype, &b, &(0..kk2 * nn).map(|i| b_val(me, i) as i64).collect::<Vec<_>>());
+        let mut total = vec![0.0; mm * nn];
+        for r in 0..ws {
+            let ar: Vec<f64> = (0..mm * kk2).map(|i| a_val(r, i)).collect();
+            let br: Vec<f64> = (0..kk2 * nn).map(|i| b_val(r, i)).collect();
+            for (t, x) in total.iter_mut().zip(matmul(&ar, &br, mm, kk2, nn)) {
+                *t += x;
+            }
+        }
+        for (op, div) in [(ReduceOp::Sum, 1.0), (ReduceOp::Avg, ws as f64)] {
+            for scatter_dim in [0usize, 1] {
+                let out = ops::fused_matmul_reduce_scatter(&a, &b, op, scatter_dim, &g).unwrap();
+                let got = values(&out);
+                let want: Vec<f64> = if scatter_dim == 0 {
+                    (me * 2 * nn..(me + 1) * 2 * nn).map(|i| total[i] / div).collect()
+                } else {
+                    (0..mm)
+                        .flat_map(|row| (me * 3..me * 3 + 3).map(move |c| row * nn + c))
+                        .map(|i| total[i] / div)
+                        .collect()
+                };
+                for (x, y) in got.iter().zip(&want) {
+                    assert!(
+                        close(*x, *y, dtype),
+                        "fused_matmul_reduce_scatter {dtype} {op:?} dim {scatter_dim}: {x} vs {y}"
+                    );
+                }
+            }
+        }
+    }
+    let a = symm::empty(&[4], DType::F32, Device::Cpu).unwrap();
+    assert!(
+        ops::fused_all_gather_matmul(&a, &[], 0, &g, true)
+            .unwrap_err()
+            .to_string()
+            .contains("A_shard must be a matrix")
+    );
+    g.barrier(std::time::Duration::from_secs(60)).unwrap();
+    println!("rank {me} ok");
+}
+
+#[test]
+fn fused_matmuls_match_matmul_over_the_gathered_input() {
+    for n in [2, 3, 4, 8] {
+        job(n, "rank_matmul");
+    }
+}

@@ -18,6 +18,7 @@
 //! Layer: uses `symm`, `tensor`, `group`.
 
 mod a2av;
+mod matmul;
 mod nd;
 mod reduce;
 mod small;
@@ -27,6 +28,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 pub use a2av::{all_to_all_vdev, all_to_all_vdev_2d, all_to_all_vdev_2d_offset};
+pub use matmul::{fused_all_gather_matmul, fused_matmul_reduce_scatter};
 pub use nd::{all_to_all_nd, reduce_scatter_offset};
 pub use reduce::ReduceOp;
 pub use tile::{multi_root_tile_reduce, tile_reduce};

@@ -1,0 +1,355 @@
+//! Fused collective matmuls (`reference/torch-symm-mem-internals.md` §3.2), with
+//! `matrixmultiply`'s CPU GEMM. f32 and f64 natively; f16 and bf16 through f32.
+//!
+//! - `fused_all_gather_matmul`: a helper thread pulls the peers' shards into the gathered `A`
+//!   (in rank order) while this thread multiplies each shard as soon as it lands, so the copies
+//!   overlap the matmuls.
+//! - `fused_matmul_reduce_scatter`: `A @ B` goes into a per-group symmetric workspace, then
+//!   every rank reduces its block from all workspaces in rank order (sum or avg).
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use half::{bf16, f16};
+
+use super::reduce::{self, ReduceOp};
+use super::{bad, barrier, symmetric, timeout};
+use crate::error::Result;
+use crate::group::Group;
+use crate::symm::{self, Device, SymmHandle};
+use crate::tensor::{DType, Tensor};
+
+/// `c (m×n, row stride ldc) (+)= a (m×k, lda) @ b (k×n, ldb)`, all row-major f32.
+///
+/// # Safety
+///
+/// Each pointer must address its matrix with the given row strides.
+#[allow(clippy::too_many_arguments, reason = "a GEMM's shape is its arguments")]
+unsafe fn sgemm(
+    m: usize,
+    k: usize,
+    n: usize,
+    a: *const f32,
+    lda: usize,
+    b: *const f32,
+    ldb: usize,
+    c: *mut f32,
+    ldc: usize,
+    acc: bool,
+) {
+    // SAFETY: forwarded; matrixmultiply reads a and b and writes c within the given strides.
+    unsafe {
+        matrixmultiply::sgemm(
+            m,
+            k,
+            n,
+            1.0,
+            a,
+            lda as isize,
+            1,
+            b,
+            ldb as isize,
+            1,
+            if acc { 1.0 } else { 0.0 },
+            c,
+            ldc as isize,
+            1,
+        )
+    }
+}
+
+/// As [`sgemm`], for f64.
+///
+/// # Safety
+///
+/// As for [`sgemm`].
+#[allow(clippy::too_many_arguments, reason = "a GEMM's shape is its arguments")]
+unsafe fn dgemm(
+    m: usize,
+    k: usize,
+    n: usize,
+    a: *const f64,
+    lda: usize,
+    b: *const f64,
+    ldb: usize,
+    c: *mut f64,
+    ldc: usize,
+    acc: bool,
+) {
+    // SAFETY: as in sgemm.
+    unsafe {
+        matrixmultiply::dgemm(
+            m,
+            k,
+            n,
+            1.0,
+            a,
+            lda as isize,
+            1,
+            b,
+            ldb as isize,
+            1,
+            if acc { 1.0 } else { 0.0 },
+            c,
+            ldc as isize,
+            1,
+        )
+    }
+}
+
+/// A matrix as f32 (a copy for f16/bf16), row-major with row stride `ld`.
+fn as_f32(dtype: DType, p: *const u8, rows: usize, cols: usize, ld: usize) -> Vec<f32> {
+    let mut v = Vec::with_capacity(rows * cols);
+    for r in 0..rows {
+        for c in 0..cols {
+            // SAFETY: the caller's matrix holds rows×cols elements at row stride ld.
+            let x = unsafe {
+                match dtype {
+                    DType::F16 => p.cast::<f16>().add(r * ld + c).read().to_f32(),
+                    DType::BF16 => p.cast::<bf16>().add(r * ld + c).read().to_f32(),
+                    _ => p.cast::<f32>().add(r * ld + c).read(),
+                }
+            };
+            v.push(x);
+        }
+    }
+    v
+}
+
+/// `c (+)= a @ b` in `dtype`, row-major with the given row strides.
+///
+/// # Safety
+///
+/// As for [`sgemm`], for elements of `dtype`.
+#[allow(clippy::too_many_arguments, reason = "a GEMM's shape is its arguments")]
+unsafe fn gemm(
+    dtype: DType,
+    m: usize,
+    k: usize,
+    n: usize,
+    a: *const u8,
+    lda: usize,
+    b: *const u8,
+    ldb: usize,
+    c: *mut u8,
+    ldc: usize,
+    acc: bool,
+) {
+    // SAFETY: forwarded from this function's contract.
+    unsafe {
+        match dtype {
+            DType::F32 => sgemm(m, k, n, a.cast(), lda, b.cast(), ldb, c.cast(), ldc, acc),
+            DType::F64 => dgemm(m, k, n, a.cast(), lda, b.cast(), ldb, c.cast(), ldc, acc),
+            _ => {
+                let (af, bf) = (as_f32(dtype, a, m, k, lda), as_f32(dtype, b, k, n, ldb));
+                let mut cf = if acc { as_f32(dtype, c, m, n, ldc) } else { vec![0.0; m * n] };
+                sgemm(m, k, n, af.as_ptr(), k, bf.as_ptr(), n, cf.as_mut_ptr(), n, acc);
+                for r in 0..m {
+                    for col in 0..n {
+                        let x = cf[r * n + col];
+                        match dtype {
+                            DType::F16 => c.cast::<f16>().add(r * ldc + col).write(f16::from_f32(x)),
+                            _ => c.cast::<bf16>().add(r * ldc + col).write(bf16::from_f32(x)),
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+fn check_float(op: &str, d: DType) -> Result<()> {
+    if !d.is_float() {
+        return Err(bad(op, format!("{d} is not a floating-point dtype")));
+    }
+    Ok(())
+}
+
+/// `A = all_gather(A_shard, gather_dim)`, then `A @ B` for every `B`, with the gathering
+/// overlapped with the matmuls. `A_shard` is a 2-D symmetric tensor; `gather_dim` 0 stacks the
+/// shards' rows, 1 (the last dimension) their columns. Returns `A` when `return_a`.
+pub fn fused_all_gather_matmul(
+    a_shard: &Tensor,
+    bs: &[Tensor],
+    gather_dim: usize,
+    group: &Group,
+    return_a: bool,
+) -> Result<(Option<Tensor>, Vec<Tensor>)> {
+    const OP: &str = "fused_all_gather_matmul";
+    let ws = group.world_size();
+    if a_shard.shape().len() != 2 {
+        return Err(bad(OP, "A_shard must be a matrix"));
+    }
+    check_float(OP, a_shard.dtype())?;
+    let (m, k) = (a_shard.shape()[0], a_shard.shape()[1]);
+    if gather_dim > 1 {
+        return Err(bad(OP, format!("gather_dim {gather_dim} is out of range for a matrix")));
+    }
+    let kk = if gather_dim == 1 { k * ws } else { k };
+    for b in bs {
+        if b.shape().len() != 2 {
+            return Err(bad(OP, "B must be a matrix"));
+        }
+        if b.shape()[0] != kk || b.dtype() != a_shard.dtype() || !b.is_contiguous() {
+            return Err(bad(
+                OP,
+                format!("B of shape {:?} {} cannot multiply the gathered A (inner size {kk})", b.shape(), b.dtype()),
+            ));
+        }
+    }
+    let h = symmetric(OP, a_shard, group)?;
+    let (dtype, es) = (a_shard.dtype(), a_shard.dtype().size());
+    let gathered_shape = if gather_dim == 0 { [m * ws, k] } else { [m, k * ws] };
+    let a = Tensor::zeros(&gathered_shape, dtype)?;
+    let outs: Vec<Tensor> =
+        bs.iter().map(|b| Tensor::zeros(&[gathered_shape[0], b.shape()[1]], dtype)).collect::<Result<_>>()?;
+    barrier(&h)?;
+    let a_ptr = a.data_ptr() as usize;
+    let (tx, rx) = std::sync::mpsc::channel::<usize>();
+    std::thread::scope(|s| -> Result<()> {
+        // The gatherer: pulls shard r into its place in A, in rank order.
+        let hh = &h;
+        s.spawn(move || {
+            for r in 0..ws {
+                let src = hh.buffer_ptr(r) + hh.offset();
+                for row in 0..m {
+                    let (from, to) = if gather_dim == 0 {
+                        (src + row * k * es, a_ptr + (r * m + row) * k * es)
+                    } else {
+                        (src + row * k * es, a_ptr + (row * k * ws + r * k) * es)
+                    };
+                    // SAFETY: shard r is not written between the barriers; the destination row
+                    // lies inside A, which outlives this scope.
+                    unsafe { std::ptr::copy_nonoverlapping(from as *const u8, to as *mut u8, k * es) };
+                }
+                if tx.send(r).is_err() {
+                    return;
+                }
+            }
+        });
+        // The multiplier: each shard as it lands (in rank order, so sums are bitwise equal on
+        // every rank).
+        for r in rx.iter() {
+            for (b, out) in bs.iter().zip(&outs) {
+                let n = b.shape()[1];
+                // SAFETY: shard r's rows (gather_dim 0) or columns (1) of A were written before
+                // `r` was sent; B and out are contiguous with the shapes checked above.
+                unsafe {
+                    if gather_dim == 0 {
+                        gemm(
+                            dtype,
+                            m,
+                            k,
+                            n,
+                            a.data_ptr().add(r * m * k * es),
+                            k,
+                            b.data_ptr(),
+                            n,
+                            out.data_ptr().add(r * m * n * es),
+                            n,
+                            false,
+                        );
+                    } else {
+                        gemm(
+                            dtype,
+                            m,
+                            k,
+                            n,
+                            a.data_ptr().add(r * k * es),
+                            k * ws,
+                            b.data_ptr().add(r * k * n * es),
+                            n,
+                            out.data_ptr(),
+                            n,
+                            r > 0,
+                        );
+                    }
+                }
+            }
+        }
+        Ok(())
+    })?;
+    barrier(&h)?;
+    Ok((return_a.then_some(a), outs))
+}
+
+struct Workspace {
+    tensor: Tensor,
+    handle: Arc<SymmHandle>,
+}
+
+fn workspace(group: &Group, bytes: usize) -> Result<(Tensor, Arc<SymmHandle>)> {
+    static W: std::sync::OnceLock<Mutex<HashMap<String, Workspace>>> = std::sync::OnceLock::new();
+    let mut all = W.get_or_init(|| Mutex::new(HashMap::new())).lock().unwrap_or_else(|p| p.into_inner());
+    if let Some(w) = all.get(group.name())
+        && w.tensor.nbytes() >= bytes
+    {
+        return Ok((w.tensor.clone(), w.handle.clone()));
+    }
+    // Collective: every rank grows its workspace at the same call (the sizes are symmetric).
+    let tensor = symm::empty(&[bytes.next_power_of_two()], DType::U8, Device::Cpu)?;
+    let handle = symm::rendezvous(&tensor, group)?;
+    all.insert(group.name().to_string(), Workspace { tensor: tensor.clone(), handle: handle.clone() });
+    Ok((tensor, handle))
+}
+
+/// `A @ B`, reduce-scattered across ranks along `scatter_dim` (0: rows, 1: columns) with `sum`
+/// or `avg`: rank r gets block r of `Σ_ranks A_rank @ B_rank`.
+pub fn fused_matmul_reduce_scatter(
+    a: &Tensor,
+    b: &Tensor,
+    op: ReduceOp,
+    scatter_dim: usize,
+    group: &Group,
+) -> Result<Tensor> {
+    const OP: &str = "fused_matmul_reduce_scatter";
+    if !matches!(op, ReduceOp::Sum | ReduceOp::Avg) {
+        return Err(bad(OP, format!("reduce_op {op:?} is not supported (sum, avg)")));
+    }
+    if a.shape().len() != 2 || b.shape().len() != 2 || a.shape()[1] != b.shape()[0] {
+        return Err(bad(OP, format!("A {:?} and B {:?} are not multipliable matrices", a.shape(), b.shape())));
+    }
+    if a.dtype() != b.dtype() || !a.is_contiguous() || !b.is_contiguous() {
+        return Err(bad(OP, "A and B must be contiguous, of one dtype"));
+    }
+    check_float(OP, a.dtype())?;
+    let ws = group.world_size();
+    let (m, k, n) = (a.shape()[0], a.shape()[1], b.shape()[1]);
+    let extent = if scatter_dim == 0 { m } else { n };
+    if scatter_dim > 1 || extent % ws != 0 {
+        return Err(bad(
+            OP,
+            format!("scatter_dim {scatter_dim} of size {extent} must be divisible by world size {ws}"),
+        ));
+    }
+    let (dtype, es) = (a.dtype(), a.dtype().size());
+    let (_ws_tensor, h) = workspace(group, m * n * es)?;
+    let mine = (h.buffer_ptr(h.rank()) + h.offset()) as *mut u8;
+    // SAFETY: the workspace holds at least m·n elements; no peer reads it before the barrier.
+    unsafe { gemm(dtype, m, k, n, a.data_ptr(), k, b.data_ptr(), n, mine, n, false) };
+    barrier(&h)?;
+    let me = h.rank();
+    let out = if scatter_dim == 0 { Tensor::zeros(&[m / ws, n], dtype)? } else { Tensor::zeros(&[m, n / ws], dtype)? };
+    let outcome = (|| {
+        if scatter_dim == 0 {
+            let rows = m / ws;
+            let srcs: Vec<*const u8> =
+                (0..ws).map(|r| (h.buffer_ptr(r) + h.offset() + me * rows * n * es) as *const u8).collect();
+            // SAFETY: row block `me` of every workspace, complete (barrier) and not rewritten
+            // before the final barrier; out holds rows·n elements.
+            unsafe { reduce::reduce(dtype, op, &srcs, &[out.data_ptr()], rows * n, ws) }
+        } else {
+            let cols = n / ws;
+            for row in 0..m {
+                let srcs: Vec<*const u8> =
+                    (0..ws).map(|r| (h.buffer_ptr(r) + h.offset() + (row * n + me * cols) * es) as *const u8).collect();
+                // SAFETY: as above, one row's column block.
+                unsafe { reduce::reduce(dtype, op, &srcs, &[out.data_ptr().add(row * cols * es)], cols, ws)? };
+            }
+            Ok(())
+        }
+    })();
+    let b = h.barrier(0, timeout());
+    outcome.and(b)?;
+    Ok(out)
+}

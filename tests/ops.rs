@@ -566,3 +566,76 @@ fn fused_matmuls_match_matmul_over_the_gathered_input() {
         job(n, "rank_matmul");
     }
 }
+
+#[test]
+#[ignore = "a rank program; run by every_dtype_moves_and_tiles"]
+fn rank_dtypes() {
+    if std::env::var("RANK").is_err() {
+        return;
+    }
+    let g = Group::from_env().unwrap();
+    let (me, ws) = (g.rank(), g.world_size());
+    let (cap, cols) = (16usize, 2usize);
+    let v = |src: usize, i: usize| ((src * 7 + i * 3) % 19) as i64 - 9;
+    for dtype in REDUCIBLE {
+        let val = |src: usize, i: usize| if signed(dtype) { v(src, i) } else { v(src, i) + 9 };
+        // all_to_all_vdev moves rows of any dtype untouched.
+        let input = symm::empty(&[cap, cols], dtype, Device::Cpu).unwrap();
+        tensor_of(dtype, &input, &(0..cap * cols).map(|i| val(me, i)).collect::<Vec<_>>());
+        let split = |src: usize, dst: usize| ((src + 2 * dst) % 3) as i64;
+        let in_splits = i64_symm(&(0..ws).map(|d| split(me, d)).collect::<Vec<_>>(), &[ws]);
+        let out = Tensor::zeros(&[cap * ws, cols], dtype).unwrap();
+        let oso = Tensor::zeros(&[2, ws], DType::I64).unwrap();
+        ops::all_to_all_vdev(&input, &out, &in_splits, &oso, &g).unwrap();
+        let got = values(&out);
+        let mut at = 0;
+        for src in 0..ws {
+            let first: i64 = (0..me).map(|d| split(src, d)).sum();
+            for r in 0..split(src, me) as usize {
+                for c in 0..cols {
+                    assert_eq!(
+                        got[(at + r) * cols + c],
+                        val(src, (first as usize + r) * cols + c) as f64,
+                        "a2av {dtype}"
+                    );
+                }
+            }
+            at += split(src, me) as usize;
+        }
+        // 2d dispatch + combine round trip in this dtype.
+        let ne = 2;
+        let s2: Vec<i64> = (0..ws * ne).map(|i| ((me + i) % 3) as i64).collect();
+        let total: i64 = s2.iter().sum();
+        let in2 = i64_symm(&s2, &[ws * ne]);
+        let mid = symm::empty(&[cap * ws, cols], dtype, Device::Cpu).unwrap();
+        let mid_so = symm::empty(&[2, ws * ne], DType::I64, Device::Cpu).unwrap();
+        ops::all_to_all_vdev_2d(&input, &mid, &in2, &mid_so, &g, Some(2)).unwrap();
+        let back = Tensor::zeros(&[cap, cols], dtype).unwrap();
+        let back_so = Tensor::zeros(&[2, ws * ne], DType::I64).unwrap();
+        ops::all_to_all_vdev_2d_offset(&mid, &back, &mid_so, &back_so, &g).unwrap();
+        let k = total as usize * cols;
+        assert_eq!(values(&back)[..k], values(&input)[..k], "2d round trip {dtype}");
+        // tile_reduce of a strided quadrant in this dtype.
+        let full = symm::empty(&[6, 6], dtype, Device::Cpu).unwrap();
+        tensor_of(dtype, &full, &(0..36).map(|i| val(me, i)).collect::<Vec<_>>());
+        let quad = full.tile(1..4, 2..5).unwrap();
+        let out_tile = Tensor::zeros(&[3, 3], dtype).unwrap();
+        ops::tile_reduce(&quad, &out_tile, 0, &g, ReduceOp::Sum).unwrap();
+        if me == 0 {
+            let want: Vec<f64> = (1..4)
+                .flat_map(|r| (2..5).map(move |c| r * 6 + c))
+                .map(|i| (0..ws).map(|s| val(s, i)).sum::<i64>() as f64)
+                .collect();
+            assert_eq!(values(&out_tile), want, "tile_reduce {dtype}");
+        }
+    }
+    g.barrier(std::time::Duration::from_secs(60)).unwrap();
+    println!("rank {me} ok");
+}
+
+#[test]
+fn every_dtype_moves_and_tiles() {
+    for n in [2, 3, 4] {
+        job(n, "rank_dtypes");
+    }
+}

@@ -94,9 +94,34 @@ fn same_shape(op: &str, input: &Tensor, out: &Tensor) -> Result<()> {
     Ok(())
 }
 
+/// Pointers to every rank's copy of a tensor, on the stack for up to 64 ranks: the operators'
+/// hot path allocates nothing.
+pub(crate) struct Peers {
+    inline: [*const u8; 64],
+    heap: Vec<*const u8>,
+    len: usize,
+}
+
+impl std::ops::Deref for Peers {
+    type Target = [*const u8];
+    fn deref(&self) -> &[*const u8] {
+        if self.len <= self.inline.len() { &self.inline[..self.len] } else { &self.heap }
+    }
+}
+
 /// Every rank's copy of the tensor behind `h`, as raw pointers, plus `at` bytes.
-fn peers(h: &SymmHandle, at: usize) -> Vec<*const u8> {
-    h.buffer_ptrs().into_iter().map(|p| (p + h.offset() + at) as *const u8).collect()
+fn peers(h: &SymmHandle, at: usize) -> Peers {
+    let n = h.world_size();
+    let mut p = Peers { inline: [std::ptr::null(); 64], heap: Vec::new(), len: n };
+    let at = |r: usize| (h.buffer_ptr(r) + h.offset() + at) as *const u8;
+    if n <= p.inline.len() {
+        for (r, slot) in p.inline.iter_mut().enumerate().take(n) {
+            *slot = at(r);
+        }
+    } else {
+        p.heap = (0..n).map(at).collect();
+    }
+    p
 }
 
 fn barrier(h: &SymmHandle) -> Result<()> {
@@ -152,10 +177,20 @@ pub fn two_shot_all_reduce_(input: &Tensor, op: ReduceOp, group: &Group) -> Resu
     let (start, len) = slice(input.numel(), ws, h.rank(), alignment(input.dtype()) / es);
     barrier(&h)?;
     let srcs = peers(&h, start * es);
-    let dsts: Vec<*mut u8> = srcs.iter().map(|&p| p.cast_mut()).collect();
+    let mut inline = [std::ptr::null_mut::<u8>(); 64];
+    let heap: Vec<*mut u8>;
+    let dsts: &[*mut u8] = if ws <= inline.len() {
+        for (d, s) in inline.iter_mut().zip(srcs.iter()) {
+            *d = s.cast_mut();
+        }
+        &inline[..ws]
+    } else {
+        heap = srcs.iter().map(|&p| p.cast_mut()).collect();
+        &heap
+    };
     // SAFETY: slice [start, start+len) of every rank's buffer is read and written by this rank
     // only, between the barriers; the pointers address mapped buffers (checked shapes).
-    unsafe { reduce::reduce(input.dtype(), op, &srcs, &dsts, len, ws)? };
+    unsafe { reduce::reduce(input.dtype(), op, &srcs, dsts, len, ws)? };
     barrier(&h)
 }
 
@@ -175,7 +210,7 @@ pub fn two_shot_all_reduce_out(input: &Tensor, op: ReduceOp, group: &Group, out:
     let per_align = alignment(input.dtype()) / es;
     let (start, len) = slice(input.numel(), ws, h.rank(), per_align);
     barrier(&h)?;
-    let own = (h.buffer_ptrs()[h.rank()] + h.offset() + start * es) as *mut u8;
+    let own = (h.buffer_ptr(h.rank()) + h.offset() + start * es) as *mut u8;
     // SAFETY: as in two_shot_all_reduce_; this rank writes only its own slice of its own buffer.
     unsafe { reduce::reduce(input.dtype(), op, &peers(&h, start * es), &[own], len, ws)? };
     barrier(&h)?;
@@ -368,6 +403,32 @@ pub fn multimem_all_reduce_(_input: &Tensor, _op: ReduceOp, _group: &Group) -> R
 /// See [`multimem_all_reduce_`].
 pub fn multimem_all_gather_out(_input: &Tensor, _group: &Group, _out: &Tensor) -> Result<()> {
     Err(unsupported("multimem_all_gather_out", "NVLink SHARP multicast (multimem) on CUDA devices"))
+}
+
+/// See [`multimem_all_reduce_`].
+pub fn multimem_one_shot_all_reduce(_input: &Tensor, _op: ReduceOp, _group: &Group) -> Result<Tensor> {
+    Err(unsupported("multimem_one_shot_all_reduce", "NVLink SHARP multicast (multimem) on CUDA devices"))
+}
+
+/// See [`multimem_all_reduce_`].
+pub fn multimem_one_shot_reduce_out(
+    _input: &Tensor,
+    _op: ReduceOp,
+    _root: usize,
+    _group: &Group,
+    _out: &Tensor,
+) -> Result<()> {
+    Err(unsupported("multimem_one_shot_reduce_out", "NVLink SHARP multicast (multimem) on CUDA devices"))
+}
+
+/// See [`multimem_all_reduce_`].
+pub fn memset32_(_input: &Tensor, _offset: usize, _value: u32, _count: usize) -> Result<()> {
+    Err(unsupported("memset32_", "a CUDA stream"))
+}
+
+/// See [`multimem_all_reduce_`].
+pub fn memcpy_to_multicast_(_out: &Tensor, _src: &Tensor, _byte_offset: usize, _group: &Group) -> Result<()> {
+    Err(unsupported("memcpy_to_multicast_", "a multicast object (CUDA, NVLink SHARP)"))
 }
 
 /// See [`multimem_all_reduce_`].

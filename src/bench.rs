@@ -896,12 +896,16 @@ pub fn collective_rank(op: &str, algo: &str, dtype: DType, iters: usize, warmup:
     for &size in sizes {
         // Elements per rank's input, rounded to what every operator accepts.
         let aligned = es.max(4) / es;
-        let unit = if matches!(op, "reduce_scatter" | "all_to_all") { aligned * ws } else { aligned };
+        let unit = if matches!(op, "reduce_scatter" | "all_to_all" | "all_to_all_v") { aligned * ws } else { aligned };
         let numel = match op {
             "all_gather" => (size / es / ws).max(1),
             _ => (size / es).div_ceil(unit).max(1) * unit,
         };
         let input = symm::empty(&[numel], dtype, Device::Cpu)?;
+        // all_to_all_v: equal splits of rows (one element each), through the vdev operator.
+        let splits = symm::empty(&[ws], DType::I64, Device::Cpu)?;
+        splits.fill((numel / ws) as i64)?;
+        let splits_out = Tensor::zeros(&[2, ws], DType::I64)?;
         let out_len = match op {
             "all_gather" => numel * ws,
             "reduce_scatter" => numel / ws,
@@ -916,6 +920,7 @@ pub fn collective_rank(op: &str, algo: &str, dtype: DType, iters: usize, warmup:
                 ("all_gather", _) => ops::all_gather_into(&input, &group, &out),
                 ("reduce_scatter", _) => ops::reduce_scatter_out(&input, ReduceOp::Sum, &group, false, &out),
                 ("all_to_all", _) => ops::all_to_all(&input, &out, &group),
+                ("all_to_all_v", _) => ops::all_to_all_vdev(&input, &out, &splits, &splits_out, &group),
                 (other, _) => Err(Error::InvalidArgument(format!("unknown collective {other:?}"))),
             }
         };
@@ -960,4 +965,95 @@ pub fn collective_rank(op: &str, algo: &str, dtype: DType, iters: usize, warmup:
     }
     group.barrier(Duration::from_secs(60))?;
     if group.rank() == 0 { report(&rows) } else { Ok(()) }
+}
+
+/// The font the plots use (Debian's fonts-dejavu-core).
+pub const PLOT_FONT: &str = "/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf";
+
+/// Draws latency and bandwidth against message size, one line per (bench, algo), into `path`
+/// (`.svg`, or `.png`).
+pub fn plot(rows: &[BenchResult], path: &std::path::Path) -> Result<()> {
+    use plotters::prelude::*;
+    static FONT: std::sync::OnceLock<std::result::Result<(), String>> = std::sync::OnceLock::new();
+    FONT.get_or_init(|| {
+        let bytes =
+            std::fs::read(PLOT_FONT).map_err(|e| format!("read {PLOT_FONT} (install fonts-dejavu-core): {e}"))?;
+        // The font must live as long as the process: plotters keeps a reference to it.
+        let bytes: &'static [u8] = Box::leak(bytes.into_boxed_slice());
+        plotters::style::register_font("sans-serif", FontStyle::Normal, bytes)
+            .map_err(|_| "register the plot font".to_string())
+    })
+    .clone()
+    .map_err(Error::InvalidArgument)?;
+    let mut series: PlotSeries = Vec::new();
+    for r in rows {
+        let Some(bytes) = r.bytes.filter(|&b| b > 0) else { continue };
+        let label = match r.extra.get("algo").and_then(|a| a.as_str()) {
+            Some(a) => format!("{} ({a})", r.bench),
+            None => r.bench.clone(),
+        };
+        let bw = r.extra.get("busbw_gbps").and_then(|v| v.as_f64()).or(r.gbps).unwrap_or(0.0);
+        let point = (bytes as f64, r.lat_us.max(1e-3), bw.max(1e-6));
+        match series.iter_mut().find(|(l, _)| *l == label) {
+            Some((_, v)) => v.push(point),
+            None => series.push((label, vec![point])),
+        }
+    }
+    let pts = || series.iter().flat_map(|(_, v)| v.iter());
+    let (x0, x1) = pts().fold((f64::MAX, 1.0f64), |(a, b), p| (a.min(p.0), b.max(p.0)));
+    let (l0, l1) = pts().fold((f64::MAX, 0.0f64), |(a, b), p| (a.min(p.1), b.max(p.1)));
+    let (b0, b1) = pts().fold((f64::MAX, 0.0f64), |(a, b), p| (a.min(p.2), b.max(p.2)));
+    if series.is_empty() {
+        return Err(Error::InvalidArgument("nothing to plot: no result has a message size".into()));
+    }
+    let bounds = [x0, x1, l0, l1, b0, b1];
+    let result = if path.extension().is_some_and(|e| e.eq_ignore_ascii_case("png")) {
+        draw_plot(BitMapBackend::new(path, (1200, 480)).into_drawing_area(), &series, bounds)
+    } else {
+        draw_plot(SVGBackend::new(path, (1200, 480)).into_drawing_area(), &series, bounds)
+    };
+    result.map_err(|e| Error::InvalidArgument(format!("plot {}: {e}", path.display())))
+}
+
+/// Series of (size, latency, bandwidth) points, by label.
+type PlotSeries = Vec<(String, Vec<(f64, f64, f64)>)>;
+
+fn draw_plot<DB: plotters::prelude::DrawingBackend>(
+    root: plotters::prelude::DrawingArea<DB, plotters::coord::Shift>,
+    series: &PlotSeries,
+    [x0, x1, l0, l1, b0, b1]: [f64; 6],
+) -> std::result::Result<(), Box<dyn std::error::Error>>
+where
+    DB::ErrorType: 'static,
+{
+    use plotters::prelude::*;
+    root.fill(&WHITE)?;
+    let halves = root.split_evenly((1, 2));
+    for (k, area) in halves.iter().enumerate() {
+        let (title, lo, hi) = if k == 0 { ("median latency (us)", l0, l1) } else { ("bandwidth (GB/s)", b0, b1) };
+        let mut chart = ChartBuilder::on(area)
+            .caption(title, ("sans-serif", 18))
+            .margin(12)
+            .x_label_area_size(36)
+            .y_label_area_size(56)
+            .build_cartesian_2d((x0 * 0.8..x1 * 1.25).log_scale(), (lo * 0.8..hi * 1.25).log_scale())?;
+        chart.configure_mesh().x_desc("message size (bytes)").label_style(("sans-serif", 12)).draw()?;
+        for (i, (label, v)) in series.iter().enumerate() {
+            let color = Palette99::pick(i).to_rgba();
+            let line: Vec<(f64, f64)> = v.iter().map(|p| (p.0, if k == 0 { p.1 } else { p.2 })).collect();
+            chart
+                .draw_series(LineSeries::new(line.clone(), color.stroke_width(2)))?
+                .label(label.clone())
+                .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 16, y)], color.stroke_width(2)));
+            chart.draw_series(line.into_iter().map(|p| Circle::new(p, 3, color.filled())))?;
+        }
+        chart
+            .configure_series_labels()
+            .background_style(WHITE.mix(0.8))
+            .border_style(BLACK)
+            .label_font(("sans-serif", 12))
+            .draw()?;
+    }
+    root.present()?;
+    Ok(())
 }

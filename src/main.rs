@@ -161,6 +161,9 @@ struct CollectiveArgs {
     /// Untimed iterations before timing.
     #[arg(long, default_value_t = 100)]
     warmup: usize,
+    /// Also draw latency and bandwidth against size into this file (.png or .svg).
+    #[arg(long)]
+    plot: Option<std::path::PathBuf>,
 }
 
 fn parse_size(s: &str) -> Result<usize> {
@@ -186,7 +189,21 @@ fn bench_collective(op: &str, a: &CollectiveArgs) -> Result<ExitCode> {
         exe: std::env::current_exe().context("find the symmem executable")?,
     };
     let mut table = Table::new(a.json);
-    bench::collective(&options, |r| table.row(&r))?;
+    // A spinner on a terminal only (indicatif draws nothing when stderr is not a terminal).
+    let spinner = indicatif::ProgressBar::new_spinner();
+    spinner.set_message(format!("{op}: {} sizes on {} ranks", options.sizes.len(), options.ranks));
+    spinner.enable_steady_tick(Duration::from_millis(120));
+    let mut rows = Vec::new();
+    let result = bench::collective(&options, |r| rows.push(r));
+    spinner.finish_and_clear();
+    result?;
+    for r in &rows {
+        table.row(r);
+    }
+    if let Some(path) = &a.plot {
+        bench::plot(&rows, path)?;
+        eprintln!("symmem bench: plotted {}", path.display());
+    }
     Ok(ExitCode::SUCCESS)
 }
 
@@ -200,6 +217,8 @@ enum BenchCommand {
     ReduceScatter(CollectiveArgs),
     /// Equal-split all-to-all.
     AllToAll(CollectiveArgs),
+    /// All-to-all with per-peer splits (all_to_all_vdev), equal splits.
+    AllToAllV(CollectiveArgs),
     /// One-sided write and read latency and bandwidth between two processes, next to a plain
     /// TCP stream between the same two processes.
     Transport {
@@ -296,6 +315,7 @@ fn dispatch(command: Command) -> Result<ExitCode> {
         Command::Bench { which: BenchCommand::AllGather(a) } => bench_collective("all_gather", &a),
         Command::Bench { which: BenchCommand::ReduceScatter(a) } => bench_collective("reduce_scatter", &a),
         Command::Bench { which: BenchCommand::AllToAll(a) } => bench_collective("all_to_all", &a),
+        Command::Bench { which: BenchCommand::AllToAllV(a) } => bench_collective("all_to_all_v", &a),
         Command::Bench { which: BenchCommand::Transport { json, backend, sizes, window } } => {
             let exe = std::env::current_exe().context("find the symmem executable")?;
             let mut table = Table::new(json);
@@ -368,7 +388,50 @@ fn demo(nproc: usize) -> Result<ExitCode> {
     say!("symmem demo: launching {nproc} ranks of {} on this host", exe.display());
     let mut options = LaunchOptions::local(nproc, exe, vec!["demo-rank".into()]);
     options.timeout = Some(Duration::from_secs(120));
-    launch_and_report(&options)
+    let code = launch_and_report(&options)?;
+    open_mpi_figures(nproc);
+    Ok(code)
+}
+
+/// When Open MPI is installed, its MPI_Allreduce at the demo's sizes, for comparison.
+fn open_mpi_figures(nproc: usize) {
+    let have =
+        |tool: &str| std::process::Command::new(tool).arg("--version").output().is_ok_and(|o| o.status.success());
+    if !have("mpicc") || !have("mpirun") {
+        say!("(Open MPI is not installed; bench/compare_mpi.sh installs it and compares all-reduce side by side)");
+        return;
+    }
+    let dir = std::env::temp_dir().join(format!("symmem-demo-mpi-{}", std::process::id()));
+    let run = || -> Option<String> {
+        std::fs::create_dir_all(&dir).ok()?;
+        let src = dir.join("mpi_allreduce.c");
+        std::fs::write(&src, include_str!("../bench/mpi_allreduce.c")).ok()?;
+        let bin = dir.join("mpi_allreduce");
+        let built = std::process::Command::new("mpicc").args(["-O2", "-o"]).arg(&bin).arg(&src).status().ok()?;
+        if !built.success() {
+            return None;
+        }
+        let out = std::process::Command::new("mpirun")
+            .args(["--allow-run-as-root", "--oversubscribe", "-np", &nproc.to_string()])
+            .arg(&bin)
+            .args(["4096", "1048576"])
+            .output()
+            .ok()?;
+        Some(String::from_utf8_lossy(&out.stdout).into_owned())
+    };
+    let text = run();
+    let _ = std::fs::remove_dir_all(&dir);
+    let figures: Vec<String> = text
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .map(|v| format!("{} B: {:.2} us", v["bytes"], v["lat_us"].as_f64().unwrap_or(f64::NAN)))
+        .collect();
+    if figures.is_empty() {
+        say!("(Open MPI is installed but its all-reduce could not be measured)");
+    } else {
+        say!("Open MPI MPI_Allreduce on {nproc} ranks, for comparison: {}", figures.join(", "));
+    }
 }
 
 fn demo_rank() -> Result<()> {
@@ -479,6 +542,39 @@ fn demo_rank() -> Result<()> {
                 "rank 0: all-reduce of {label} ({algo}) on {world} ranks: median {median:.2} us, result checked on every rank"
             );
         }
+    }
+    group.barrier(timeout)?;
+
+    // All-to-all-v: every rank sends (src + dst) % 3 + 1 rows of 256 floats to each peer.
+    let rows = 3 * world;
+    let input = symm::empty(&[rows, 256], DType::F32, Device::Cpu)?;
+    input.copy_from_slice(&(0..rows * 256).map(|i| (rank * 1_000_000 + i) as f32).collect::<Vec<_>>())?;
+    let split = |src: usize, dst: usize| ((src + dst) % 3 + 1) as i64;
+    let splits = symm::empty(&[world], DType::I64, Device::Cpu)?;
+    splits.copy_from_slice(&(0..world).map(|d| split(rank, d)).collect::<Vec<_>>())?;
+    let out = Tensor::zeros(&[rows * world, 256], DType::F32)?;
+    let layout = Tensor::zeros(&[2, world], DType::I64)?;
+    // The first call rendezvouses the tensors; time the second.
+    ops::all_to_all_vdev(&input, &out, &splits, &layout, &group)?;
+    let t = Instant::now();
+    ops::all_to_all_vdev(&input, &out, &splits, &layout, &group)?;
+    let took = t.elapsed();
+    let got = out.to_vec::<f32>()?;
+    let mut at = 0;
+    for src in 0..world {
+        let first: i64 = (0..rank).map(|d| split(src, d)).sum();
+        for r in 0..split(src, rank) as usize {
+            if got[(at + r) * 256] != (src * 1_000_000 + (first as usize + r) * 256) as f32 {
+                anyhow::bail!("all-to-all-v delivered a wrong row to rank {rank}");
+            }
+        }
+        at += split(src, rank) as usize;
+    }
+    if rank == 0 {
+        say!(
+            "rank 0: all-to-all-v with uneven splits ({at} rows arrived here) in {:.2} us, rows checked on every rank",
+            took.as_secs_f64() * 1e6
+        );
     }
     group.barrier(timeout)?;
 

@@ -305,6 +305,43 @@ fn bench_transport_emits_rows_and_baselines() {
 }
 
 #[test]
+fn bench_collectives_report_busbw_and_plot() {
+    let dir = tempfile::tempdir().unwrap();
+    let svg = dir.path().join("ar.svg");
+    let out = symmem(&[
+        "bench",
+        "all-reduce",
+        "--json",
+        "--ranks",
+        "3",
+        "--sizes",
+        "8,64K",
+        "--iters",
+        "50",
+        "--plot",
+        svg.to_str().unwrap(),
+    ]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let rows: Vec<serde_json::Value> = text(&out.stdout).lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert_eq!(rows.len(), 2);
+    for r in &rows {
+        assert_eq!(r["bench"], "all_reduce");
+        assert!(
+            r["busbw_gbps"].as_f64().is_some_and(|b| b > 0.0) && r["lat_us"].as_f64().is_some_and(|l| l > 0.0),
+            "{r}"
+        );
+        assert!(matches!(r["algo"].as_str(), Some("one_shot" | "two_shot")), "{r}");
+    }
+    let drawn = std::fs::read_to_string(&svg).unwrap();
+    assert!(drawn.contains("<svg") && drawn.contains("median latency"), "an SVG plot was drawn");
+    for op in ["all-gather", "reduce-scatter", "all-to-all", "all-to-all-v"] {
+        let out = symmem(&["bench", op, "--json", "--ranks", "2", "--sizes", "4K", "--iters", "20"]);
+        assert!(out.status.success(), "{op}: {}", text(&out.stderr));
+        assert_eq!(text(&out.stdout).lines().count(), 1, "{op}");
+    }
+}
+
+#[test]
 fn bench_store_emits_json_lines() {
     let out =
         symmem(&["bench", "store", "--json", "--clients", "2", "--ops", "50", "--ranks", "4,8", "--per-key-max", "4"]);

@@ -629,6 +629,39 @@ fn rank_dtypes() {
             assert_eq!(values(&out_tile), want, "tile_reduce {dtype}");
         }
     }
+    // reduce_scatter_offset and all_to_all_nd in every dtype.
+    for dtype in REDUCIBLE {
+        let val = |src: usize, i: usize| if signed(dtype) { v(src, i) } else { v(src, i) + 9 };
+        let (rows, cols) = (ws * 2, ws * 2);
+        let x = symm::empty(&[rows, cols], dtype, Device::Cpu).unwrap();
+        tensor_of(dtype, &x, &(0..rows * cols).map(|i| val(me, i)).collect::<Vec<_>>());
+        let out = Tensor::zeros(&[rows, 2], dtype).unwrap();
+        ops::reduce_scatter_offset(&x, std::slice::from_ref(&out), &g, 1, None, None, ReduceOp::Max).unwrap();
+        let want: Vec<f64> = (0..rows)
+            .flat_map(|r| (me * 2..me * 2 + 2).map(move |c| r * cols + c))
+            .map(|i| (0..ws).map(|s| val(s, i)).max().unwrap() as f64)
+            .collect();
+        assert_eq!(values(&out), want, "reduce_scatter_offset {dtype}");
+        let o = Tensor::zeros(&[ws, rows, 2], dtype).unwrap();
+        ops::all_to_all_nd(&x, &o, 1, 0, &g).unwrap();
+        let want: Vec<f64> = (0..ws)
+            .flat_map(|j| (0..rows).flat_map(move |r| (0..2).map(move |c| (j, r * cols + me * 2 + c))))
+            .map(|(j, i)| val(j, i) as f64)
+            .collect();
+        assert_eq!(values(&o), want, "all_to_all_nd {dtype}");
+    }
+    // Booleans move through the data-movement operators.
+    let b = symm::empty(&[ws * 4], DType::Bool, Device::Cpu).unwrap();
+    b.copy_from_slice(&(0..ws * 4).map(|i| u8::from((i + me) % 2 == 0)).collect::<Vec<_>>()).unwrap();
+    let gathered = Tensor::zeros(&[ws * ws * 4], DType::Bool).unwrap();
+    ops::all_gather_into(&b, &g, &gathered).unwrap();
+    let want: Vec<u8> = (0..ws).flat_map(|r| (0..ws * 4).map(move |i| u8::from((i + r) % 2 == 0))).collect();
+    assert_eq!(gathered.to_vec::<u8>().unwrap(), want, "all_gather bool");
+    let swapped = Tensor::zeros(&[ws * 4], DType::Bool).unwrap();
+    ops::all_to_all(&b, &swapped, &g).unwrap();
+    let want: Vec<u8> = (0..ws).flat_map(|j| (0..4).map(move |k| u8::from((me * 4 + k + j) % 2 == 0))).collect();
+    assert_eq!(swapped.to_vec::<u8>().unwrap(), want, "all_to_all bool");
+    assert!(ops::one_shot_all_reduce(&b, ReduceOp::Sum, &g).is_err(), "bool cannot be reduced");
     g.barrier(std::time::Duration::from_secs(60)).unwrap();
     println!("rank {me} ok");
 }

@@ -1,0 +1,244 @@
+//! Interoperability with PyTorch's TCPStore, both ways, and with torchrun, against a real
+//! torch 2.15 install. The tests need `SYMMEM_TORCH_PYTHON` (a Python with torch; `.ci/run`
+//! provides one) and say SKIPPED without it.
+
+#![allow(clippy::print_stderr, clippy::print_stdout, reason = "skip notices and rank output")]
+
+use std::io::{BufRead, BufReader, Write};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use symmem::store::{ClientOptions, Secret, ServerOptions, Store, StoreServer, TcpStore};
+
+const BIN: &str = env!("CARGO_BIN_EXE_symmem");
+
+fn python() -> Option<String> {
+    let py = std::env::var("SYMMEM_TORCH_PYTHON").ok()?;
+    let ok = Command::new(&py).args(["-c", "import torch.distributed"]).output().is_ok_and(|o| o.status.success());
+    ok.then_some(py)
+}
+
+macro_rules! need_torch {
+    () => {
+        match python() {
+            Some(p) => p,
+            None => {
+                eprintln!("SKIPPED: set SYMMEM_TORCH_PYTHON to a Python with torch 2.15 to run this test");
+                return;
+            }
+        }
+    };
+}
+
+fn script(name: &str) -> String {
+    format!("{}/tests/torch/{name}", env!("CARGO_MANIFEST_DIR"))
+}
+
+/// A PyTorch TCPStore server (libuv or legacy); dropping the child's stdin stops it.
+struct TorchServer {
+    child: Child,
+    port: u16,
+}
+
+impl TorchServer {
+    fn start(py: &str, backend: &str) -> TorchServer {
+        let mut child = Command::new(py)
+            .arg(script("serve.py"))
+            .arg(backend)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
+        TorchServer { port: line.trim().parse().unwrap(), child }
+    }
+}
+
+impl Drop for TorchServer {
+    fn drop(&mut self) {
+        if let Some(mut i) = self.child.stdin.take() {
+            let _ = i.write_all(b"");
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// The `name=value` lines of client_ops.py against `port`.
+fn client_ops(py: &str, port: u16, extra: &[&str]) -> Vec<String> {
+    let out = Command::new(py)
+        .arg(script("client_ops.py"))
+        .args(["127.0.0.1", &port.to_string()])
+        .args(extra)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(out.status.success(), "client_ops failed:\n{text}\n{}", String::from_utf8_lossy(&out.stderr));
+    text.lines().filter(|l| l.contains('=') && !l.starts_with('[')).map(str::to_string).collect()
+}
+
+#[test]
+fn torch_clients_see_symmem_as_they_see_torchs_own_server() {
+    let py = need_torch!();
+    let theirs = TorchServer::start(&py, "libuv");
+    let reference = client_ops(&py, theirs.port, &[]);
+    assert!(reference.iter().any(|l| l == "done=True"), "{reference:?}");
+    let ours = StoreServer::start("127.0.0.1:0", ServerOptions::default()).unwrap();
+    let got = client_ops(&py, ours.local_addr().port(), &[]);
+    assert_eq!(got, reference, "a torch client gets the same answers from symmem's server");
+    // The legacy server agrees too, for what it implements.
+    let legacy = TorchServer::start(&py, "legacy");
+    let ours2 = StoreServer::start("127.0.0.1:0", ServerOptions::default()).unwrap();
+    assert_eq!(
+        client_ops(&py, ours2.local_addr().port(), &["--no-queues"]),
+        client_ops(&py, legacy.port, &["--no-queues"])
+    );
+}
+
+fn every_operation(store: &dyn Store) {
+    store.set("k1", b"v1").unwrap();
+    assert_eq!(store.get("k1").unwrap(), b"v1");
+    assert_eq!(store.add("cnt", 7).unwrap(), 7);
+    assert_eq!(store.add("cnt", -10).unwrap(), -3);
+    assert_eq!(store.get("cnt").unwrap(), b"-3");
+    assert_eq!(store.compare_set("cs", b"x", b"y").unwrap(), b"x");
+    assert_eq!(store.compare_set("cs", b"", b"first").unwrap(), b"first");
+    assert_eq!(store.compare_set("cs", b"nope", b"second").unwrap(), b"first");
+    assert_eq!(store.compare_set("cs", b"first", b"second").unwrap(), b"second");
+    assert!(store.check(&["k1", "cnt"]).unwrap());
+    assert!(!store.check(&["k1", "missing"]).unwrap());
+    assert!(store.check(&[]).unwrap());
+    store.append("log", b"ab").unwrap();
+    store.append("log", b"cd").unwrap();
+    assert_eq!(store.get("log").unwrap(), b"abcd");
+    store.multi_set(&[("m1", b"1"), ("m2", b"22")]).unwrap();
+    assert_eq!(store.multi_get(&["m2", "m1"]).unwrap(), vec![b"22".to_vec(), b"1".to_vec()]);
+    assert_eq!(store.multi_get(&[]).unwrap(), Vec::<Vec<u8>>::new());
+    let n = store.num_keys().unwrap();
+    assert!(store.delete("m2").unwrap());
+    assert!(!store.delete("m2").unwrap());
+    assert_eq!(store.num_keys().unwrap(), n - 1);
+    for _ in 0..3 {
+        assert!(store.wait_timeout(&["never"], Duration::from_millis(100)).unwrap_err().is_timeout());
+        assert_eq!(store.get("k1").unwrap(), b"v1", "usable after a cancelled wait");
+    }
+}
+
+#[test]
+fn symmem_clients_work_against_torchs_servers() {
+    let py = need_torch!();
+    for backend in ["libuv", "legacy"] {
+        let server = TorchServer::start(&py, backend);
+        let addr = format!("127.0.0.1:{}", server.port);
+        let store = TcpStore::connect(&addr, ClientOptions { timeout: Duration::from_secs(20), secret: None }).unwrap();
+        every_operation(&store);
+        // Keys mean the same from both sides: a Rust set is a Python get.
+        store.set("shared", b"from rust").unwrap();
+        let out = Command::new(&py)
+            .args(["-c", &format!(
+                "import torch.distributed as d; s = d.TCPStore('127.0.0.1', {}, is_master=False); print(s.get('shared').decode()); s.set('back', 'from python')",
+                server.port
+            )])
+            .output()
+            .unwrap();
+        assert!(
+            String::from_utf8_lossy(&out.stdout).contains("from rust"),
+            "{backend}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert_eq!(store.get("back").unwrap(), b"from python", "{backend}");
+        // A wait on a Rust client is woken by a Python set.
+        let waiter = std::thread::spawn({
+            let addr = addr.clone();
+            move || {
+                TcpStore::connect(&addr, Default::default())
+                    .unwrap()
+                    .get_timeout("py_late", Duration::from_secs(20))
+                    .unwrap()
+            }
+        });
+        std::thread::sleep(Duration::from_millis(200));
+        Command::new(&py)
+            .args([
+                "-c",
+                &format!(
+                    "import torch.distributed as d; d.TCPStore('127.0.0.1', {}, is_master=False).set('py_late', 'ok')",
+                    server.port
+                ),
+            ])
+            .output()
+            .unwrap();
+        assert_eq!(waiter.join().unwrap(), b"ok", "{backend}");
+    }
+}
+
+#[test]
+fn torch_ranks_run_gloo_under_symmem_run() {
+    let py = need_torch!();
+    let out = Command::new(BIN)
+        .args(["run", "-n", "2", "--timeout", "120", "--"])
+        .arg(&py)
+        .arg(script("gloo.py"))
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}\n{}", String::from_utf8_lossy(&out.stderr));
+    for r in 0..2 {
+        assert!(text.contains(&format!("[{r}] rank {r} all_reduce=[3.0, 3.0]")), "{text}");
+    }
+}
+
+/// A Rust rank under torchrun: joins through torchrun's agent store as a client.
+#[test]
+#[ignore = "a rank program; run by rust_ranks_run_under_torchrun"]
+fn torchrun_rank() {
+    if std::env::var("RANK").is_err() {
+        return;
+    }
+    let g = symmem::Group::from_env().unwrap();
+    let all = g.all_gather_bytes("hello", format!("rust rank {}", g.rank()).as_bytes()).unwrap();
+    g.barrier(Duration::from_secs(30)).unwrap();
+    println!(
+        "rank {} saw {}",
+        g.rank(),
+        all.iter().map(|v| String::from_utf8_lossy(v).into_owned()).collect::<Vec<_>>().join(",")
+    );
+}
+
+#[test]
+fn rust_ranks_run_under_torchrun() {
+    let py = need_torch!();
+    // `python -m torch.distributed.run` is torchrun, without depending on the script's shebang.
+    let out = Command::new(&py)
+        .args(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--no-python"])
+        .arg(std::env::current_exe().unwrap())
+        .args(["--exact", "torchrun_rank", "--include-ignored", "--nocapture"])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}\n{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(text.matches("saw rust rank 0,rust rank 1").count(), 2, "{text}");
+}
+
+#[test]
+fn an_authenticated_store_refuses_torch_clients_and_keeps_serving() {
+    let py = need_torch!();
+    let server =
+        StoreServer::start("127.0.0.1:0", ServerOptions { secret: Secret::new("s3cret"), ..Default::default() })
+            .unwrap();
+    let port = server.local_addr().port().to_string();
+    let t = std::time::Instant::now();
+    let out = Command::new(&py).arg(script("refused.py")).args(["127.0.0.1", &port]).output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("REFUSED"), "{text}\n{}", String::from_utf8_lossy(&out.stderr));
+    assert!(t.elapsed() < Duration::from_secs(30));
+    let ok = TcpStore::connect(
+        &server.local_addr().to_string(),
+        ClientOptions { secret: Secret::new("s3cret"), ..Default::default() },
+    )
+    .unwrap();
+    ok.set("k", b"v").unwrap();
+    assert_eq!(ok.get("k").unwrap(), b"v");
+}

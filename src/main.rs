@@ -129,13 +129,65 @@ struct RunArgs {
 }
 
 #[derive(Args)]
+#[command(args_conflicts_with_subcommands = true)]
 struct StoreArgs {
+    /// Talk to a running store instead of serving one.
+    #[command(subcommand)]
+    client: Option<StoreClientCommand>,
     /// Address to listen on.
     #[arg(long, default_value = "0.0.0.0")]
     host: String,
     /// Port to listen on (0: pick one and print it).
     #[arg(long, default_value_t = 29500)]
     port: u16,
+}
+
+/// One store operation from a shell script; keys are named as PyTorch's client names them.
+#[derive(Subcommand)]
+enum StoreClientCommand {
+    /// Print the value of KEY, waiting for it to exist.
+    Get {
+        key: String,
+        #[command(flatten)]
+        at: StoreAt,
+    },
+    /// Set KEY to VALUE.
+    Set {
+        key: String,
+        value: String,
+        #[command(flatten)]
+        at: StoreAt,
+    },
+    /// Add DELTA to the integer at KEY and print the result.
+    Add {
+        key: String,
+        #[arg(allow_hyphen_values = true)]
+        delta: i64,
+        #[command(flatten)]
+        at: StoreAt,
+    },
+    /// Wait until every KEY exists.
+    Wait {
+        #[arg(required = true)]
+        keys: Vec<String>,
+        #[command(flatten)]
+        at: StoreAt,
+    },
+    /// Check that the store answers; print the round-trip time.
+    Ping {
+        #[command(flatten)]
+        at: StoreAt,
+    },
+}
+
+#[derive(Args)]
+struct StoreAt {
+    /// The store's HOST:PORT.
+    #[arg(long, env = "SYMMEM_STORE_ADDR")]
+    addr: String,
+    /// Seconds to wait (for keys, and for the store to answer).
+    #[arg(long, default_value_t = 30.0)]
+    timeout: f64,
 }
 
 #[derive(Args, Clone)]
@@ -631,7 +683,47 @@ fn demo_rank() -> Result<()> {
     Ok(())
 }
 
+fn store_client(cmd: StoreClientCommand) -> Result<ExitCode> {
+    use symmem::Store;
+    let connect = |at: &StoreAt| -> Result<(symmem::TcpStore, Duration)> {
+        let timeout =
+            Duration::try_from_secs_f64(at.timeout).context("--timeout must be a non-negative number of seconds")?;
+        let options = symmem::store::ClientOptions { timeout, secret: Secret::from_env() };
+        Ok((symmem::TcpStore::connect(&at.addr, options)?, timeout))
+    };
+    match cmd {
+        StoreClientCommand::Get { key, at } => {
+            let (s, t) = connect(&at)?;
+            let v = s.get_timeout(&key, t)?;
+            say!("{}", String::from_utf8_lossy(&v));
+        }
+        StoreClientCommand::Set { key, value, at } => {
+            let (s, _) = connect(&at)?;
+            s.set(&key, value.as_bytes())?;
+            // SET has no reply: a round trip makes sure it was applied before we exit.
+            s.check(&[&key])?;
+        }
+        StoreClientCommand::Add { key, delta, at } => {
+            let (s, _) = connect(&at)?;
+            say!("{}", s.add(&key, delta)?);
+        }
+        StoreClientCommand::Wait { keys, at } => {
+            let (s, t) = connect(&at)?;
+            let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
+            s.wait_timeout(&refs, t)?;
+        }
+        StoreClientCommand::Ping { at } => {
+            let (s, _) = connect(&at)?;
+            say!("{:.1} us", s.ping()?.as_secs_f64() * 1e6);
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
 fn store(args: StoreArgs) -> Result<ExitCode> {
+    if let Some(cmd) = args.client {
+        return store_client(cmd);
+    }
     let secret = Secret::from_env();
     let authed = secret.is_some();
     let addr = format!("{}:{}", args.host, args.port);

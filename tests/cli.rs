@@ -249,6 +249,35 @@ fn standalone_store_serves_clients() {
 }
 
 #[test]
+fn store_commands_script_a_running_store() {
+    let server = symmem::store::StoreServer::start("127.0.0.1:0", Default::default()).unwrap();
+    let addr = server.local_addr().to_string();
+    let run = |args: &[&str]| {
+        let out = Command::new(BIN)
+            .args(["store"])
+            .args(args)
+            .args(["--addr", &addr])
+            .env_remove("SYMMEM_STORE_SECRET")
+            .output()
+            .unwrap();
+        (out.status.code(), text(&out.stdout).trim().to_string(), text(&out.stderr))
+    };
+    assert_eq!(run(&["set", "greeting", "hello"]).0, Some(0));
+    assert_eq!(run(&["get", "greeting"]).1, "hello");
+    assert_eq!(run(&["add", "n", "-3"]).1, "-3");
+    assert_eq!(run(&["add", "n", "10"]).1, "7");
+    assert!(run(&["ping"]).1.ends_with(" us"));
+    assert_eq!(run(&["wait", "greeting", "n"]).0, Some(0));
+    let (code, _, err) = run(&["wait", "never", "--timeout", "0.2"]);
+    assert_eq!(code, Some(1));
+    assert!(err.contains("timed out") && err.contains("never"), "{err}");
+    // The keys are PyTorch's: a Rust client sees what the command set.
+    use symmem::Store;
+    let c = symmem::TcpStore::connect(&addr, Default::default()).unwrap();
+    assert_eq!(c.get("greeting").unwrap(), b"hello");
+}
+
+#[test]
 fn info_lists_every_knob() {
     let out = symmem(&["info"]);
     assert!(out.status.success());

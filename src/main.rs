@@ -727,6 +727,14 @@ fn store(args: StoreArgs) -> Result<ExitCode> {
     let secret = Secret::from_env();
     let authed = secret.is_some();
     let addr = format!("{}:{}", args.host, args.port);
+    // Signal handlers first: once the address is printed, a SIGTERM must stop the server
+    // cleanly, not kill it.
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    let (mut term, mut int) = {
+        let _ctx = rt.enter();
+        use tokio::signal::unix::{SignalKind, signal};
+        (signal(SignalKind::terminate())?, signal(SignalKind::interrupt())?)
+    };
     let server = StoreServer::start(&addr, ServerOptions { secret, ..Default::default() })?;
     say!(
         "symmem store listening on {} ({})",
@@ -737,14 +745,12 @@ fn store(args: StoreArgs) -> Result<ExitCode> {
             "no authentication; set SYMMEM_STORE_SECRET to require it"
         }
     );
-    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     rt.block_on(async {
-        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
         tokio::select! {
-            r = tokio::signal::ctrl_c() => r,
-            _ = term.recv() => Ok(()),
+            _ = int.recv() => {}
+            _ = term.recv() => {}
         }
-    })?;
+    });
     drop(server);
     Ok(ExitCode::SUCCESS)
 }

@@ -216,6 +216,36 @@ unsafe impl Storage for Heap {
     }
 }
 
+/// Memory owned by something else (a NumPy array, a torch tensor), kept alive by `owner`.
+struct External {
+    ptr: *mut u8,
+    len: usize,
+    _owner: Box<dyn std::any::Any + Send + Sync>,
+}
+
+impl fmt::Debug for External {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "External({} bytes)", self.len)
+    }
+}
+
+// SAFETY: the memory is valid while `owner` lives (the caller's promise in
+// `Tensor::from_raw_parts`); accesses go through copies (see the module docs).
+unsafe impl Send for External {}
+// SAFETY: as for Send.
+unsafe impl Sync for External {}
+
+// SAFETY: `from_raw_parts`'s contract keeps [ptr, ptr+len) valid and fixed while `owner` lives,
+// and the storage owns `owner`.
+unsafe impl Storage for External {
+    fn ptr(&self) -> *mut u8 {
+        self.ptr
+    }
+    fn len(&self) -> usize {
+        self.len
+    }
+}
+
 /// A strided view of shared storage.
 #[derive(Clone)]
 pub struct Tensor {
@@ -269,6 +299,17 @@ impl Tensor {
             .checked_mul(dtype.size())
             .ok_or_else(|| Error::InvalidArgument(format!("shape {shape:?} of {dtype} is too large")))?;
         Ok(Tensor::from_storage(Arc::new(Heap::zeroed(bytes)), shape, dtype))
+    }
+
+    /// A 1-D `u8` tensor over `len` bytes at `ptr` that something else owns (a NumPy array, a
+    /// torch tensor: the language bindings use this), kept alive by holding `owner`.
+    ///
+    /// # Safety
+    ///
+    /// `ptr` must point to `len` bytes that stay allocated, at the same address, for as long as
+    /// `owner` is alive.
+    pub unsafe fn from_raw_parts(ptr: *mut u8, len: usize, owner: Box<dyn std::any::Any + Send + Sync>) -> Tensor {
+        Tensor::from_storage(Arc::new(External { ptr, len, _owner: owner }), &[len], DType::U8)
     }
 
     /// A contiguous tensor on the heap holding `data`.

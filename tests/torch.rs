@@ -242,3 +242,46 @@ fn an_authenticated_store_refuses_torch_clients_and_keeps_serving() {
     ok.set("k", b"v").unwrap();
     assert_eq!(ok.get("k").unwrap(), b"v");
 }
+
+#[test]
+fn a_pytorch_process_and_a_rust_process_pair_with_new_transport_rank() {
+    let py = need_torch!();
+    let has_backend =
+        Command::new(&py).args(["-c", "import symmem.torch_backend"]).output().is_ok_and(|o| o.status.success());
+    if !has_backend {
+        eprintln!("SKIPPED: the symmem Python package is not installed in {py} (python/test.sh installs it)");
+        return;
+    }
+    use std::sync::Arc;
+    use symmem::tensor::{DType, Tensor};
+    use symmem::transport::{Options, RemoteBuffer, new_transport_rank};
+    let server = StoreServer::start("127.0.0.1:0", ServerOptions::default()).unwrap();
+    let port = server.local_addr().port();
+    let child = Command::new(&py)
+        .arg(script("transport_rank.py"))
+        .arg(port.to_string())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let store: Arc<dyn Store> =
+        Arc::new(TcpStore::connect(&server.local_addr().to_string(), Default::default()).unwrap());
+    // Rank 1 here, rank 0 in Python: PyTorch's key scheme on both sides.
+    let t = new_transport_rank("symmem", None, &store, 0, 1, Duration::from_secs(30), &Options::new()).unwrap();
+    let theirs = RemoteBuffer::deserialize(&store.get("py_src").unwrap()).unwrap();
+    let inbox = RemoteBuffer::deserialize(&store.get("py_inbox").unwrap()).unwrap();
+    let local = Tensor::zeros(&[1024], DType::F32).unwrap();
+    let m = t.register_memory(&local).unwrap();
+    t.read(&m.to_mutable_view(0, None).unwrap(), &theirs, None).unwrap();
+    let got = local.to_vec::<f32>().unwrap();
+    assert_eq!(got, (0..1024).map(|i| i as f32).collect::<Vec<_>>(), "read a PyTorch tensor");
+    local.copy_from_slice(&got.iter().map(|v| v * 2.0).collect::<Vec<_>>()).unwrap();
+    t.write(&m.to_view(0, None).unwrap(), &inbox, None).unwrap();
+    store.set("rust_done", b"1").unwrap();
+    store.get_timeout("py_done", Duration::from_secs(30)).unwrap();
+    let out = child.wait_with_output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success() && text.contains("PY OK"), "{text}\n{}", String::from_utf8_lossy(&out.stderr));
+    println!("{}", text.trim());
+    t.close(None).unwrap();
+}

@@ -799,6 +799,10 @@ fn registry() -> &'static Mutex<BTreeMap<String, Factory>> {
         m.insert("tcp".into(), Arc::new(|o: &Options| Ok(Box::new(tcp::TcpBackend::new(o)?) as Box<dyn Backend>)));
         m.insert("shm".into(), Arc::new(|o: &Options| Ok(Box::new(shm::ShmBackend::new(o)?) as Box<dyn Backend>)));
         m.insert("auto".into(), Arc::new(|o: &Options| Ok(Box::new(auto::AutoBackend::new(o)?) as Box<dyn Backend>)));
+        // The name PyTorch knows symmem by (its transport entry point): `auto` underneath, so
+        // a Rust process and a PyTorch process pairing through `new_transport_rank("symmem")`
+        // meet under the same store keys and speak the same URLs.
+        m.insert("symmem".into(), Arc::new(|o: &Options| Ok(Box::new(auto::AutoBackend::new(o)?) as Box<dyn Backend>)));
         Mutex::new(m)
     })
 }

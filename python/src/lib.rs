@@ -1,0 +1,224 @@
+//! `symmem._native`: the Rust core of the `symmem` Python package. The Python layer
+//! (`py/symmem`) gives it PyTorch's transport API; this module only moves bytes.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use pyo3::exceptions::{PyRuntimeError, PyTimeoutError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::PyBytes;
+use symmem::tensor::Tensor;
+use symmem::transport::{self, Memory, MemoryView, MutableMemoryView, RemoteBuffer, Transport, Work};
+
+fn err(e: symmem::Error) -> PyErr {
+    match e {
+        symmem::Error::Timeout { .. } => PyTimeoutError::new_err(e.to_string()),
+        symmem::Error::InvalidArgument(_) => PyValueError::new_err(e.to_string()),
+        e => PyRuntimeError::new_err(e.to_string()),
+    }
+}
+
+fn seconds(t: Option<f64>) -> PyResult<Option<Duration>> {
+    t.map(|s| {
+        Duration::try_from_secs_f64(s).map_err(|_| PyValueError::new_err("timeout must be finite and nonnegative"))
+    })
+    .transpose()
+}
+
+/// A one-sided transport endpoint.
+#[pyclass(name = "Transport", module = "symmem._native")]
+struct PyTransport(Transport);
+
+#[pymethods]
+impl PyTransport {
+    #[new]
+    #[pyo3(signature = (backend = "auto", options = None))]
+    fn new(backend: &str, options: Option<BTreeMap<String, String>>) -> PyResult<Self> {
+        Ok(PyTransport(transport::new_transport(backend, None, &options.unwrap_or_default()).map_err(err)?))
+    }
+
+    #[pyo3(signature = (timeout = None))]
+    fn bind<'py>(&self, py: Python<'py>, timeout: Option<f64>) -> PyResult<Bound<'py, PyBytes>> {
+        let t = seconds(timeout)?;
+        let url = py.detach(|| self.0.bind(t)).map_err(err)?;
+        Ok(PyBytes::new(py, &url))
+    }
+
+    #[pyo3(signature = (peer_url, timeout = None))]
+    fn connect(&self, py: Python<'_>, peer_url: Vec<u8>, timeout: Option<f64>) -> PyResult<()> {
+        let t = seconds(timeout)?;
+        py.detach(|| self.0.connect(&peer_url, t)).map_err(err)
+    }
+
+    fn connected(&self) -> bool {
+        self.0.connected()
+    }
+
+    fn describe(&self) -> String {
+        self.0.describe()
+    }
+
+    /// Registers `nbytes` at address `ptr`, owned by `owner` (kept alive while registered).
+    #[pyo3(signature = (ptr, nbytes, owner, read_only = false))]
+    fn register(&self, ptr: usize, nbytes: usize, owner: Py<PyAny>, read_only: bool) -> PyResult<PyMemory> {
+        // SAFETY: the Python layer passes the data pointer and size of a contiguous tensor or
+        // array, and `owner` (that object) keeps the memory alive and in place while the
+        // registration (which holds the tensor) lives.
+        let t = unsafe { Tensor::from_raw_parts(ptr as *mut u8, nbytes, Box::new(owner)) };
+        let m = if read_only { self.0.register_memory_read_only(&t) } else { self.0.register_memory(&t) };
+        Ok(PyMemory(m.map_err(err)?))
+    }
+
+    fn unregister(&self, memory: &PyMemory) -> PyResult<()> {
+        self.0.unregister_memory(&memory.0).map_err(err)
+    }
+
+    #[pyo3(signature = (local, remote, timeout = None))]
+    fn start_write(&self, local: &PyView, remote: &PyRemoteBuffer, timeout: Option<f64>) -> PyResult<PyWork> {
+        Ok(PyWork(self.0.start_write(&local.0, &remote.0, seconds(timeout)?).map_err(err)?))
+    }
+
+    #[pyo3(signature = (local, remote, timeout = None))]
+    fn start_read(&self, local: &PyMutableView, remote: &PyRemoteBuffer, timeout: Option<f64>) -> PyResult<PyWork> {
+        Ok(PyWork(self.0.start_read(&local.0, &remote.0, seconds(timeout)?).map_err(err)?))
+    }
+
+    #[pyo3(signature = (timeout = None))]
+    fn close(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<()> {
+        let t = seconds(timeout)?;
+        py.detach(|| self.0.close(t)).map_err(err)
+    }
+}
+
+/// Registered memory.
+#[pyclass(name = "Memory", module = "symmem._native")]
+struct PyMemory(Memory);
+
+#[pymethods]
+impl PyMemory {
+    #[pyo3(signature = (offset = 0, length = None))]
+    fn to_view(&self, offset: usize, length: Option<usize>) -> PyResult<PyView> {
+        Ok(PyView(self.0.to_view(offset, length).map_err(err)?))
+    }
+
+    #[pyo3(signature = (offset = 0, length = None))]
+    fn to_mutable_view(&self, offset: usize, length: Option<usize>) -> PyResult<PyMutableView> {
+        Ok(PyMutableView(self.0.to_mutable_view(offset, length).map_err(err)?))
+    }
+
+    fn to_remote_buffer(&self) -> PyResult<PyRemoteBuffer> {
+        Ok(PyRemoteBuffer(self.0.to_remote_buffer().map_err(err)?))
+    }
+
+    fn nbytes(&self) -> usize {
+        self.0.len()
+    }
+
+    fn is_live(&self) -> bool {
+        self.0.is_live()
+    }
+}
+
+/// A read-only view of registered memory.
+#[pyclass(name = "MemoryView", module = "symmem._native")]
+struct PyView(MemoryView);
+
+#[pymethods]
+impl PyView {
+    fn size(&self) -> usize {
+        self.0.size()
+    }
+}
+
+/// A writable view of registered memory.
+#[pyclass(name = "MutableMemoryView", module = "symmem._native")]
+struct PyMutableView(MutableMemoryView);
+
+#[pymethods]
+impl PyMutableView {
+    fn size(&self) -> usize {
+        self.0.size()
+    }
+
+    fn as_view(&self) -> PyView {
+        PyView(self.0.as_view().clone())
+    }
+}
+
+/// A descriptor of a peer's registration.
+#[pyclass(name = "RemoteBuffer", module = "symmem._native")]
+#[derive(Clone)]
+struct PyRemoteBuffer(RemoteBuffer);
+
+#[pymethods]
+impl PyRemoteBuffer {
+    fn serialize<'py>(&self, py: Python<'py>) -> Bound<'py, PyBytes> {
+        PyBytes::new(py, &self.0.serialize())
+    }
+
+    #[staticmethod]
+    fn deserialize(data: Vec<u8>) -> PyResult<Self> {
+        Ok(PyRemoteBuffer(RemoteBuffer::deserialize(&data).map_err(err)?))
+    }
+
+    fn slice(&self, offset: u64, length: u64) -> PyResult<Self> {
+        Ok(PyRemoteBuffer(self.0.slice(offset, length).map_err(err)?))
+    }
+
+    fn nbytes(&self) -> u64 {
+        self.0.len()
+    }
+
+    fn backend(&self) -> String {
+        self.0.backend().to_string()
+    }
+
+    fn __eq__(&self, other: &Self) -> bool {
+        self.0 == other.0
+    }
+}
+
+/// The completion of one transfer.
+#[pyclass(name = "Work", module = "symmem._native")]
+struct PyWork(Work);
+
+#[pymethods]
+impl PyWork {
+    /// Waits up to `timeout` seconds (None: the transfer's own timeout); the GIL is released.
+    #[pyo3(signature = (timeout = None))]
+    fn wait(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<bool> {
+        let t = seconds(timeout)?;
+        py.detach(|| self.0.wait(t)).map_err(err)?;
+        Ok(true)
+    }
+
+    fn is_completed(&self) -> bool {
+        self.0.is_completed()
+    }
+
+    fn is_success(&self) -> bool {
+        self.0.is_success()
+    }
+
+    fn exception(&self) -> Option<String> {
+        self.0.exception()
+    }
+}
+
+/// The names of the registered transports.
+#[pyfunction]
+fn available_transports() -> Vec<String> {
+    transport::available_transports()
+}
+
+#[pymodule]
+fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<PyTransport>()?;
+    m.add_class::<PyMemory>()?;
+    m.add_class::<PyView>()?;
+    m.add_class::<PyMutableView>()?;
+    m.add_class::<PyRemoteBuffer>()?;
+    m.add_class::<PyWork>()?;
+    m.add_function(wrap_pyfunction!(available_transports, m)?)?;
+    Ok(())
+}

@@ -1,0 +1,126 @@
+"""The symmem Python package: its own transport API and the PyTorch backend."""
+
+import asyncio
+import datetime
+
+import pytest
+import torch
+from torch.distributed._transport import available_transports, new_transport, wait_all
+
+import symmem
+from symmem.torch_backend import SymmemRemoteBuffer, SymmemTransport, SymmemWork
+
+
+def pair(backend="auto"):
+    a, b = symmem.new_transport(backend), symmem.new_transport(backend)
+    ua, ub = a.bind(), b.bind()
+    a.connect(ub)
+    b.connect(ua)
+    return a, b
+
+
+@pytest.mark.parametrize("backend", ["auto", "tcp", "shm"])
+def test_native_api_moves_torch_tensors_without_copies(backend):
+    a, b = pair(backend)
+    src = torch.arange(1000, dtype=torch.float64)
+    dst = torch.zeros(1000, dtype=torch.float64)
+    ms, md = a.register_memory(src), b.register_memory(dst)
+    remote = symmem.RemoteBuffer.deserialize(md.to_remote_buffer().serialize())
+    a.write(ms.to_view(), remote)
+    assert torch.equal(dst, src), "the registered tensor itself received the bytes"
+    back = torch.zeros(10, dtype=torch.float64)
+    mb = a.register_memory(back)
+    work = a.read(mb.to_mutable_view(), remote.slice(80, 80), async_op=True)
+    assert work.wait(5.0) and work.is_completed() and work.is_success()
+    assert torch.equal(back, src[10:20])
+    a.close()
+    b.close()
+
+
+def test_errors_map_to_python_exceptions():
+    a, b = pair()
+    src = torch.zeros(16, dtype=torch.uint8)
+    ms = a.register_memory(src)
+    ro = b.register_memory(torch.zeros(16, dtype=torch.uint8), read_only=True)
+    with pytest.raises(ValueError, match="read-only"):
+        a.write(ms.to_view(), ro.to_remote_buffer())
+    with pytest.raises(ValueError, match="outside the registered memory"):
+        ms.to_view(17)
+    with pytest.raises(ValueError, match="malformed descriptor"):
+        symmem.RemoteBuffer.deserialize(b"not json")
+    with pytest.raises(ValueError, match="contiguous"):
+        a.register_memory(torch.zeros(4, 4)[:, 1])
+
+
+def test_pytorch_discovers_the_backend():
+    assert "symmem" in available_transports()
+    t = new_transport("symmem", "cpu")
+    assert isinstance(t, SymmemTransport)
+    t.close()
+
+
+def test_the_spec_example_runs_unchanged():
+    backend = "symmem"
+    with (
+        new_transport(backend, "cpu") as trainer,
+        new_transport(backend, "cpu") as replica,
+    ):
+        trainer_url, replica_url = trainer.bind(), replica.bind()
+        trainer.connect(replica_url)
+        replica.connect(trainer_url)
+        weights = torch.arange(8, dtype=torch.float32)
+        received = torch.empty_like(weights)
+        source = trainer.register_memory(weights)
+        target = replica.register_memory(received)
+        descriptor = target.to_remote_buffer()
+        remote = type(descriptor).deserialize(descriptor.serialize())
+        work = trainer.write(source.to_view(), remote, async_op=True)
+        assert isinstance(work, torch.distributed.Work)
+        work.wait()
+        torch.testing.assert_close(received, weights)
+
+
+def test_torch_contract_details():
+    trainer, replica = new_transport("symmem", "cpu"), new_transport("symmem", "cpu")
+    trainer.connect(replica.bind())
+    replica.connect(trainer.bind())
+    with pytest.raises(RuntimeError, match="already connected"):
+        trainer.connect(replica.bind())
+    x = torch.arange(64, dtype=torch.int32)
+    y = torch.zeros(64, dtype=torch.int32)
+    mx, my = trainer.register_memory(x), replica.register_memory(y)
+    remote = SymmemRemoteBuffer.deserialize(my.to_remote_buffer().serialize())
+    assert remote == my.to_remote_buffer()
+    with pytest.raises(TypeError, match="must be bytes"):
+        SymmemRemoteBuffer.deserialize("not bytes")
+    with pytest.raises(TypeError, match="tensor must be a torch.Tensor"):
+        trainer.register_memory([1, 2, 3])
+    with pytest.raises(TypeError, match="another transport"):
+        trainer.write(my.to_view(), remote)
+    with pytest.raises(TypeError):
+        trainer.read(mx.to_view(), remote)  # a read needs a mutable view
+    # An empty view at the end is legal and completes.
+    assert trainer.write(mx.to_view(256), remote) == 0
+    # Work: timedelta(0) means the transfer's own timeout; futures resolve to [].
+    work = trainer.write(mx.to_view(), remote, async_op=True)
+    assert isinstance(work, SymmemWork)
+    assert work.wait(datetime.timedelta(0))
+    assert work.get_future().wait() == []
+    assert work.exception() is None and work.is_success()
+
+    async def go():
+        await trainer.write_async(mx.to_view(0, 32), remote, timeout=10.0)
+        works = [trainer.write(mx.to_view(), remote, async_op=True) for _ in range(8)]
+        await wait_all(works, timeout=10.0)
+        back = torch.zeros(64, dtype=torch.int32)
+        await replica.read_async(replica.register_memory(back).to_mutable_view(), mx.to_remote_buffer())
+        assert torch.equal(back, x)
+
+    asyncio.run(go())
+    assert torch.equal(y, x)
+    # A stale descriptor fails its Work with the peer's reason.
+    replica.unregister_memory(my)
+    with pytest.raises(RuntimeError, match="unknown remote buffer"):
+        trainer.write(mx.to_view(), remote)
+    trainer.close()
+    replica.close()

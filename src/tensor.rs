@@ -312,6 +312,32 @@ impl Tensor {
         Tensor::from_storage(Arc::new(External { ptr, len, _owner: owner }), &[len], DType::U8)
     }
 
+    /// A view of this tensor's storage with another layout and dtype (PyTorch's `as_strided`
+    /// after a `view(dtype)`): `shape` and `strides` (in elements of `dtype`) starting
+    /// `byte_offset` bytes into the storage. The language bindings use it to name a part of a
+    /// symmetric allocation that a foreign tensor views.
+    ///
+    /// ```
+    /// use symmem::tensor::{DType, Tensor};
+    /// let bytes = Tensor::from_slice(&[8], &[1u8, 0, 0, 0, 2, 0, 0, 0])?;
+    /// let ints = bytes.reinterpret(DType::I32, &[1], &[1], 4)?;
+    /// assert_eq!(ints.to_vec::<i32>()?, vec![2]);
+    /// assert!(bytes.reinterpret(DType::I32, &[3], &[1], 0).is_err()); // past the end
+    /// # Ok::<(), symmem::Error>(())
+    /// ```
+    pub fn reinterpret(&self, dtype: DType, shape: &[usize], strides: &[usize], byte_offset: usize) -> Result<Tensor> {
+        if shape.len() != strides.len() {
+            return Err(Error::InvalidArgument(format!("shape {shape:?} and strides {strides:?} differ in rank")));
+        }
+        if !byte_offset.is_multiple_of(dtype.size()) {
+            return Err(Error::InvalidArgument(format!(
+                "byte offset {byte_offset} is not a multiple of the {dtype} element size {}",
+                dtype.size()
+            )));
+        }
+        Tensor::view_of(self.storage.clone(), shape, strides, byte_offset / dtype.size(), dtype)
+    }
+
     /// A contiguous tensor on the heap holding `data`.
     pub fn from_slice<T: Element>(shape: &[usize], data: &[T]) -> Result<Tensor> {
         let t = Tensor::zeros(shape, T::DTYPE)?;

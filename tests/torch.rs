@@ -190,6 +190,26 @@ fn torch_ranks_run_gloo_under_symmem_run() {
     }
 }
 
+/// Symmetric memory from Python under `symmem run` (the `symmem` package must be installed in
+/// that Python: `python/test.sh`, which the README's test command runs first, installs it).
+#[test]
+fn python_symmetric_memory_runs_under_symmem_run() {
+    let py = need_torch!();
+    let has_pkg = Command::new(&py).args(["-c", "import symmem.symm"]).output().is_ok_and(|o| o.status.success());
+    if !has_pkg {
+        eprintln!("SKIPPED: the symmem Python package is not installed in {py} (run python/test.sh)");
+        return;
+    }
+    let worker = format!("{}/python/tests/symm_worker.py", env!("CARGO_MANIFEST_DIR"));
+    let out =
+        Command::new(BIN).args(["run", "-n", "3", "--timeout", "120", "--"]).arg(&py).arg(worker).output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}\n{}", String::from_utf8_lossy(&out.stderr));
+    for r in 0..3 {
+        assert!(text.contains(&format!("[{r}] symm worker ok {r}")), "{text}");
+    }
+}
+
 /// A Rust rank under torchrun: joins through torchrun's agent store as a client.
 #[test]
 #[ignore = "a rank program; run by rust_ranks_run_under_torchrun"]

@@ -10,6 +10,8 @@ use pyo3::types::PyBytes;
 use symmem::tensor::Tensor;
 use symmem::transport::{self, Memory, MemoryView, MutableMemoryView, RemoteBuffer, Transport, Work};
 
+mod symm;
+
 fn err(e: symmem::Error) -> PyErr {
     match e {
         symmem::Error::Timeout { .. } => PyTimeoutError::new_err(e.to_string()),
@@ -220,5 +222,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyRemoteBuffer>()?;
     m.add_class::<PyWork>()?;
     m.add_function(wrap_pyfunction!(available_transports, m)?)?;
+    symm::register(m)?;
     Ok(())
 }

@@ -5,6 +5,8 @@ The transport API follows ``torch.distributed._transport``: ``new_transport``, `
 ``write``/``read`` synchronous or returning a ``Work``. Tensors are torch tensors (CPU) or NumPy
 arrays, registered without copies. With torch installed, ``symmem.torch_backend`` plugs symmem
 into PyTorch itself: ``torch.distributed._transport.new_transport("symmem", "cpu")``.
+Symmetric memory and its operators are in ``symmem.symm`` (after
+``torch.distributed._symmetric_memory``), for ranks launched by ``symmem run`` or torchrun.
 """
 
 from ._native import MemoryView, MutableMemoryView, RemoteBuffer, Work, available_transports

@@ -1,0 +1,293 @@
+"""Symmetric memory in Python, after ``torch.distributed._symmetric_memory``.
+
+Every rank allocates the same buffer with :func:`empty`, then :func:`rendezvous` maps the peers'
+buffers and signal pads; the handle gives peer buffers as tensors viewing the shared memory,
+signals, barriers, and the operators run on top. The group is the world of the launcher
+(``symmem run`` or torchrun: ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``).
+
+Tensors are torch tensors (CPU) when the dtype is a ``torch.dtype``, NumPy arrays otherwise;
+both view the shared memory without copies::
+
+    import torch, symmem.symm as symm
+    t = symm.empty(1024, dtype=torch.float32)
+    hdl = symm.rendezvous(t)
+    t.fill_(hdl.rank)
+    symm.all_reduce(t, "sum")        # every element is now 0 + 1 + ... + world_size - 1
+"""
+
+import weakref
+
+from . import _native
+
+__all__ = [
+    "SymmetricMemory",
+    "all_gather_into_tensor",
+    "all_reduce",
+    "all_to_all",
+    "barrier",
+    "broadcast",
+    "empty",
+    "get",
+    "is_symm_mem_tensor",
+    "one_shot_all_reduce",
+    "one_shot_all_reduce_out",
+    "put_signal",
+    "reduce_scatter_out",
+    "rendezvous",
+    "two_shot_all_reduce_",
+    "two_shot_all_reduce_out",
+    "wait_signal",
+    "world",
+]
+
+# Symmetric buffers by base address, so a tensor (or a view of one) finds its allocation.
+_buffers = weakref.WeakValueDictionary()
+
+
+def _is_torch(x):
+    return type(x).__module__.startswith("torch") and hasattr(x, "data_ptr")
+
+
+def _dtype_name(dtype):
+    name = str(dtype)
+    return name.removeprefix("torch.")
+
+
+def _wrap(buf, dtype, shape):
+    """A tensor or array of ``dtype`` and ``shape`` viewing ``buf`` (no copy)."""
+    if type(dtype).__module__.startswith("torch"):
+        import torch
+
+        if buf.nbytes() == 0:
+            return torch.empty(shape, dtype=dtype)
+        return torch.frombuffer(buf, dtype=dtype).view(shape)
+    import numpy as np
+
+    return np.frombuffer(buf, dtype=np.dtype(dtype)).reshape(shape)
+
+
+def _layout(x):
+    """(address, dtype name, shape, element strides, itemsize) of a torch tensor or array."""
+    if _is_torch(x):
+        if x.device.type != "cpu":
+            raise ValueError(f"symmem supports CPU tensors only, got {x.device}")
+        return x.data_ptr(), _dtype_name(x.dtype), list(x.shape), list(x.stride()), x.element_size()
+    interface = getattr(x, "__array_interface__", None)
+    if interface is None:
+        raise TypeError(f"expected a torch tensor or a NumPy array, got {type(x).__name__}")
+    item = x.itemsize
+    strides = interface.get("strides")
+    strides = [s // item for s in strides] if strides else [0] * x.ndim
+    if not interface.get("strides"):
+        acc = 1
+        for i in reversed(range(x.ndim)):
+            strides[i] = acc
+            acc *= x.shape[i]
+    return interface["data"][0], x.dtype.name, list(x.shape), strides, item
+
+
+def _find(addr):
+    for base, buf in list(_buffers.items()):
+        if base <= addr < base + buf.nbytes():
+            return base, buf
+    return None
+
+
+def _native_tensor(x, *, symmetric=False, what="tensor"):
+    """The native tensor behind ``x``: its symmetric allocation, or (unless ``symmetric``) its
+    own memory, borrowed for the call."""
+    addr, name, shape, strides, item = _layout(x)
+    found = _find(addr)
+    if found is not None:
+        base, buf = found
+        return buf.tensor(name, shape, strides, addr - base)
+    if symmetric:
+        raise ValueError(f"{what} must be allocated with symmem.symm.empty")
+    extent = item
+    for d, s in zip(shape, strides):
+        if d == 0:
+            extent = 0
+            break
+        extent += (d - 1) * s * item
+    return _native.Tensor.external(addr, extent, x, name, shape, strides)
+
+
+def world():
+    """The world group (joined on first use through the launcher's store)."""
+    return _native.world()
+
+
+def _group(group):
+    w = world()
+    if group is None or group == w.group_name or group is w:
+        return w
+    if isinstance(group, _native.Group):
+        return group
+    raise ValueError(f"unknown group {group!r}: only the world group ({w.group_name!r}) is available")
+
+
+def empty(*size, dtype=None, device="cpu"):
+    """A zeroed symmetric tensor (``torch.dtype``) or array (NumPy dtype); not collective."""
+    if len(size) == 1 and isinstance(size[0], (tuple, list)):
+        size = tuple(size[0])
+    if str(device) != "cpu":
+        raise ValueError(f"symmem symmetric memory supports the CPU only, not {device}")
+    if dtype is None:
+        import torch
+
+        dtype = torch.float32
+    buf = _native.empty(list(size), _dtype_name(dtype) if type(dtype).__module__.startswith("torch") else _np_name(dtype))
+    if buf.nbytes():
+        _buffers[buf.address()] = buf
+    return _wrap(buf, dtype, tuple(size))
+
+
+def _np_name(dtype):
+    import numpy as np
+
+    return np.dtype(dtype).name
+
+
+def is_symm_mem_tensor(x):
+    """Whether ``x`` views a symmetric allocation of this process."""
+    return _find(_layout(x)[0]) is not None
+
+
+class SymmetricMemory:
+    """A rendezvoused symmetric allocation seen from this rank (PyTorch's ``_SymmetricMemory``)."""
+
+    def __init__(self, native, tensor):
+        self._h = native
+        self._tensor = tensor
+
+    rank = property(lambda self: self._h.rank)
+    world_size = property(lambda self: self._h.world_size)
+    buffer_ptrs = property(lambda self: self._h.buffer_ptrs)
+    signal_pad_ptrs = property(lambda self: self._h.signal_pad_ptrs)
+    buffer_size = property(lambda self: self._h.buffer_size)
+    signal_pad_size = property(lambda self: self._h.signal_pad_size)
+    offset = property(lambda self: self._h.offset)
+    group_name = property(lambda self: self._h.group_name)
+
+    def get_buffer(self, rank, sizes, dtype, storage_offset=0):
+        """Rank ``rank``'s buffer as a tensor of ``sizes`` and ``dtype`` viewing its memory."""
+        sizes = [sizes] if isinstance(sizes, int) else list(sizes)
+        kind = _dtype_name(dtype) if type(dtype).__module__.startswith("torch") else _np_name(dtype)
+        return _wrap(self._h.get_buffer(rank, sizes, kind, storage_offset), dtype, tuple(sizes))
+
+    def get_remote_tensor(self, peer, sizes, dtype):
+        """Peer ``peer``'s copy of this allocation, from the handle's offset."""
+        return self.get_buffer(peer, sizes, dtype, 0)
+
+    def get_signal_pad(self, rank):
+        """Rank ``rank``'s signal pad as uint32 words (NumPy) or int32 (torch, bit pattern)."""
+        buf = self._h.get_signal_pad(rank)
+        if _is_torch(self._tensor):
+            import torch
+
+            return _wrap(buf, torch.int32, (buf.nbytes() // 4,))
+        return _wrap(buf, "uint32", (buf.nbytes() // 4,))
+
+    def barrier(self, channel=0, timeout_ms=0):
+        """Waits for every rank on signal channel ``channel`` (0 ms: the default timeout)."""
+        self._h.barrier(channel, _seconds(timeout_ms))
+
+    def put_signal(self, dst_rank, channel=0, timeout_ms=0):
+        """Raises a signal at ``dst_rank`` on ``channel``."""
+        self._h.put_signal(dst_rank, channel, _seconds(timeout_ms))
+
+    def wait_signal(self, src_rank, channel=0, timeout_ms=0):
+        """Waits for a signal from ``src_rank`` on ``channel``, then clears it."""
+        self._h.wait_signal(src_rank, channel, _seconds(timeout_ms))
+
+
+def _seconds(timeout_ms):
+    return None if not timeout_ms else timeout_ms / 1000.0
+
+
+def rendezvous(tensor, group=None):
+    """Establishes symmetric memory for ``tensor`` among the ranks of ``group`` (collective)."""
+    native = _native_tensor(tensor, symmetric=True, what="rendezvous: tensor")
+    return SymmetricMemory(_native.rendezvous(native, _group(group)), tensor)
+
+
+def barrier(group=None, timeout=None):
+    """A store barrier over ``group`` (seconds)."""
+    _group(group).barrier(timeout)
+
+
+def get(dst, hdl, peer, offset=0):
+    """Copies ``dst.numel()`` elements from ``peer``'s allocation (element ``offset``) into ``dst``."""
+    _native.get(_native_tensor(dst), hdl._h, peer, offset)
+
+
+def put_signal(src, hdl, peer):
+    """Copies ``src`` into ``peer``'s allocation, then signals it; see :func:`wait_signal`."""
+    _native.put_signal(_native_tensor(src), hdl._h, peer)
+
+
+def wait_signal(hdl, peer):
+    """Waits until ``peer``'s :func:`put_signal` data has landed."""
+    _native.wait_signal(hdl._h, peer)
+
+
+def _like(x, buf):
+    return _wrap(buf, x.dtype, tuple(x.shape))
+
+
+def one_shot_all_reduce(input, reduce_op="sum", group_name=None):
+    """All-reduce of symmetric ``input`` into a new tensor: every rank reads every peer."""
+    g = _group(group_name)
+    return _like(input, _native.one_shot_all_reduce(_native_tensor(input, symmetric=True), reduce_op, g))
+
+
+def one_shot_all_reduce_out(input, reduce_op, group_name, out):
+    """All-reduce of symmetric ``input`` into ``out``."""
+    g = _group(group_name)
+    _native.one_shot_all_reduce_out(_native_tensor(input, symmetric=True), reduce_op, g, _native_tensor(out))
+    return out
+
+
+def two_shot_all_reduce_(input, reduce_op="sum", group_name=None):
+    """In-place all-reduce of symmetric ``input``: reduce-scatter, then all-gather."""
+    _native.two_shot_all_reduce_(_native_tensor(input, symmetric=True), reduce_op, _group(group_name))
+    return input
+
+
+def two_shot_all_reduce_out(input, reduce_op, group_name, out):
+    """Two-shot all-reduce of symmetric ``input`` into ``out``."""
+    g = _group(group_name)
+    _native.two_shot_all_reduce_out(_native_tensor(input, symmetric=True), reduce_op, g, _native_tensor(out))
+    return out
+
+
+def all_reduce(tensor, reduce_op="sum", group_name=None):
+    """In-place all-reduce of symmetric ``tensor``, the algorithm chosen by size."""
+    _native.all_reduce(_native_tensor(tensor, symmetric=True), reduce_op, _group(group_name))
+    return tensor
+
+
+def reduce_scatter_out(input, reduce_op, group_name, split_last_dim, out):
+    """This rank's slice of the reduction of symmetric ``input``, into ``out``."""
+    g = _group(group_name)
+    src = _native_tensor(input, symmetric=True)
+    _native.reduce_scatter_out(src, reduce_op, g, bool(split_last_dim), _native_tensor(out))
+    return out
+
+
+def all_gather_into_tensor(input, group_name, out):
+    """Every rank's symmetric ``input``, concatenated into ``out``."""
+    _native.all_gather_into(_native_tensor(input, symmetric=True), _group(group_name), _native_tensor(out))
+    return out
+
+
+def broadcast(input, root, group_name=None):
+    """``root``'s symmetric ``input`` copied to every rank's, in place."""
+    _native.broadcast_(_native_tensor(input, symmetric=True), root, _group(group_name))
+    return input
+
+
+def all_to_all(input, out, group_name=None):
+    """Block ``j`` of symmetric ``input`` to rank ``j``; ``out`` receives one block per rank."""
+    _native.all_to_all(_native_tensor(input, symmetric=True), _native_tensor(out), _group(group_name))
+    return out

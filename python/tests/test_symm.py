@@ -1,0 +1,97 @@
+"""Symmetric memory from Python: the worker (symm_worker.py) checks every call across ranks;
+these tests launch it with torchrun and check each rank finished."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+WORKER = os.path.join(os.path.dirname(__file__), "symm_worker.py")
+
+
+def torchrun(nproc, script, env=None):
+    # `python -m torch.distributed.run` is torchrun without relying on its script's shebang.
+    return subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", script],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=env,
+    )
+
+
+@pytest.mark.parametrize("nproc", [2, 3])
+def test_symmetric_memory_and_operators_under_torchrun(nproc):
+    out = torchrun(nproc, WORKER)
+    assert out.returncode == 0, out.stdout + out.stderr
+    for r in range(nproc):
+        assert f"symm worker ok {r}" in out.stdout, out.stdout + out.stderr
+
+
+def test_world_without_a_launcher_names_the_missing_variable():
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    code = "import symmem.symm as s\ntry:\n    s.world()\nexcept RuntimeError as e:\n    print(e)\n"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+    assert out.returncode == 0, out.stderr
+    assert "RANK" in out.stdout and "symmem run" in out.stdout, out.stdout
+
+
+def test_symmetric_tensors_view_shared_memory_without_copies():
+    # A one-rank world in a child process (the world group is per process).
+    code = """
+import socket, torch, numpy as np
+import symmem.symm as symm
+t = symm.empty(2, 3, dtype=torch.float64)
+assert t.shape == (2, 3) and t.dtype == torch.float64 and symm.is_symm_mem_tensor(t)
+h = symm.rendezvous(t)
+peer = h.get_buffer(0, [6], torch.float64)
+t.fill_(2.5)
+assert torch.all(peer == 2.5), "the handle's buffer is the same memory"
+assert peer.data_ptr() != 0 and h.world_size == 1
+r = symm.one_shot_all_reduce(t, "avg")
+assert torch.equal(r, t) and r.data_ptr() != t.data_ptr()
+a = symm.empty(4, dtype="float32")
+assert isinstance(a, np.ndarray) and a.flags.writeable
+try:
+    symm.empty(4, dtype=torch.complex64)
+    raise SystemExit("complex must be refused")
+except ValueError as e:
+    assert "complex64" in str(e)
+print("ok")
+"""
+    with socket_port() as port:
+        env = dict(os.environ, RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stdout + out.stderr
+
+
+class socket_port:
+    """A free loopback port (bound to find it, released for the child's store to take)."""
+
+    def __enter__(self):
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+
+    def __exit__(self, *exc):
+        return False
+
+
+def test_type_stubs_name_exactly_what_the_extension_exports():
+    import ast
+    import inspect
+
+    from symmem import _native
+
+    stub = ast.parse(open(os.path.join(os.path.dirname(_native.__file__), "_native.pyi")).read())
+    stubbed = {n.name: n for n in stub.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+    exported = {k for k, v in vars(_native).items() if not k.startswith("_") and (inspect.isclass(v) or callable(v))}
+    assert set(stubbed) == exported
+    for name, node in stubbed.items():
+        if isinstance(node, ast.ClassDef):
+            methods = {m.name for m in node.body if isinstance(m, ast.FunctionDef) and not m.name.startswith("__")}
+            missing = [m for m in methods if not hasattr(getattr(_native, name), m)]
+            assert not missing, f"{name} stubs {missing}, which the extension lacks"

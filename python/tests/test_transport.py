@@ -124,3 +124,40 @@ def test_torch_contract_details():
         trainer.write(mx.to_view(), remote)
     trainer.close()
     replica.close()
+
+
+class DLPackOnly:
+    """Something that exposes its memory through DLPack only (as JAX or CuPy arrays do)."""
+
+    def __init__(self, tensor):
+        self._t = tensor
+
+    def __dlpack__(self, **kwargs):
+        return self._t.__dlpack__(**kwargs)
+
+    def __dlpack_device__(self):
+        return self._t.__dlpack_device__()
+
+
+def test_native_api_accepts_dlpack_and_serves_asyncio_callers():
+    a, b = pair()
+    backing = torch.zeros(64, dtype=torch.int32)
+    src = torch.arange(64, dtype=torch.int32)
+    ms, md = a.register_memory(src), b.register_memory(DLPackOnly(backing))
+    assert md.to_remote_buffer().nbytes() == 256
+    remote = md.to_remote_buffer()
+
+    async def go():
+        await a.write_async(ms.to_view(), remote, timeout=10.0)
+        assert torch.equal(backing, src), "the DLPack exporter's own memory received the bytes"
+        works = [a.write(ms.to_view(4 * i, 4), remote.slice(4 * i, 4), async_op=True) for i in range(8)]
+        await symmem.wait_all(works, timeout=10.0)
+        back = torch.zeros(64, dtype=torch.int32)
+        await a.read_async(a.register_memory(back).to_mutable_view(), remote, timeout=10.0)
+        assert torch.equal(back, src)
+        await a.close_async(timeout=10.0)
+        await b.close_async(timeout=10.0)
+
+    asyncio.run(go())
+    with pytest.raises(TypeError, match="__dlpack__"):
+        symmem.new_transport().register_memory(object())

@@ -9,6 +9,8 @@ Symmetric memory and its operators are in ``symmem.symm`` (after
 ``torch.distributed._symmetric_memory``), for ranks launched by ``symmem run`` or torchrun.
 """
 
+import asyncio
+
 from ._native import MemoryView, MutableMemoryView, RemoteBuffer, Work, available_transports
 from ._native import Transport as _NativeTransport
 
@@ -20,24 +22,42 @@ __all__ = [
     "Transport",
     "Work",
     "available_transports",
+    "from_dlpack",
     "new_transport",
+    "wait_all",
 ]
 
 
+def from_dlpack(obj):
+    """A NumPy array (or, without NumPy, a torch tensor) viewing ``obj``'s memory through
+    ``__dlpack__``, without a copy."""
+    try:
+        import numpy as np
+
+        return np.from_dlpack(obj)
+    except ImportError:
+        import torch
+
+        return torch.from_dlpack(obj)
+
+
 def _ptr_and_size(obj):
-    """The address and byte size of a contiguous CPU torch tensor or NumPy array."""
+    """The address and byte size of a contiguous CPU torch tensor, NumPy array, or anything
+    with ``__dlpack__``; and the object that owns the memory."""
+    if not hasattr(obj, "data_ptr") and not hasattr(obj, "__array_interface__") and hasattr(obj, "__dlpack__"):
+        obj = from_dlpack(obj)
     if hasattr(obj, "data_ptr") and hasattr(obj, "element_size"):
         if not obj.is_contiguous():
             raise ValueError("symmem transport requires a contiguous tensor")
         if obj.device.type != "cpu":
             raise ValueError(f"symmem transport requires CPU tensors, got {obj.device}")
-        return obj.data_ptr(), obj.numel() * obj.element_size()
+        return obj.data_ptr(), obj.numel() * obj.element_size(), obj
     interface = getattr(obj, "__array_interface__", None)
     if interface is not None:
         if not obj.flags["C_CONTIGUOUS"]:
             raise ValueError("symmem transport requires a contiguous array")
-        return interface["data"][0], obj.nbytes
-    raise TypeError("expected a torch tensor or a NumPy array")
+        return interface["data"][0], obj.nbytes, obj
+    raise TypeError(f"expected a torch tensor, a NumPy array or an object with __dlpack__, got {type(obj).__name__}")
 
 
 class Memory:
@@ -77,8 +97,8 @@ class Transport:
         return self._t.describe()
 
     def register_memory(self, tensor, *, read_only=False, timeout=None):
-        ptr, nbytes = _ptr_and_size(tensor)
-        return Memory(self._t.register(ptr, nbytes, tensor, read_only), tensor)
+        ptr, nbytes, owner = _ptr_and_size(tensor)
+        return Memory(self._t.register(ptr, nbytes, owner, read_only), owner)
 
     def unregister_memory(self, memory, *, timeout=None):
         self._t.unregister(memory._native)
@@ -97,14 +117,40 @@ class Transport:
         work.wait()
         return 0
 
+    async def write_async(self, local, remote, *, timeout=None):
+        """``write`` for asyncio callers: awaits completion without blocking the event loop.
+        Cancelling the await does not cancel the transfer."""
+        await _await_work(self._t.start_write(local, remote, timeout), timeout)
+
+    async def read_async(self, local, remote, *, timeout=None):
+        """``read`` for asyncio callers (see :meth:`write_async`)."""
+        await _await_work(self._t.start_read(local, remote, timeout), timeout)
+
     def close(self, *, timeout=None):
         self._t.close(timeout)
+
+    async def close_async(self, *, timeout=None):
+        """``close`` for asyncio callers: waits for in-flight transfers off the event loop."""
+        await asyncio.to_thread(self._t.close, timeout)
 
     def __enter__(self):
         return self
 
     def __exit__(self, *exc):
         self.close()
+
+
+async def _await_work(work, timeout):
+    # Work.wait releases the GIL, so a worker thread waits while the loop runs.
+    await asyncio.to_thread(work.wait, timeout)
+
+
+async def wait_all(works, *, timeout=None):
+    """Awaits every ``Work`` in ``works``; raises the first failure after all have finished."""
+    results = await asyncio.gather(*(_await_work(w, timeout) for w in works), return_exceptions=True)
+    for r in results:
+        if isinstance(r, BaseException):
+            raise r
 
 
 def new_transport(backend="auto", device=None, **options):

@@ -67,15 +67,22 @@ def _wrap(buf, dtype, shape):
 
 
 def _layout(x):
-    """(address, dtype name, shape, element strides, itemsize) of a torch tensor or array."""
+    """(address, dtype name, shape, element strides, itemsize, owner) of a torch tensor, an
+    array, or anything with ``__dlpack__``."""
+    if not _is_torch(x) and not hasattr(x, "__array_interface__") and hasattr(x, "__dlpack__"):
+        from . import from_dlpack
+
+        x = from_dlpack(x)
     if _is_torch(x):
         if x.device.type != "cpu":
             raise ValueError(f"symmem supports CPU tensors only, got {x.device}")
-        return x.data_ptr(), _dtype_name(x.dtype), list(x.shape), list(x.stride()), x.element_size()
+        return x.data_ptr(), _dtype_name(x.dtype), list(x.shape), list(x.stride()), x.element_size(), x
     interface = getattr(x, "__array_interface__", None)
     if interface is None:
         raise TypeError(f"expected a torch tensor or a NumPy array, got {type(x).__name__}")
     item = x.itemsize
+    if any(s < 0 for s in (interface.get("strides") or ())):
+        raise ValueError("arrays with negative strides are not supported; pass a copy")
     strides = interface.get("strides")
     strides = [s // item for s in strides] if strides else [0] * x.ndim
     if not interface.get("strides"):
@@ -83,7 +90,7 @@ def _layout(x):
         for i in reversed(range(x.ndim)):
             strides[i] = acc
             acc *= x.shape[i]
-    return interface["data"][0], x.dtype.name, list(x.shape), strides, item
+    return interface["data"][0], x.dtype.name, list(x.shape), strides, item, x
 
 
 def _find(addr):
@@ -96,7 +103,7 @@ def _find(addr):
 def _native_tensor(x, *, symmetric=False, what="tensor"):
     """The native tensor behind ``x``: its symmetric allocation, or (unless ``symmetric``) its
     own memory, borrowed for the call."""
-    addr, name, shape, strides, item = _layout(x)
+    addr, name, shape, strides, item, owner = _layout(x)
     found = _find(addr)
     if found is not None:
         base, buf = found
@@ -109,7 +116,7 @@ def _native_tensor(x, *, symmetric=False, what="tensor"):
             extent = 0
             break
         extent += (d - 1) * s * item
-    return _native.Tensor.external(addr, extent, x, name, shape, strides)
+    return _native.Tensor.external(addr, extent, owner, name, shape, strides)
 
 
 def world():

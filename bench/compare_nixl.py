@@ -150,7 +150,9 @@ def main():
     results = {b: run_backend(b, sizes, args.budget) for b in args.backends.split(",")}
     names = list(results)
     print()
-    print("| size | " + " | ".join(f"{b} write µs | {b} read µs | {b} write GB/s | {b} read GB/s" for b in names) + " |")
+    print(
+        "| size | " + " | ".join(f"{b} write µs | {b} read µs | {b} write GB/s | {b} read GB/s" for b in names) + " |"
+    )
     print("|---" * (1 + 4 * len(names)) + "|")
     for i, size in enumerate(sizes):
         cells = []

@@ -49,6 +49,16 @@ impl PyBuffer {
         self.0.nbytes()
     }
 
+    /// The shape of the tensor this buffer holds.
+    fn shape(&self) -> Vec<usize> {
+        self.0.shape().to_vec()
+    }
+
+    /// The dtype name (`float32`, `bfloat16`, ...) of the tensor this buffer holds.
+    fn dtype(&self) -> String {
+        self.0.dtype().to_string()
+    }
+
     /// Whether this is (part of) a symmetric allocation.
     fn is_symmetric(&self) -> bool {
         symm::is_symm_mem_tensor(&self.0)
@@ -341,6 +351,139 @@ fn all_to_all(py: Python<'_>, input: &PyTensor, out: &PyTensor, group: &PyGroup)
     run(py, || ops::all_to_all(&input.0, &out.0, &group.0))
 }
 
+/// Variable-size all-to-all: `in_splits[j]` rows of `input` go to rank j; `out_splits_offsets`
+/// receives (splits, offsets) of what arrived.
+#[pyfunction]
+fn all_to_all_vdev(
+    py: Python<'_>,
+    input: &PyTensor,
+    out: &PyTensor,
+    in_splits: &PyTensor,
+    out_splits_offsets: &PyTensor,
+    group: &PyGroup,
+) -> PyResult<()> {
+    run(py, || ops::all_to_all_vdev(&input.0, &out.0, &in_splits.0, &out_splits_offsets.0, &group.0))
+}
+
+/// Expert-parallel dispatch: rank-major in, expert-major out, segments aligned to `major_align`.
+#[pyfunction]
+#[pyo3(signature = (input, out, in_splits, out_splits_offsets, group, major_align = None))]
+fn all_to_all_vdev_2d(
+    py: Python<'_>,
+    input: &PyTensor,
+    out: &PyTensor,
+    in_splits: &PyTensor,
+    out_splits_offsets: &PyTensor,
+    group: &PyGroup,
+    major_align: Option<usize>,
+) -> PyResult<()> {
+    run(py, || ops::all_to_all_vdev_2d(&input.0, &out.0, &in_splits.0, &out_splits_offsets.0, &group.0, major_align))
+}
+
+/// Expert-parallel combine: the inverse of [`all_to_all_vdev_2d`], with explicit input offsets.
+#[pyfunction]
+fn all_to_all_vdev_2d_offset(
+    py: Python<'_>,
+    input: &PyTensor,
+    out: &PyTensor,
+    in_splits_offsets: &PyTensor,
+    out_splits_offsets: &PyTensor,
+    group: &PyGroup,
+) -> PyResult<()> {
+    run(py, || ops::all_to_all_vdev_2d_offset(&input.0, &out.0, &in_splits_offsets.0, &out_splits_offsets.0, &group.0))
+}
+
+/// Reduces every rank's `in_tile` into `root`'s `out_tile`.
+#[pyfunction]
+fn tile_reduce(
+    py: Python<'_>,
+    in_tile: &PyTensor,
+    out_tile: &PyTensor,
+    root: usize,
+    group: &PyGroup,
+    reduce_op: &str,
+) -> PyResult<()> {
+    let op = op(reduce_op)?;
+    run(py, || ops::tile_reduce(&in_tile.0, &out_tile.0, root, &group.0, op))
+}
+
+/// Reduces tile i of every rank into `roots[i]`'s `out_tile`.
+#[pyfunction]
+fn multi_root_tile_reduce(
+    py: Python<'_>,
+    in_tiles: Vec<PyRef<'_, PyTensor>>,
+    out_tile: &PyTensor,
+    roots: Vec<usize>,
+    group: &PyGroup,
+    reduce_op: &str,
+) -> PyResult<()> {
+    let op = op(reduce_op)?;
+    let tiles: Vec<Tensor> = in_tiles.iter().map(|t| t.0.clone()).collect();
+    run(py, || ops::multi_root_tile_reduce(&tiles, &out_tile.0, &roots, &group.0, op))
+}
+
+/// Reduce-scatter of `input` along `dim` into one `out` per destination block.
+#[pyfunction]
+#[pyo3(signature = (input, out, group, dim, offsets, dst_ranks, reduce_op))]
+#[expect(clippy::too_many_arguments, reason = "the operator's Python signature, plus the GIL token")]
+fn reduce_scatter_offset(
+    py: Python<'_>,
+    input: &PyTensor,
+    out: Vec<PyRef<'_, PyTensor>>,
+    group: &PyGroup,
+    dim: usize,
+    offsets: Option<Vec<usize>>,
+    dst_ranks: Option<Vec<usize>>,
+    reduce_op: &str,
+) -> PyResult<()> {
+    let op = op(reduce_op)?;
+    let outs: Vec<Tensor> = out.iter().map(|t| t.0.clone()).collect();
+    run(py, || ops::reduce_scatter_offset(&input.0, &outs, &group.0, dim, offsets.as_deref(), dst_ranks.as_deref(), op))
+}
+
+/// All-to-all that scatters `scatter_dim` and gathers `gather_dim`.
+#[pyfunction]
+fn all_to_all_nd(
+    py: Python<'_>,
+    input: &PyTensor,
+    out: &PyTensor,
+    scatter_dim: usize,
+    gather_dim: usize,
+    group: &PyGroup,
+) -> PyResult<()> {
+    run(py, || ops::all_to_all_nd(&input.0, &out.0, scatter_dim, gather_dim, &group.0))
+}
+
+/// All-gather of `a_shard` fused with a matmul by each of `bs`: (gathered A or None, outputs).
+#[pyfunction]
+fn fused_all_gather_matmul(
+    py: Python<'_>,
+    a_shard: &PyTensor,
+    bs: Vec<PyRef<'_, PyTensor>>,
+    gather_dim: usize,
+    group: &PyGroup,
+    return_a: bool,
+) -> PyResult<(Option<PyBuffer>, Vec<PyBuffer>)> {
+    let bs: Vec<Tensor> = bs.iter().map(|t| t.0.clone()).collect();
+    let (a, outs) =
+        py.detach(|| ops::fused_all_gather_matmul(&a_shard.0, &bs, gather_dim, &group.0, return_a)).map_err(err)?;
+    Ok((a.map(PyBuffer), outs.into_iter().map(PyBuffer).collect()))
+}
+
+/// A matmul fused with a reduce-scatter of its result along `scatter_dim`.
+#[pyfunction]
+fn fused_matmul_reduce_scatter(
+    py: Python<'_>,
+    a: &PyTensor,
+    b: &PyTensor,
+    reduce_op: &str,
+    scatter_dim: usize,
+    group: &PyGroup,
+) -> PyResult<PyBuffer> {
+    let op = op(reduce_op)?;
+    Ok(PyBuffer(py.detach(|| ops::fused_matmul_reduce_scatter(&a.0, &b.0, op, scatter_dim, &group.0)).map_err(err)?))
+}
+
 /// Adds the symmetric-memory classes and functions to the module.
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyBuffer>()?;
@@ -362,5 +505,14 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(all_gather_into, m)?)?;
     m.add_function(wrap_pyfunction!(broadcast_, m)?)?;
     m.add_function(wrap_pyfunction!(all_to_all, m)?)?;
+    m.add_function(wrap_pyfunction!(all_to_all_vdev, m)?)?;
+    m.add_function(wrap_pyfunction!(all_to_all_vdev_2d, m)?)?;
+    m.add_function(wrap_pyfunction!(all_to_all_vdev_2d_offset, m)?)?;
+    m.add_function(wrap_pyfunction!(tile_reduce, m)?)?;
+    m.add_function(wrap_pyfunction!(multi_root_tile_reduce, m)?)?;
+    m.add_function(wrap_pyfunction!(reduce_scatter_offset, m)?)?;
+    m.add_function(wrap_pyfunction!(all_to_all_nd, m)?)?;
+    m.add_function(wrap_pyfunction!(fused_all_gather_matmul, m)?)?;
+    m.add_function(wrap_pyfunction!(fused_matmul_reduce_scatter, m)?)?;
     Ok(())
 }

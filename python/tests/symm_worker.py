@@ -3,8 +3,7 @@ on the first failed check; prints "symm worker ok RANK" at the end."""
 
 import numpy as np
 import torch
-
-import symmem.symm as symm
+from symmem import symm
 
 g = symm.world()
 rank, ws = g.rank, g.world_size
@@ -96,6 +95,43 @@ a_out = symm.empty(ws * 4, dtype=torch.int64)
 symm.all_to_all(a_in, a_out)
 expect_a2a = torch.cat([torch.arange(rank * 4, rank * 4 + 4) + 1000 * r for r in range(ws)])
 assert torch.equal(a_out, expect_a2a), (a_out, expect_a2a)
+
+# Variable-size all-to-all: rank r sends j + 1 rows of width 3, valued 100 r + j, to rank j.
+rows_in = ws * (ws + 1) // 2
+v_in = symm.empty(rows_in, 3, dtype=torch.float32)
+v_in.copy_(torch.cat([torch.full((j + 1, 3), 100.0 * rank + j) for j in range(ws)]))
+splits = symm.empty(ws, dtype=torch.int64)
+splits.copy_(torch.arange(1, ws + 1))
+v_out = torch.full((ws * ws, 3), -1.0)
+v_so = torch.zeros(2, ws, dtype=torch.int64)
+symm.all_to_all_vdev(v_in, v_out, splits, v_so)
+assert torch.equal(v_so[0], torch.full((ws,), rank + 1)), v_so
+assert torch.equal(v_so[1], torch.arange(ws) * (rank + 1)), v_so
+want = torch.cat([torch.full((rank + 1, 3), 100.0 * p + rank) for p in range(ws)])
+assert torch.equal(v_out[: ws * (rank + 1)], want), v_out
+
+# Tile reduce of a strided view into the root's tile.
+grid = symm.empty(4, 4, dtype=torch.float64)
+grid.fill_(rank + 1)
+tile_out = torch.zeros(2, 2, dtype=torch.float64)
+symm.tile_reduce(grid[1:3, 2:4], tile_out, 0)
+assert torch.all(tile_out == (ws * (ws + 1) // 2 if rank == 0 else 0)), tile_out
+
+# Fused matmuls against torch's own matmul of the gathered / reduced data.
+B = torch.arange(12, dtype=torch.float32).view(3, 4)
+shard = symm.empty(2, 3, dtype=torch.float32)
+shard.copy_(torch.arange(6, dtype=torch.float32).view(2, 3) + 10 * rank)
+A, outs = symm.fused_all_gather_matmul(shard, [B], 0)
+gathered = torch.cat([torch.arange(6, dtype=torch.float32).view(2, 3) + 10 * r for r in range(ws)])
+assert torch.equal(A, gathered) and torch.allclose(outs[0], gathered @ B), outs[0]
+mine = torch.ones(ws * 2, 3) * (rank + 1)
+rs = symm.fused_matmul_reduce_scatter(mine, B, "sum", 0)
+assert rs.shape == (2, 4) and torch.allclose(rs, (torch.ones(2, 3) @ B) * (ws * (ws + 1) // 2)), rs
+try:
+    symm.all_to_all_vdev(v_in, v_out, torch.ones(ws, dtype=torch.int64), v_so)
+    raise AssertionError("non-symmetric splits must be refused")
+except ValueError as e:
+    assert "in_splits" in str(e)
 
 # NumPy arrays work the same way.
 n = symm.empty(256, dtype=np.int32)

@@ -4,11 +4,10 @@ import asyncio
 import datetime
 
 import pytest
-import torch
-from torch.distributed._transport import available_transports, new_transport, wait_all
-
 import symmem
+import torch
 from symmem.torch_backend import SymmemRemoteBuffer, SymmemTransport, SymmemWork
+from torch.distributed._transport import available_transports, new_transport, wait_all
 
 
 def pair(backend="auto"):

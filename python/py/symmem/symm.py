@@ -24,16 +24,25 @@ __all__ = [
     "all_gather_into_tensor",
     "all_reduce",
     "all_to_all",
+    "all_to_all_nd",
+    "all_to_all_vdev",
+    "all_to_all_vdev_2d",
+    "all_to_all_vdev_2d_offset",
     "barrier",
     "broadcast",
     "empty",
+    "fused_all_gather_matmul",
+    "fused_matmul_reduce_scatter",
     "get",
     "is_symm_mem_tensor",
+    "multi_root_tile_reduce",
     "one_shot_all_reduce",
     "one_shot_all_reduce_out",
     "put_signal",
+    "reduce_scatter_offset",
     "reduce_scatter_out",
     "rendezvous",
+    "tile_reduce",
     "two_shot_all_reduce_",
     "two_shot_all_reduce_out",
     "wait_signal",
@@ -143,7 +152,9 @@ def empty(*size, dtype=None, device="cpu"):
         import torch
 
         dtype = torch.float32
-    buf = _native.empty(list(size), _dtype_name(dtype) if type(dtype).__module__.startswith("torch") else _np_name(dtype))
+    buf = _native.empty(
+        list(size), _dtype_name(dtype) if type(dtype).__module__.startswith("torch") else _np_name(dtype)
+    )
     if buf.nbytes():
         _buffers[buf.address()] = buf
     return _wrap(buf, dtype, tuple(size))
@@ -298,3 +309,103 @@ def all_to_all(input, out, group_name=None):
     """Block ``j`` of symmetric ``input`` to rank ``j``; ``out`` receives one block per rank."""
     _native.all_to_all(_native_tensor(input, symmetric=True), _native_tensor(out), _group(group_name))
     return out
+
+
+def _result(buf, like):
+    """A tensor (like ``like``: torch or NumPy) over an operator's result buffer."""
+    if _is_torch(like):
+        import torch
+
+        return _wrap(buf, getattr(torch, buf.dtype()), tuple(buf.shape()))
+    return _wrap(buf, buf.dtype(), tuple(buf.shape()))
+
+
+def all_to_all_vdev(input, out, in_splits, out_splits_offsets, group_name=None):
+    """Variable-size all-to-all: ``in_splits[j]`` rows of symmetric ``input`` go to rank ``j``;
+    ``out_splits_offsets`` (2 x world_size, int64) receives the splits and offsets that arrived."""
+    _native.all_to_all_vdev(
+        _native_tensor(input, symmetric=True),
+        _native_tensor(out),
+        _native_tensor(in_splits, symmetric=True, what="in_splits"),
+        _native_tensor(out_splits_offsets),
+        _group(group_name),
+    )
+
+
+def all_to_all_vdev_2d(input, out, in_splits, out_splits_offsets, group_name=None, major_align=None):
+    """Expert-parallel dispatch: rank-major input, expert-major output aligned to ``major_align``."""
+    _native.all_to_all_vdev_2d(
+        _native_tensor(input, symmetric=True),
+        _native_tensor(out),
+        _native_tensor(in_splits, symmetric=True, what="in_splits"),
+        _native_tensor(out_splits_offsets),
+        _group(group_name),
+        major_align,
+    )
+
+
+def all_to_all_vdev_2d_offset(input, out, in_splits_offsets, out_splits_offsets, group_name=None):
+    """Expert-parallel combine, the inverse of :func:`all_to_all_vdev_2d`."""
+    _native.all_to_all_vdev_2d_offset(
+        _native_tensor(input, symmetric=True),
+        _native_tensor(out),
+        _native_tensor(in_splits_offsets, symmetric=True, what="in_splits_offsets"),
+        _native_tensor(out_splits_offsets),
+        _group(group_name),
+    )
+
+
+def tile_reduce(in_tile, out_tile, root, group_name=None, reduce_op="sum"):
+    """Reduces every rank's ``in_tile`` (a view of a symmetric tensor) into ``root``'s ``out_tile``."""
+    _native.tile_reduce(
+        _native_tensor(in_tile, symmetric=True), _native_tensor(out_tile), root, _group(group_name), reduce_op
+    )
+
+
+def multi_root_tile_reduce(in_tiles, out_tile, roots, group_name=None, reduce_op="sum"):
+    """Reduces tile ``i`` of every rank into ``roots[i]``'s ``out_tile``."""
+    tiles = [_native_tensor(t, symmetric=True) for t in in_tiles]
+    _native.multi_root_tile_reduce(tiles, _native_tensor(out_tile), list(roots), _group(group_name), reduce_op)
+
+
+def reduce_scatter_offset(input, out, group_name=None, dim=0, offsets=None, dst_ranks=None, reduce_op="sum"):
+    """Reduce-scatter of symmetric ``input`` along ``dim`` into the blocks of ``out`` this rank owns."""
+    _native.reduce_scatter_offset(
+        _native_tensor(input, symmetric=True),
+        [_native_tensor(o) for o in out],
+        _group(group_name),
+        dim,
+        None if offsets is None else list(offsets),
+        None if dst_ranks is None else list(dst_ranks),
+        reduce_op,
+    )
+
+
+def all_to_all_nd(input, out, scatter_dim, gather_dim, group_name=None):
+    """All-to-all that scatters ``scatter_dim`` of symmetric ``input`` and gathers ``gather_dim``."""
+    _native.all_to_all_nd(
+        _native_tensor(input, symmetric=True), _native_tensor(out), scatter_dim, gather_dim, _group(group_name)
+    )
+
+
+def fused_all_gather_matmul(A_shard, Bs, gather_dim, group_name=None, *, return_A=True):
+    """``all_gather(A_shard) @ B`` for each ``B`` in ``Bs``, multiplying shards as they arrive.
+    Returns ``(A or None, [outputs])``."""
+    a, outs = _native.fused_all_gather_matmul(
+        _native_tensor(A_shard, symmetric=True),
+        [_native_tensor(b) for b in Bs],
+        gather_dim,
+        _group(group_name),
+        return_A,
+    )
+    return (None if a is None else _result(a, A_shard)), [_result(o, A_shard) for o in outs]
+
+
+def fused_matmul_reduce_scatter(A, B, reduce_op, scatter_dim, group_name=None):
+    """``reduce_scatter(A @ B)`` along ``scatter_dim``."""
+    return _result(
+        _native.fused_matmul_reduce_scatter(
+            _native_tensor(A), _native_tensor(B), reduce_op, scatter_dim, _group(group_name)
+        ),
+        A,
+    )

@@ -207,6 +207,33 @@ impl PyWork {
     }
 }
 
+/// Constructs, binds and connects a transport to `peer_rank` through the store at `store_addr`
+/// (a PyTorch TCPStore or a symmem store), with PyTorch's key scheme, so it pairs with
+/// `torch.distributed._transport.new_transport_rank` on the other side. The GIL is released.
+#[pyfunction]
+#[pyo3(signature = (backend, store_addr, peer_rank, rank, bootstrap_timeout = 30.0, options = None))]
+fn new_transport_rank(
+    py: Python<'_>,
+    backend: &str,
+    store_addr: &str,
+    peer_rank: u64,
+    rank: u64,
+    bootstrap_timeout: f64,
+    options: Option<BTreeMap<String, String>>,
+) -> PyResult<PyTransport> {
+    let timeout = seconds(Some(bootstrap_timeout))?.unwrap_or_default();
+    let options = options.unwrap_or_default();
+    py.detach(|| {
+        let mut client = symmem::store::ClientOptions::from_env()?;
+        client.timeout = client.timeout.min(timeout);
+        let store: std::sync::Arc<dyn symmem::store::Store> =
+            std::sync::Arc::new(symmem::store::TcpStore::connect(store_addr, client)?);
+        transport::new_transport_rank(backend, None, &store, peer_rank, rank, timeout, &options)
+    })
+    .map(PyTransport)
+    .map_err(err)
+}
+
 /// The names of the registered transports.
 #[pyfunction]
 fn available_transports() -> Vec<String> {
@@ -222,6 +249,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyRemoteBuffer>()?;
     m.add_class::<PyWork>()?;
     m.add_function(wrap_pyfunction!(available_transports, m)?)?;
+    m.add_function(wrap_pyfunction!(new_transport_rank, m)?)?;
     symm::register(m)?;
     Ok(())
 }

@@ -160,3 +160,36 @@ def test_native_api_accepts_dlpack_and_serves_asyncio_callers():
     asyncio.run(go())
     with pytest.raises(TypeError, match="__dlpack__"):
         symmem.new_transport().register_memory(object())
+
+
+def test_new_transport_rank_pairs_through_a_torch_tcpstore():
+    import threading
+
+    from torch.distributed import TCPStore
+
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    results = {}
+
+    def rank(r):
+        try:
+            results[r] = symmem.new_transport_rank("auto", store=store, peer_rank=1 - r, rank=r, bootstrap_timeout=30)
+        except Exception as e:  # noqa: BLE001 - reported by the assertion below
+            results[r] = e
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    a, b = results[0], results[1]
+    assert isinstance(a, symmem.Transport) and isinstance(b, symmem.Transport), results
+    assert a.connected() and b.connected()
+    src, dst = torch.arange(16, dtype=torch.int64), torch.zeros(16, dtype=torch.int64)
+    a.write(a.register_memory(src).to_view(), b.register_memory(dst).to_remote_buffer())
+    assert torch.equal(dst, src)
+    with pytest.raises(ValueError, match="peer_rank"):
+        symmem.new_transport_rank(store=store, peer_rank=0, rank=0)
+    with pytest.raises(TypeError, match="TCPStore"):
+        symmem.new_transport_rank(store=42, peer_rank=1, rank=0)
+    a.close()
+    b.close()

@@ -11,6 +11,7 @@ Symmetric memory and its operators are in ``symmem.symm`` (after
 
 import asyncio
 
+from . import _native
 from ._native import MemoryView, MutableMemoryView, RemoteBuffer, Work, available_transports
 from ._native import Transport as _NativeTransport
 
@@ -24,6 +25,7 @@ __all__ = [
     "available_transports",
     "from_dlpack",
     "new_transport",
+    "new_transport_rank",
     "wait_all",
 ]
 
@@ -151,6 +153,52 @@ async def wait_all(works, *, timeout=None):
     for r in results:
         if isinstance(r, BaseException):
             raise r
+
+
+def _store_addr(store):
+    """``host:port`` of a ``torch.distributed.TCPStore``, a ``"host:port"`` string, or (None)
+    the launcher's ``MASTER_ADDR:MASTER_PORT``."""
+    import os
+
+    if store is None:
+        try:
+            host, port = os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"]
+        except KeyError as e:
+            raise ValueError(f"store is None and {e.args[0]} is not set (run under symmem run or torchrun)") from None
+    elif isinstance(store, str):
+        return store
+    elif hasattr(store, "host") and hasattr(store, "port"):
+        host, port = store.host, store.port
+    else:
+        raise TypeError(f"store must be a torch.distributed.TCPStore or 'host:port', not {type(store).__name__}")
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def new_transport_rank(
+    backend="auto", device=None, *, store=None, peer_rank, rank=None, bootstrap_timeout=30.0, **options
+):
+    """A transport bound and connected to ``peer_rank`` through ``store`` (PyTorch's key scheme:
+    it pairs with ``torch.distributed._transport.new_transport_rank`` on the other side, and the
+    Nth call on each side meets the Nth on the other). ``rank`` defaults to ``RANK``."""
+    import os
+
+    if device is not None and str(device) != "cpu":
+        raise ValueError(f"symmem transports support the CPU only, not {device}")
+    if rank is None:
+        if "RANK" not in os.environ:
+            raise ValueError("rank is None and RANK is not set")
+        rank = int(os.environ["RANK"])
+    native = _native.new_transport_rank(
+        backend or "auto",
+        _store_addr(store),
+        int(peer_rank),
+        int(rank),
+        float(bootstrap_timeout),
+        {k: str(v) for k, v in options.items()},
+    )
+    t = Transport.__new__(Transport)
+    t._t = native
+    return t
 
 
 def new_transport(backend="auto", device=None, **options):

@@ -4,6 +4,14 @@ from collections.abc import Buffer as _BufferProtocol
 from typing import Any
 
 def available_transports() -> list[str]: ...
+def new_transport_rank(
+    backend: str,
+    store_addr: str,
+    peer_rank: int,
+    rank: int,
+    bootstrap_timeout: float = 30.0,
+    options: dict[str, str] | None = None,
+) -> Transport: ...
 
 class Transport:
     def __init__(self, backend: str = "auto", options: dict[str, str] | None = None) -> None: ...

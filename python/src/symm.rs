@@ -134,6 +134,18 @@ impl PyGroup {
         self.0.name().to_string()
     }
 
+    /// The global ranks of the members, in group-rank order.
+    #[getter]
+    fn ranks(&self) -> Vec<usize> {
+        self.0.members().to_vec()
+    }
+
+    /// A sub-group of these group ranks (in that order), or None on ranks outside it. Every
+    /// member calls it with the same ranks; it exchanges nothing until first used.
+    fn split(&self, ranks: Vec<usize>) -> PyResult<Option<PyGroup>> {
+        Ok(self.0.split(&ranks).map_err(err)?.map(|g| PyGroup(Arc::new(g))))
+    }
+
     /// Waits until every rank of the group reached the barrier.
     #[pyo3(signature = (timeout = None))]
     fn barrier(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<()> {

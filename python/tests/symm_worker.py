@@ -142,5 +142,23 @@ assert (n == ws * (ws + 1) // 2).all()
 nh = symm.rendezvous(n)
 assert (nh.get_buffer(right, 4, np.int32) == ws * (ws + 1) // 2).all()
 
+# A sub-group of ranks 1 and 0 (in that order): its own rendezvous and operators.
+sub = symm.new_group([1, 0])
+if rank > 1:
+    assert sub is None
+else:
+    assert (sub.rank, sub.world_size, sub.ranks) == (1 - rank, 2, [1, 0])
+    s = symm.empty(100, dtype=torch.float32)
+    s.fill_(rank + 1)
+    sh = symm.rendezvous(s, sub.group_name)
+    assert sh.world_size == 2 and sh.rank == 1 - rank
+    symm.all_reduce(s, "sum", sub.group_name)
+    assert torch.all(s == 3.0), s
+try:
+    symm.all_reduce(z, "sum", "no-such-group")
+    raise AssertionError("an unknown group must be refused")
+except ValueError as e:
+    assert "no-such-group" in str(e)
+
 g.barrier(timeout=30)
 print(f"symm worker ok {rank}", flush=True)

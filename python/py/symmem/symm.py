@@ -35,6 +35,7 @@ __all__ = [
     "fused_matmul_reduce_scatter",
     "get",
     "is_symm_mem_tensor",
+    "new_group",
     "multi_root_tile_reduce",
     "one_shot_all_reduce",
     "one_shot_all_reduce_out",
@@ -133,13 +134,28 @@ def world():
     return _native.world()
 
 
+# Groups made by new_group, by name, so operators accept a group name as PyTorch's do.
+_groups = {}
+
+
+def new_group(ranks):
+    """A sub-group of the world's ``ranks`` (in that order): every rank calls it with the same
+    ranks; ranks outside get None. Pass it, or its ``group_name``, to rendezvous and operators."""
+    g = world().split([int(r) for r in ranks])
+    if g is not None:
+        _groups[g.group_name] = g
+    return g
+
+
 def _group(group):
     w = world()
-    if group is None or group == w.group_name or group is w:
+    if group is None or group is w or group == w.group_name:
         return w
     if isinstance(group, _native.Group):
         return group
-    raise ValueError(f"unknown group {group!r}: only the world group ({w.group_name!r}) is available")
+    if group in _groups:
+        return _groups[group]
+    raise ValueError(f"unknown group {group!r}: use None (the world), a group from new_group, or its name")
 
 
 def empty(*size, dtype=None, device="cpu"):

@@ -35,7 +35,8 @@ fn pair(backend: &str) -> (Transport, Transport) {
 }
 
 fn bytes(n: usize, seed: u8) -> Tensor {
-    let v: Vec<u8> = (0..n).map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed)).collect();
+    // Not periodic at any power of two, so bytes copied to the wrong page or part show up.
+    let v: Vec<u8> = (0..n).map(|i| ((i ^ (i >> 9) ^ (i >> 17)) as u8).wrapping_mul(31).wrapping_add(seed)).collect();
     Tensor::from_slice(&[n], &v).unwrap()
 }
 
@@ -53,7 +54,7 @@ fn forge(d: &RemoteBuffer, field: &str, value: serde_json::Value) -> RemoteBuffe
 
 fn write_then_read(backend: &str) {
     let (a, b) = pair(backend);
-    for n in [0usize, 1, 8, 4096, 65537, 3 << 20, 16 << 20] {
+    for n in [0usize, 1, 8, 4096, 65537, 3 << 20, (4 << 20) + 1, (16 << 20) + 4097] {
         let src = bytes(n, 7);
         let dst = Tensor::zeros(&[n], DType::U8).unwrap();
         let back = Tensor::zeros(&[n], DType::U8).unwrap();
@@ -543,7 +544,8 @@ fn mappings_named(name: &str) -> usize {
 #[test]
 fn shm_moves_shared_memory_through_a_mapping_and_stops_after_unregister() {
     let (a, b) = pair("shm");
-    let n = 3 << 20;
+    // Large and odd: copied in parts by several threads.
+    let n = (6 << 20) + 4097;
     let dst = transport::shm::alloc(&[n], DType::U8).unwrap();
     let md = b.register_memory(&dst).unwrap();
     let remote = descriptor(&md);
@@ -553,6 +555,10 @@ fn shm_moves_shared_memory_through_a_mapping_and_stops_after_unregister() {
     a.write(&ms.to_view(0, None).unwrap(), &remote, None).unwrap();
     assert_eq!(dst.to_vec::<u8>().unwrap(), src.to_vec::<u8>().unwrap());
     assert_eq!(mappings_named("symmem-shm-tensor"), before + 1, "the initiator mapped the registered pages");
+    let whole = Tensor::zeros(&[n], DType::U8).unwrap();
+    let mw = a.register_memory(&whole).unwrap();
+    a.read(&mw.to_mutable_view(0, None).unwrap(), &remote, None).unwrap();
+    assert_eq!(whole.to_vec::<u8>().unwrap(), src.to_vec::<u8>().unwrap());
     let back = Tensor::zeros(&[4096], DType::U8).unwrap();
     let mb = a.register_memory(&back).unwrap();
     a.read(&mb.to_mutable_view(0, None).unwrap(), &remote.slice(8192, 4096).unwrap(), None).unwrap();

@@ -44,6 +44,39 @@ const WRITABLE: u64 = 1;
 const SHARED: u64 = 2;
 
 /// How often (at most) a transfer checks that the peer is alive.
+/// Transfers of at least this many bytes are copied by several threads at once (one core's
+/// copy does not saturate memory bandwidth); smaller ones are not worth a thread's start.
+const PARALLEL_MIN: usize = 4 << 20;
+/// At most this many threads copy one transfer.
+const PARALLEL_MAX: usize = 4;
+
+/// Runs `copy(start, len)` over `[0, len)`, split into page-aligned parts on up to
+/// [`PARALLEL_MAX`] threads (as many as there are cores) when `len` is large; returns the first
+/// error.
+fn split_copy<E: Send>(
+    len: usize,
+    copy: impl Fn(usize, usize) -> std::result::Result<(), E> + Sync,
+) -> std::result::Result<(), E> {
+    let threads = if len >= PARALLEL_MIN { crate::symm::cores().clamp(1, PARALLEL_MAX) } else { 1 };
+    if threads == 1 {
+        return copy(0, len);
+    }
+    let part = len.div_ceil(threads).next_multiple_of(PAGE as usize);
+    std::thread::scope(|s| {
+        let copy = &copy;
+        let others: Vec<_> = (1..threads)
+            .map(|i| (i * part).min(len))
+            .filter(|&start| start < len)
+            .map(|start| s.spawn(move || copy(start, part.min(len - start))))
+            .collect();
+        let first = copy(0, part.min(len));
+        others
+            .into_iter()
+            .map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
+            .fold(first, |a, b| a.and(b))
+    })
+}
+
 const LIVENESS_EVERY: Duration = Duration::from_millis(1);
 
 /// One table entry, as words in shared memory.
@@ -485,27 +518,39 @@ fn transfer(peer: &Peer, req: &Request) -> std::result::Result<(), String> {
         // lies inside the mapping `m` keeps alive; the local range lies inside the local
         // registration the request keeps alive. The two are different mappings; even if they
         // alias the same pages (a process registering with itself), `copy` allows overlap.
-        unsafe {
-            if write {
-                std::ptr::copy(local.cast_const(), at, req.len);
-            } else {
-                std::ptr::copy(at.cast_const(), local, req.len);
+        let (local, at) = (local as usize, at as usize);
+        let _ = split_copy::<()>(req.len, |start, n| {
+            let (local, at) = ((local + start) as *mut u8, (at + start) as *mut u8);
+            // SAFETY: [start, start + n) is a part of [0, len), disjoint from every other
+            // part; see above for why both whole ranges are valid.
+            unsafe {
+                if write {
+                    std::ptr::copy(local.cast_const(), at, n);
+                } else {
+                    std::ptr::copy(at.cast_const(), local, n);
+                }
             }
-        }
+            Ok(())
+        });
         // The entry may have been retired while we copied; the copy went to pages the owner
         // still holds, and later transfers will see the new generation.
         return Ok(());
     }
     let remote = (e.addr + r.offset) as usize;
-    let outcome = if write {
-        // SAFETY: the local range lies inside the local registration, kept alive by the request.
-        let src = unsafe { std::slice::from_raw_parts(local.cast_const(), req.len) };
-        cma::write(peer.pid, src, remote)
-    } else {
-        // SAFETY: as above; the caller does not touch a read's destination until it completes.
-        let dst = unsafe { std::slice::from_raw_parts_mut(local, req.len) };
-        cma::read(peer.pid, dst, remote)
-    };
+    let local = local as usize;
+    let outcome = split_copy(req.len, |start, n| {
+        let part = (local + start) as *mut u8;
+        if write {
+            // SAFETY: the part lies inside the local registration, kept alive by the request.
+            let src = unsafe { std::slice::from_raw_parts(part.cast_const(), n) };
+            cma::write(peer.pid, src, remote + start)
+        } else {
+            // SAFETY: as above; the caller does not touch a read's destination until it
+            // completes, and the parts are disjoint.
+            let dst = unsafe { std::slice::from_raw_parts_mut(part, n) };
+            cma::read(peer.pid, dst, remote + start)
+        }
+    });
     outcome.map_err(|err| match err {
         CmaError::Gone => {
             peer.alive.store(false, Ordering::Release);

@@ -95,3 +95,10 @@ def test_type_stubs_name_exactly_what_the_extension_exports():
             methods = {m.name for m in node.body if isinstance(m, ast.FunctionDef) and not m.name.startswith("__")}
             missing = [m for m in methods if not hasattr(getattr(_native, name), m)]
             assert not missing, f"{name} stubs {missing}, which the extension lacks"
+
+
+def test_pytorch_transport_api_across_two_processes_under_torchrun():
+    out = torchrun(2, os.path.join(os.path.dirname(__file__), "transport_worker.py"))
+    assert out.returncode == 0, out.stdout + out.stderr
+    for r in range(2):
+        assert f"transport worker ok {r}" in out.stdout, out.stdout + out.stderr

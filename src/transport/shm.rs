@@ -15,8 +15,9 @@
 //! the entry, exactly as the tcp target checks requests, and drops its cached mapping of an
 //! entry whose generation changed, so an unregistered range stops working at once.
 //!
-//! Transfers run on the caller's thread: a synchronous write returns when the bytes are in
-//! the target's memory, and a Work is complete when returned. The peer's death is noticed
+//! Transfers run on the caller's thread (from 4 MiB, helped by up to three scoped threads
+//! copying page-aligned parts): a synchronous write returns when the bytes are in the
+//! target's memory, and a Work is complete when returned. The peer's death is noticed
 //! through a pidfd. Cross-memory attach needs the same user and no ptrace restriction;
 //! `connect` probes it and says clearly when the kernel refuses (the `auto` backend then
 //! falls back to `tcp`). Access control here protects against wrong and stale descriptors, not

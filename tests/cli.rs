@@ -233,10 +233,23 @@ fn a_failure_on_one_host_stops_the_other() {
     assert!(t.elapsed() < Duration::from_secs(5), "took {:?}", t.elapsed());
 }
 
+/// A child process that is killed if the test fails before it ends the child itself.
+struct KillOnDrop(std::process::Child);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        // Errors mean the child was already reaped: nothing left to clean up.
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
 #[test]
 fn standalone_store_serves_clients() {
-    let mut server =
-        Command::new(BIN).args(["store", "--host", "127.0.0.1", "--port", "0"]).stdout(Stdio::piped()).spawn().unwrap();
+    let mut guard = KillOnDrop(
+        Command::new(BIN).args(["store", "--host", "127.0.0.1", "--port", "0"]).stdout(Stdio::piped()).spawn().unwrap(),
+    );
+    let server = &mut guard.0;
     let mut line = String::new();
     std::io::BufRead::read_line(&mut std::io::BufReader::new(server.stdout.take().unwrap()), &mut line).unwrap();
     let addr = line.split_whitespace().nth(4).unwrap().to_string();

@@ -159,13 +159,19 @@ impl PyGroup {
 #[pyfunction]
 fn world(py: Python<'_>) -> PyResult<PyGroup> {
     static WORLD: Mutex<Option<Arc<Group>>> = Mutex::new(None);
-    let mut slot = WORLD.lock().unwrap_or_else(|e| e.into_inner());
-    if let Some(g) = &*slot {
-        return Ok(PyGroup(g.clone()));
-    }
-    let g = Arc::new(py.detach(Group::from_env).map_err(err)?);
-    *slot = Some(g.clone());
-    Ok(PyGroup(g))
+    // The lock is taken without the GIL: a thread waiting for it while holding the GIL would
+    // keep the joining thread from taking the GIL back.
+    py.detach(|| {
+        let mut slot = WORLD.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(g) = &*slot {
+            return Ok(g.clone());
+        }
+        let g = Arc::new(Group::from_env()?);
+        *slot = Some(g.clone());
+        Ok(g)
+    })
+    .map(PyGroup)
+    .map_err(err)
 }
 
 /// Allocates a zeroed symmetric buffer for `shape` elements of `dtype` (not collective).

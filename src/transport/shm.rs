@@ -51,14 +51,15 @@ const PARALLEL_MIN: usize = 4 << 20;
 /// At most this many threads copy one transfer.
 const PARALLEL_MAX: usize = 4;
 
-/// Runs `copy(start, len)` over `[0, len)`, split into page-aligned parts on up to
-/// [`PARALLEL_MAX`] threads (as many as there are cores) when `len` is large; returns the first
-/// error.
+/// Runs `copy(start, len)` over `[0, len)`; when `parallel` and `len` is large, split into
+/// page-aligned parts on up to [`PARALLEL_MAX`] threads (as many as there are cores). Returns
+/// the first error.
 fn split_copy<E: Send>(
     len: usize,
+    parallel: bool,
     copy: impl Fn(usize, usize) -> std::result::Result<(), E> + Sync,
 ) -> std::result::Result<(), E> {
-    let threads = if len >= PARALLEL_MIN { crate::symm::cores().clamp(1, PARALLEL_MAX) } else { 1 };
+    let threads = if parallel && len >= PARALLEL_MIN { crate::symm::cores().clamp(1, PARALLEL_MAX) } else { 1 };
     if threads == 1 {
         return copy(0, len);
     }
@@ -515,15 +516,18 @@ fn transfer(peer: &Peer, req: &Request) -> std::result::Result<(), String> {
     if e.flags & SHARED != 0 {
         let m = mapping(peer, &e)?;
         let at = m.0.ptr().wrapping_add(m.1 + r.offset as usize);
-        // SAFETY: [offset, offset+len) is inside the registered range (checked above), which
-        // lies inside the mapping `m` keeps alive; the local range lies inside the local
-        // registration the request keeps alive. The two are different mappings; even if they
-        // alias the same pages (a process registering with itself), `copy` allows overlap.
+        // Both ranges are valid: [offset, offset+len) is inside the registered range (checked
+        // above), which lies inside the mapping `m` keeps alive; the local range lies inside
+        // the local registration the request keeps alive. The two are different mappings, but
+        // may alias the same pages (a process registering with itself): then `copy` handles the
+        // overlap, and only in one piece, so the parts are not split across threads.
         let (local, at) = (local as usize, at as usize);
-        let _ = split_copy::<()>(req.len, |start, n| {
+        let overlap = local < at + req.len && at < local + req.len;
+        let Ok(()) = split_copy::<std::convert::Infallible>(req.len, !overlap, |start, n| {
             let (local, at) = ((local + start) as *mut u8, (at + start) as *mut u8);
-            // SAFETY: [start, start + n) is a part of [0, len), disjoint from every other
-            // part; see above for why both whole ranges are valid.
+            // SAFETY: [start, start + n) lies inside [0, len), valid on both sides (above);
+            // parts run in parallel only when the ranges do not overlap, so no part writes
+            // bytes another part reads or writes.
             unsafe {
                 if write {
                     std::ptr::copy(local.cast_const(), at, n);
@@ -539,7 +543,7 @@ fn transfer(peer: &Peer, req: &Request) -> std::result::Result<(), String> {
     }
     let remote = (e.addr + r.offset) as usize;
     let local = local as usize;
-    let outcome = split_copy(req.len, |start, n| {
+    let outcome = split_copy(req.len, true, |start, n| {
         let part = (local + start) as *mut u8;
         if write {
             // SAFETY: the part lies inside the local registration, kept alive by the request.

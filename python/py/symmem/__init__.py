@@ -82,8 +82,8 @@ class Memory:
 class Transport:
     """A one-sided transport endpoint: one peer, registered memory, reads and writes."""
 
-    def __init__(self, backend="auto", **options):
-        self._t = _NativeTransport(backend, {k: str(v) for k, v in options.items()})
+    def __init__(self, backend="auto", *, _native=None, **options):
+        self._t = _native or _NativeTransport(backend, {k: str(v) for k, v in options.items()})
 
     def bind(self, *, timeout=None):
         return self._t.bind(timeout)
@@ -196,9 +196,7 @@ def new_transport_rank(
         float(bootstrap_timeout),
         {k: str(v) for k, v in options.items()},
     )
-    t = Transport.__new__(Transport)
-    t._t = native
-    return t
+    return Transport(_native=native)
 
 
 def new_transport(backend="auto", device=None, **options):

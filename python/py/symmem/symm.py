@@ -58,14 +58,22 @@ def _is_torch(x):
     return type(x).__module__.startswith("torch") and hasattr(x, "data_ptr")
 
 
+def _is_torch_dtype(dtype):
+    return type(dtype).__module__.startswith("torch")
+
+
 def _dtype_name(dtype):
-    name = str(dtype)
-    return name.removeprefix("torch.")
+    """symmem's name of a torch dtype, a NumPy dtype, or a dtype name."""
+    if _is_torch_dtype(dtype):
+        return str(dtype).removeprefix("torch.")
+    import numpy as np
+
+    return np.dtype(dtype).name
 
 
 def _wrap(buf, dtype, shape):
     """A tensor or array of ``dtype`` and ``shape`` viewing ``buf`` (no copy)."""
-    if type(dtype).__module__.startswith("torch"):
+    if _is_torch_dtype(dtype):
         import torch
 
         if buf.nbytes() == 0:
@@ -91,15 +99,9 @@ def _layout(x):
     if interface is None:
         raise TypeError(f"expected a torch tensor or a NumPy array, got {type(x).__name__}")
     item = x.itemsize
-    if any(s < 0 for s in (interface.get("strides") or ())):
+    if any(s < 0 for s in x.strides):
         raise ValueError("arrays with negative strides are not supported; pass a copy")
-    strides = interface.get("strides")
-    strides = [s // item for s in strides] if strides else [0] * x.ndim
-    if not interface.get("strides"):
-        acc = 1
-        for i in reversed(range(x.ndim)):
-            strides[i] = acc
-            acc *= x.shape[i]
+    strides = [s // item for s in x.strides]
     return interface["data"][0], x.dtype.name, list(x.shape), strides, item, x
 
 
@@ -168,18 +170,10 @@ def empty(*size, dtype=None, device="cpu"):
         import torch
 
         dtype = torch.float32
-    buf = _native.empty(
-        list(size), _dtype_name(dtype) if type(dtype).__module__.startswith("torch") else _np_name(dtype)
-    )
+    buf = _native.empty(list(size), _dtype_name(dtype))
     if buf.nbytes():
         _buffers[buf.address()] = buf
     return _wrap(buf, dtype, tuple(size))
-
-
-def _np_name(dtype):
-    import numpy as np
-
-    return np.dtype(dtype).name
 
 
 def is_symm_mem_tensor(x):
@@ -206,8 +200,7 @@ class SymmetricMemory:
     def get_buffer(self, rank, sizes, dtype, storage_offset=0):
         """Rank ``rank``'s buffer as a tensor of ``sizes`` and ``dtype`` viewing its memory."""
         sizes = [sizes] if isinstance(sizes, int) else list(sizes)
-        kind = _dtype_name(dtype) if type(dtype).__module__.startswith("torch") else _np_name(dtype)
-        return _wrap(self._h.get_buffer(rank, sizes, kind, storage_offset), dtype, tuple(sizes))
+        return _wrap(self._h.get_buffer(rank, sizes, _dtype_name(dtype), storage_offset), dtype, tuple(sizes))
 
     def get_remote_tensor(self, peer, sizes, dtype):
         """Peer ``peer``'s copy of this allocation, from the handle's offset."""

@@ -23,7 +23,7 @@ fn my_all_reduce(input: &Tensor, out: &mut [f32], group: &symmem::Group) -> symm
     let n = input.numel();
     h.barrier(0, Duration::from_secs(30))?;
     let peers: Vec<&[f32]> = h
-        .buffer_ptrs()
+        .buffer_ptrs()?
         .iter()
         // SAFETY: every rank's buffer holds `n` f32 at the handle's offset (rendezvous checked
         // the shapes), it stays mapped while `h` lives, and no rank writes it between the two

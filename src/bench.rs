@@ -481,7 +481,7 @@ pub fn flag_rank(iters: usize) -> Result<()> {
     // Two flags on separate cache lines.
     let x = symm::empty(&[256], DType::U8, Device::Cpu)?;
     let h = symm::rendezvous(&x, &group)?;
-    let base = h.buffer_ptrs()[0] as *const u8;
+    let base = h.buffer_ptrs()?[0] as *const u8;
     // SAFETY: both flags lie in rank 0's data buffer (256 bytes; offsets 0 and 128, 4-aligned),
     // mapped while `h` lives; every process touches them only atomically.
     let (ping, pong) = unsafe { (&*base.cast::<AtomicU32>(), &*base.add(128).cast::<AtomicU32>()) };

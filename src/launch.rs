@@ -363,19 +363,24 @@ async fn run_async(o: &LaunchOptions) -> Result<Outcome> {
     let outcome = outcome.unwrap_or(Outcome::Success);
 
     if let Some(c) = &mut coordinator {
+        // The store may sit on a host that is gone: never wait long for it.
+        let brief = Duration::from_secs(5);
         if let Outcome::RankFailed { rank, how } = &outcome {
-            let _ = c.set(ABORT_KEY, format!("rank {rank} {how} on node {}", o.node_rank).as_bytes()).await;
+            let reason = format!("rank {rank} {how} on node {}", o.node_rank);
+            let _ = tokio::time::timeout(brief, c.set(ABORT_KEY, reason.as_bytes())).await;
         }
-        let _ = c.add(FINISHED_KEY, 1).await;
+        let _ = tokio::time::timeout(brief, c.add(FINISHED_KEY, 1)).await;
         if server.is_some() {
-            // Keep the store up until every host's ranks are done with it.
+            // Keep the store up until every host's ranks are done with it: a minute after a
+            // success, a few seconds after a failure (the other hosts may be unreachable).
+            let patience = if matches!(outcome, Outcome::Success) { Duration::from_secs(60) } else { brief };
             let wait = async {
                 while c.add(FINISHED_KEY, 0).await.is_ok_and(|n| n < o.nnodes as i64) {
                     tokio::time::sleep(Duration::from_millis(50)).await;
                 }
             };
-            if tokio::time::timeout(Duration::from_secs(60), wait).await.is_err() {
-                tracing::warn!("gave up after 60 s waiting for the other hosts to finish");
+            if tokio::time::timeout(patience, wait).await.is_err() {
+                tracing::warn!("gave up after {patience:?} waiting for the other hosts to finish");
             }
         }
     }

@@ -4,58 +4,17 @@
 
 #![allow(clippy::print_stdout, clippy::print_stderr, reason = "rank programs and skip notices print")]
 
-use std::process::{Command, Output};
+mod common;
+
+use std::process::Command;
 use std::time::Duration;
 
+use common::Hosts;
 use symmem::Group;
 use symmem::tensor::{DType, Tensor};
 use symmem::transport::{Options, RemoteBuffer, new_transport_rank};
 
 const BIN: &str = env!("CARGO_BIN_EXE_symmem");
-
-fn ip(args: &[&str]) -> std::io::Result<Output> {
-    Command::new("ip").args(args).output()
-}
-
-/// Two namespaces and the link between them; removed on drop, even when the test fails.
-struct Hosts {
-    names: [String; 2],
-}
-
-impl Hosts {
-    fn create() -> Result<Hosts, String> {
-        let id = std::process::id();
-        let names = [format!("symm-a-{id}"), format!("symm-b-{id}")];
-        let hosts = Hosts { names: names.clone() };
-        let run = |args: &[&str]| -> Result<(), String> {
-            let out = ip(args).map_err(|e| format!("ip {}: {e}", args.join(" ")))?;
-            if !out.status.success() {
-                return Err(format!("ip {}: {}", args.join(" "), String::from_utf8_lossy(&out.stderr).trim()));
-            }
-            Ok(())
-        };
-        let (va, vb) = (format!("va{}", id % 100_000), format!("vb{}", id % 100_000));
-        run(&["netns", "add", &names[0]])?;
-        run(&["netns", "add", &names[1]])?;
-        run(&["link", "add", &va, "type", "veth", "peer", "name", &vb])?;
-        run(&["link", "set", &va, "netns", &names[0]])?;
-        run(&["link", "set", &vb, "netns", &names[1]])?;
-        for (ns, dev, addr) in [(&names[0], &va, "10.213.0.1/30"), (&names[1], &vb, "10.213.0.2/30")] {
-            run(&["-n", ns, "addr", "add", addr, "dev", dev])?;
-            run(&["-n", ns, "link", "set", dev, "up"])?;
-            run(&["-n", ns, "link", "set", "lo", "up"])?;
-        }
-        Ok(hosts)
-    }
-}
-
-impl Drop for Hosts {
-    fn drop(&mut self) {
-        for n in &self.names {
-            let _ = ip(&["netns", "del", n]);
-        }
-    }
-}
 
 /// The rank program: a transport across the link, a write one way and a read the other.
 #[test]

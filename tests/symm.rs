@@ -70,8 +70,9 @@ fn rank_every_call() {
     let h = symm::rendezvous(&x, &g).unwrap();
     assert!(Arc::ptr_eq(&h, &symm::rendezvous(&x, &g).unwrap()), "later calls return the cached handle");
     assert_eq!((h.rank(), h.world_size()), (me, ws));
-    assert_eq!(h.buffer_ptrs().len(), ws);
-    assert_eq!(h.signal_pad_ptrs().len(), ws);
+    assert_eq!(h.buffer_ptrs().unwrap().len(), ws);
+    assert_eq!(h.signal_pad_ptrs().unwrap().len(), ws);
+    assert!(h.all_local() && h.remote_ranks().is_empty());
     assert_eq!(h.buffer_size(), 4 * 8 * 4);
     assert_eq!(h.signal_pad_size(), symm::DEFAULT_SIGNAL_PAD_SIZE);
     assert_eq!(h.multicast_ptr(), None);
@@ -250,17 +251,25 @@ fn a_missing_rank_is_named() {
 }
 
 #[test]
-#[ignore = "a rank program; run by other_hosts_are_refused_clearly"]
+#[ignore = "a rank program; run by other_hosts_are_reached_but_not_addressed"]
 fn rank_other_host() {
     let Some(g) = in_job() else { return };
     let x = symm::empty(&[4], DType::F32, Device::Cpu).unwrap();
-    let err = symm::rendezvous(&x, &g).unwrap_err().to_string();
-    assert!(err.contains("not reachable through shared memory"), "{err}");
+    // The peer is on another host: reached through the transport, not addressable.
+    let h = symm::rendezvous(&x, &g).unwrap();
+    let peer = 1 - g.rank();
+    assert_eq!(h.remote_ranks(), vec![peer]);
+    let err = h.buffer_ptrs().unwrap_err().to_string();
+    assert!(
+        err.contains(&format!("rank {peer} is on host host{peer}")) && err.contains("cannot be addressed"),
+        "{err}"
+    );
+    h.barrier(0, T).unwrap();
     done(&g);
 }
 
 #[test]
-fn other_hosts_are_refused_clearly() {
+fn other_hosts_are_reached_but_not_addressed() {
     // Two launchers play two hosts of one job.
     let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port().to_string();
     let me = std::env::current_exe().unwrap();

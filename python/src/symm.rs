@@ -203,13 +203,13 @@ impl PyHandle {
     }
 
     #[getter]
-    fn buffer_ptrs(&self) -> Vec<usize> {
-        self.0.buffer_ptrs()
+    fn buffer_ptrs(&self) -> PyResult<Vec<usize>> {
+        self.0.buffer_ptrs().map_err(err)
     }
 
     #[getter]
-    fn signal_pad_ptrs(&self) -> Vec<usize> {
-        self.0.signal_pad_ptrs()
+    fn signal_pad_ptrs(&self) -> PyResult<Vec<usize>> {
+        self.0.signal_pad_ptrs().map_err(err)
     }
 
     #[getter]

@@ -7,7 +7,7 @@
 //! rank that finds an error (a negative split, an output too small) still takes part in the
 //! final barrier, so no peer is left waiting, and then reports it.
 
-use super::{bad, barrier, symmetric};
+use super::{bad, barrier, fetch, symmetric};
 use crate::error::Result;
 use crate::group::Group;
 use crate::symm::SymmHandle;
@@ -26,7 +26,7 @@ fn exclusive_scan(v: &[i64]) -> Vec<i64> {
 
 /// `count` i64 values at element `at` of `rank`'s copy of the symmetric tensor behind `h`.
 fn peer_i64(h: &SymmHandle, rank: usize, at: usize, count: usize) -> Vec<i64> {
-    let base = (h.buffer_ptr(rank) + h.offset()) as *const i64;
+    let base = (h.read_ptr(rank) + h.offset()) as *const i64;
     // SAFETY: the split tensors were checked to hold at least at+count i64 on every rank
     // (symmetric shapes), and nobody writes them between the barriers.
     (0..count).map(|i| unsafe { base.add(at + i).read() }).collect()
@@ -64,10 +64,27 @@ fn copy_rows(h: &SymmHandle, src: usize, from: i64, to: i64, rows: i64, row: usi
     if rows <= 0 {
         return;
     }
-    let s = (h.buffer_ptr(src) + h.offset() + from as usize * row) as *const u8;
+    let s = (h.read_ptr(src) + h.offset() + from as usize * row) as *const u8;
     // SAFETY: the caller checked [from, from+rows) inside src's input and [to, to+rows) inside
     // out; inputs are not written between the barriers.
     unsafe { std::ptr::copy_nonoverlapping(s, out.data_ptr().add(to as usize * row), rows as usize * row) };
+}
+
+/// Fetches, from every rank on another host, the rows this rank copies from it: `chunks` holds
+/// (source rank, first row, rows); each source's rows are fetched as one span.
+fn fetch_rows(h: &SymmHandle, chunks: impl Iterator<Item = (usize, i64, i64)>, row: usize) -> Result<()> {
+    if h.all_local() {
+        return Ok(());
+    }
+    let mut spans = vec![(i64::MAX, 0i64); h.world_size()];
+    for (src, from, rows) in chunks.filter(|c| c.2 > 0) {
+        let s = &mut spans[src];
+        *s = (s.0.min(from), s.1.max(from + rows));
+    }
+    fetch(h, |r| {
+        let (a, b) = spans[r];
+        if a >= b { (0, 0) } else { (a as usize * row, (b - a) as usize * row) }
+    })
 }
 
 /// Finishes a collective: the final barrier always happens, then the first error, if any.
@@ -92,10 +109,12 @@ pub fn all_to_all_vdev(
     check_splits(OP, in_splits, &[ws])?;
     check_splits(OP, out_splits_offsets, &[2, ws])?;
     let hs = symmetric(OP, in_splits, group)?;
+    let hs_bytes = in_splits.nbytes();
     let h = symmetric(OP, input, group)?;
     barrier(&h)?;
     let me = h.rank();
     let outcome = (|| {
+        fetch(&hs, |_| (0, hs_bytes))?;
         let mut out_splits = vec![0i64; ws];
         let mut src_off = vec![0i64; ws];
         for p in 0..ws {
@@ -114,6 +133,7 @@ pub fn all_to_all_vdev(
         if total > out.shape()[0] as i64 {
             return Err(bad(OP, format!("{total} rows arrive but out has {}", out.shape()[0])));
         }
+        fetch_rows(&h, (0..ws).map(|p| (p, src_off[p], out_splits[p])), row)?;
         for k in 0..ws {
             let p = (me + k) % ws;
             copy_rows(&h, p, src_off[p], out_off[p], out_splits[p], row, out);
@@ -151,10 +171,12 @@ pub fn all_to_all_vdev_2d(
     check_splits(OP, in_splits, &[n])?;
     check_splits(OP, out_splits_offsets, &[2, n])?;
     let hs = symmetric(OP, in_splits, group)?;
+    let hs_bytes = in_splits.nbytes();
     let h = symmetric(OP, input, group)?;
     barrier(&h)?;
     let me = h.rank();
     let outcome = (|| {
+        fetch(&hs, |_| (0, hs_bytes))?;
         // out split e·ws + src = in_splits_src[me·ne + e]; the source offset is src's scan.
         let mut out_splits = vec![0i64; n];
         let mut src_off = vec![0i64; n];
@@ -184,6 +206,7 @@ pub fn all_to_all_vdev_2d(
         if start > out.shape()[0] as i64 {
             return Err(bad(OP, format!("{start} rows (with padding) arrive but out has {}", out.shape()[0])));
         }
+        fetch_rows(&h, (0..n).map(|j| (j % ws, src_off[j], out_splits[j])), row)?;
         for k in 0..n {
             let j = (me * ne + k) % n;
             copy_rows(&h, j % ws, src_off[j], offsets[j], out_splits[j], row, out);
@@ -215,10 +238,12 @@ pub fn all_to_all_vdev_2d_offset(
     check_splits(OP, in_splits_offsets, &[2, n])?;
     check_splits(OP, out_splits_offsets, &[2, n])?;
     let hs = symmetric(OP, in_splits_offsets, group)?;
+    let hs_bytes = in_splits_offsets.nbytes();
     let h = symmetric(OP, input, group)?;
     barrier(&h)?;
     let me = h.rank();
     let outcome = (|| {
+        fetch(&hs, |_| (0, hs_bytes))?;
         let mut out_splits = vec![0i64; n];
         let mut src_off = vec![0i64; n];
         for src in 0..ws {
@@ -242,6 +267,7 @@ pub fn all_to_all_vdev_2d_offset(
         if total > out.shape()[0] as i64 {
             return Err(bad(OP, format!("{total} rows arrive but out has {}", out.shape()[0])));
         }
+        fetch_rows(&h, (0..n).map(|j| (j / ne, src_off[j], out_splits[j])), row)?;
         for k in 0..n {
             let j = (me * ne + k) % n;
             copy_rows(&h, j / ne, src_off[j], offsets[j], out_splits[j], row, out);

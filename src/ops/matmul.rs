@@ -13,7 +13,7 @@ use std::sync::{Arc, Mutex};
 use half::{bf16, f16};
 
 use super::reduce::{self, ReduceOp};
-use super::{bad, barrier, symmetric, timeout};
+use super::{bad, barrier, fetch, symmetric, timeout};
 use crate::error::Result;
 use crate::group::Group;
 use crate::symm::{self, Device, SymmHandle};
@@ -204,6 +204,8 @@ pub fn fused_all_gather_matmul(
     let outs: Vec<Tensor> =
         bs.iter().map(|b| Tensor::zeros(&[gathered_shape[0], b.shape()[1]], dtype)).collect::<Result<_>>()?;
     barrier(&h)?;
+    // Shards on other hosts are fetched first; the gatherer then copies every shard alike.
+    fetch(&h, |_| (0, a_shard.nbytes()))?;
     let a_ptr = a.data_ptr() as usize;
     let (tx, rx) = std::sync::mpsc::channel::<usize>();
     std::thread::scope(|s| -> Result<()> {
@@ -211,7 +213,7 @@ pub fn fused_all_gather_matmul(
         let hh = &h;
         s.spawn(move || {
             for r in 0..ws {
-                let src = hh.buffer_ptr(r) + hh.offset();
+                let src = hh.read_ptr(r) + hh.offset();
                 for row in 0..m {
                     let (from, to) = if gather_dim == 0 {
                         (src + row * k * es, a_ptr + (r * m + row) * k * es)
@@ -324,7 +326,7 @@ pub fn fused_matmul_reduce_scatter(
     }
     let (dtype, es) = (a.dtype(), a.dtype().size());
     let (_ws_tensor, h) = workspace(group, m * n * es)?;
-    let mine = (h.buffer_ptr(h.rank()) + h.offset()) as *mut u8;
+    let mine = (h.read_ptr(h.rank()) + h.offset()) as *mut u8;
     // SAFETY: the workspace holds at least m·n elements; no peer reads it before the barrier.
     unsafe { gemm(dtype, m, k, n, a.data_ptr(), k, b.data_ptr(), n, mine, n, false) };
     barrier(&h)?;
@@ -332,9 +334,14 @@ pub fn fused_matmul_reduce_scatter(
     let out = if scatter_dim == 0 { Tensor::zeros(&[m / ws, n], dtype)? } else { Tensor::zeros(&[m, n / ws], dtype)? };
     let outcome = (|| {
         if scatter_dim == 0 {
+            fetch(&h, |_| (me * (m / ws) * n * es, (m / ws) * n * es))?;
+        } else {
+            fetch(&h, |_| (me * (n / ws) * es, (m.saturating_sub(1) * n + n / ws) * es))?;
+        }
+        if scatter_dim == 0 {
             let rows = m / ws;
             let srcs: Vec<*const u8> =
-                (0..ws).map(|r| (h.buffer_ptr(r) + h.offset() + me * rows * n * es) as *const u8).collect();
+                (0..ws).map(|r| (h.read_ptr(r) + h.offset() + me * rows * n * es) as *const u8).collect();
             // SAFETY: row block `me` of every workspace, complete (barrier) and not rewritten
             // before the final barrier; out holds rows·n elements.
             unsafe { reduce::reduce(dtype, op, &srcs, &[out.data_ptr()], rows * n, ws) }
@@ -342,7 +349,7 @@ pub fn fused_matmul_reduce_scatter(
             let cols = n / ws;
             for row in 0..m {
                 let srcs: Vec<*const u8> =
-                    (0..ws).map(|r| (h.buffer_ptr(r) + h.offset() + (row * n + me * cols) * es) as *const u8).collect();
+                    (0..ws).map(|r| (h.read_ptr(r) + h.offset() + (row * n + me * cols) * es) as *const u8).collect();
                 // SAFETY: as above, one row's column block.
                 unsafe { reduce::reduce(dtype, op, &srcs, &[out.data_ptr().add(row * cols * es)], cols, ws)? };
             }

@@ -42,6 +42,11 @@ use crate::tensor::{DType, Tensor};
 pub const TIMEOUT_ENV: &str = "SYMMEM_OP_TIMEOUT";
 
 fn timeout() -> Duration {
+    op_timeout()
+}
+
+/// The bound on every operator's waits: `SYMMEM_OP_TIMEOUT` seconds, 60 by default.
+pub(crate) fn op_timeout() -> Duration {
     static T: std::sync::OnceLock<Duration> = std::sync::OnceLock::new();
     *T.get_or_init(|| {
         std::env::var(TIMEOUT_ENV)
@@ -113,7 +118,7 @@ impl std::ops::Deref for Peers {
 fn peers(h: &SymmHandle, at: usize) -> Peers {
     let n = h.world_size();
     let mut p = Peers { inline: [std::ptr::null(); 64], heap: Vec::new(), len: n };
-    let at = |r: usize| (h.buffer_ptr(r) + h.offset() + at) as *const u8;
+    let at = |r: usize| (h.read_ptr(r) + h.offset() + at) as *const u8;
     if n <= p.inline.len() {
         for (r, slot) in p.inline.iter_mut().enumerate().take(n) {
             *slot = at(r);
@@ -126,6 +131,20 @@ fn peers(h: &SymmHandle, at: usize) -> Peers {
 
 fn barrier(h: &SymmHandle) -> Result<()> {
     h.barrier(0, timeout())
+}
+
+/// Makes the bytes `range(rank)` (offset from the tensor's start, length) of every rank on
+/// another host readable through [`peers`]: one-sided reads into the rank's mirror, all in
+/// flight at once. A no-op when the group is on one host.
+fn fetch(h: &SymmHandle, range: impl Fn(usize) -> (usize, usize)) -> Result<()> {
+    let base = h.offset();
+    h.fetch(
+        &|r| {
+            let (at, len) = range(r);
+            (base + at, len)
+        },
+        timeout(),
+    )
 }
 
 /// Out-of-place all-reduce of a symmetric tensor, reading every peer's copy (latency-optimal).
@@ -147,9 +166,10 @@ pub fn one_shot_all_reduce_out(input: &Tensor, op: ReduceOp, group: &Group, out:
         return Ok(());
     }
     barrier(&h)?;
+    fetch(&h, |_| (0, input.nbytes()))?;
     // SAFETY: between the barriers no rank writes its input (the operator's contract), every
-    // peer pointer addresses numel elements inside that peer's mapped buffer (rendezvous checked
-    // the shapes), and `out` is a contiguous tensor of numel elements.
+    // peer pointer addresses numel elements inside that peer's mapped buffer or its mirror
+    // (rendezvous checked the shapes), and `out` is a contiguous tensor of numel elements.
     unsafe { reduce::reduce(input.dtype(), op, &peers(&h, 0), &[out.data_ptr()], input.numel(), h.world_size())? };
     barrier(&h)
 }
@@ -176,6 +196,7 @@ pub fn two_shot_all_reduce_(input: &Tensor, op: ReduceOp, group: &Group) -> Resu
     let (es, ws) = (input.dtype().size(), h.world_size());
     let (start, len) = slice(input.numel(), ws, h.rank(), alignment(input.dtype()) / es);
     barrier(&h)?;
+    fetch(&h, |_| (start * es, len * es))?;
     let srcs = peers(&h, start * es);
     let mut inline = [std::ptr::null_mut::<u8>(); 64];
     let heap: Vec<*mut u8>;
@@ -191,6 +212,12 @@ pub fn two_shot_all_reduce_(input: &Tensor, op: ReduceOp, group: &Group) -> Resu
     // SAFETY: slice [start, start+len) of every rank's buffer is read and written by this rank
     // only, between the barriers; the pointers address mapped buffers (checked shapes).
     unsafe { reduce::reduce(input.dtype(), op, &srcs, dsts, len, ws)? };
+    // Ranks on other hosts get the reduced slice by a write from this rank's buffer (the
+    // reduction above only filled their mirrors).
+    if !h.all_local() {
+        let at = h.offset() + start * es;
+        h.push(&h.remote_ranks(), at, len * es, at, timeout())?;
+    }
     barrier(&h)
 }
 
@@ -210,10 +237,15 @@ pub fn two_shot_all_reduce_out(input: &Tensor, op: ReduceOp, group: &Group, out:
     let per_align = alignment(input.dtype()) / es;
     let (start, len) = slice(input.numel(), ws, h.rank(), per_align);
     barrier(&h)?;
-    let own = (h.buffer_ptr(h.rank()) + h.offset() + start * es) as *mut u8;
+    fetch(&h, |_| (start * es, len * es))?;
+    let own = (h.read_ptr(h.rank()) + h.offset() + start * es) as *mut u8;
     // SAFETY: as in two_shot_all_reduce_; this rank writes only its own slice of its own buffer.
     unsafe { reduce::reduce(input.dtype(), op, &peers(&h, start * es), &[own], len, ws)? };
     barrier(&h)?;
+    fetch(&h, |r| {
+        let (s, l) = slice(input.numel(), ws, r, per_align);
+        (s * es, l * es)
+    })?;
     for k in 0..ws {
         let r = (h.rank() + k) % ws;
         let (s, l) = slice(input.numel(), ws, r, per_align);
@@ -273,6 +305,16 @@ pub fn reduce_scatter_out(
     let es = input.dtype().size();
     barrier(&h)?;
     if split_last_dim {
+        // Each row's column block lies apart from the next: fetch the rows' whole span.
+        let last = *input.shape().last().unwrap_or(&1);
+        let cols = last / ws;
+        let rows = input.numel() / last;
+        fetch(&h, |_| (h.rank() * cols * es, ((rows - 1) * last + cols) * es))?;
+    } else {
+        let per = input.numel() / ws;
+        fetch(&h, |_| (h.rank() * per * es, per * es))?;
+    }
+    if split_last_dim {
         let last = *input.shape().last().unwrap_or(&1);
         let (cols, rows) = (last / ws, input.numel() / last);
         for row in 0..rows {
@@ -310,6 +352,7 @@ pub fn all_gather_into(input: &Tensor, group: &Group, out: &Tensor) -> Result<()
     let h = symmetric(OP, input, group)?;
     let n = input.nbytes();
     barrier(&h)?;
+    fetch(&h, |_| (0, n))?;
     let ptrs = peers(&h, 0);
     for k in 0..ws {
         let r = (h.rank() + k) % ws;
@@ -327,6 +370,9 @@ pub fn broadcast_(input: &Tensor, root: usize, group: &Group) -> Result<()> {
     }
     let h = symmetric(OP, input, group)?;
     barrier(&h)?;
+    if h.rank() != root && !h.is_local(root) {
+        fetch(&h, |r| if r == root { (0, input.nbytes()) } else { (0, 0) })?;
+    }
     if h.rank() != root {
         // SAFETY: root's buffer is not written between the barriers; ours is written only here.
         unsafe { std::ptr::copy_nonoverlapping(peers(&h, 0)[root], input.data_ptr(), input.nbytes()) };
@@ -349,6 +395,7 @@ pub fn all_to_all(input: &Tensor, out: &Tensor, group: &Group) -> Result<()> {
     let h = symmetric(OP, input, group)?;
     let block = input.nbytes() / ws;
     barrier(&h)?;
+    fetch(&h, |_| (h.rank() * block, block))?;
     for k in 0..ws {
         let j = (h.rank() + k) % ws;
         let src = peers(&h, h.rank() * block)[j];
@@ -391,6 +438,14 @@ pub fn all_reduce(tensor: &Tensor, op: ReduceOp, group: &Group) -> Result<()> {
     }
     if tensor.numel() == 0 {
         return Ok(());
+    }
+    let h = symmetric(OP, tensor, group)?;
+    if !h.all_local() {
+        // Across hosts: one-shot into a scratch tensor (every rank reads every input, so the
+        // result cannot be written in place before the final barrier), then copied back.
+        let out = Tensor::zeros(tensor.shape(), tensor.dtype())?;
+        one_shot_all_reduce_out(tensor, op, group, &out)?;
+        return tensor.copy_from(&out);
     }
     small::all_reduce(tensor, op, group, timeout())
 }

@@ -3,7 +3,7 @@
 //! two barriers.
 
 use super::reduce::{self, ReduceOp};
-use super::{bad, barrier, symmetric};
+use super::{bad, barrier, fetch, symmetric};
 use crate::error::Result;
 use crate::group::Group;
 use crate::tensor::Tensor;
@@ -81,8 +81,11 @@ pub fn reduce_scatter_offset(
     barrier(&h)?;
     let es = input.dtype().size();
     let cols = shape[1];
-    let peer = |r: usize, elem: usize| (h.buffer_ptr(r) + h.offset() + elem * es) as *const u8;
+    let peer = |r: usize, elem: usize| (h.read_ptr(r) + h.offset() + elem * es) as *const u8;
     let outcome = (|| {
+        // Ranks on other hosts: fetch their whole input (the blocks this rank owns may be
+        // anywhere in it).
+        fetch(&h, |_| (0, input.nbytes()))?;
         for (j, &i) in owned[me].iter().enumerate() {
             let start = if i == 0 { 0 } else { offsets[i - 1] };
             let len = size(i);
@@ -152,8 +155,9 @@ pub fn all_to_all_nd(input: &Tensor, out: &Tensor, scatter_dim: usize, gather_di
     }
     let h = symmetric(OP, input, group)?;
     barrier(&h)?;
+    fetch(&h, |_| (0, input.nbytes()))?;
     let (me, es) = (h.rank(), input.dtype().size());
-    let peer = |r: usize, elem: usize| (h.buffer_ptr(r) + h.offset() + elem * es) as *const u8;
+    let peer = |r: usize, elem: usize| (h.read_ptr(r) + h.offset() + elem * es) as *const u8;
     for k in 0..g {
         let j = (me + k) % g;
         if (scatter_dim, gather_dim) == (1, 0) {

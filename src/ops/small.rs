@@ -45,7 +45,7 @@ fn workspaces() -> &'static Mutex<HashMap<String, Workspace>> {
 
 /// The epoch word and the sleepers count of `rank`'s workspace.
 fn words(h: &SymmHandle, rank: usize) -> (&AtomicU64, &AtomicU32) {
-    let base = h.buffer_ptr(rank) + h.offset();
+    let base = h.read_ptr(rank) + h.offset();
     // SAFETY: the workspace starts with a 128-byte header (allocated below), 8-aligned, mapped
     // while `h` lives; every process touches these words only atomically.
     unsafe { (&*(base as *const AtomicU64), &*((base + 64) as *const AtomicU32)) }
@@ -124,7 +124,7 @@ pub(crate) fn all_reduce(tensor: &Tensor, op: ReduceOp, group: &Group, timeout: 
     for r in (0..n).filter(|&r| r != h.rank()) {
         wait_for(&h, r, k - 1, deadline, timeout)?;
     }
-    let mine = (h.buffer_ptr(h.rank()) + h.offset() + buf) as *mut u8;
+    let mine = (h.read_ptr(h.rank()) + h.offset() + buf) as *mut u8;
     // SAFETY: buf k%2 of my workspace holds MAX >= bytes bytes, and no peer reads it now (each
     // has published k-1, so finished call k-2, the last to read it).
     unsafe { std::ptr::copy_nonoverlapping(tensor.data_ptr().cast_const(), mine, bytes) };
@@ -137,11 +137,11 @@ pub(crate) fn all_reduce(tensor: &Tensor, op: ReduceOp, group: &Group, timeout: 
     let mut heap = Vec::new();
     let srcs: &[*const u8] = if n <= srcs.len() {
         for (r, s) in srcs.iter_mut().enumerate().take(n) {
-            *s = (h.buffer_ptr(r) + h.offset() + buf) as *const u8;
+            *s = (h.read_ptr(r) + h.offset() + buf) as *const u8;
         }
         &srcs[..n]
     } else {
-        heap.extend((0..n).map(|r| (h.buffer_ptr(r) + h.offset() + buf) as *const u8));
+        heap.extend((0..n).map(|r| (h.read_ptr(r) + h.offset() + buf) as *const u8));
         &heap
     };
     // SAFETY: every rank's buf k%2 holds its input of call k (published with Release, observed

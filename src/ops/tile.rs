@@ -3,7 +3,7 @@
 //! reduction of every rank's tile; the other ranks contribute and synchronize.
 
 use super::reduce::{self, ReduceOp};
-use super::{bad, barrier};
+use super::{bad, barrier, fetch};
 use crate::error::Result;
 use crate::group::Group;
 use crate::symm::{self, SymmHandle};
@@ -32,10 +32,13 @@ fn check_tile(op: &str, t: &Tensor, out: &Tensor) -> Result<()> {
 fn reduce_tile(h: &SymmHandle, t: &Tensor, out: &Tensor, op: ReduceOp) -> Result<()> {
     let (rows, cols) = (t.shape()[0], t.shape()[1]);
     let es = t.dtype().size();
+    if rows > 0 {
+        fetch(h, |_| (0, ((rows - 1) * t.strides()[0] + cols) * es))?;
+    }
     for r in 0..rows {
         let at = r * t.strides()[0] * es;
         let srcs: Vec<*const u8> =
-            (0..h.world_size()).map(|p| (h.buffer_ptr(p) + h.offset() + at) as *const u8).collect();
+            (0..h.world_size()).map(|p| (h.read_ptr(p) + h.offset() + at) as *const u8).collect();
         // SAFETY: row r of every rank's tile lies in its mapped buffer (same view on every
         // rank: rendezvous checked the allocation; the view was checked at creation), tiles are
         // not written between the barriers, and out's row r holds `cols` elements.

@@ -17,6 +17,7 @@
 //! Layer: uses `group` (rendezvous through its store), `tensor`, `sys` and `wire`.
 
 mod pool;
+mod remote;
 mod segment;
 pub(crate) mod signal;
 
@@ -27,8 +28,10 @@ use std::time::{Duration, Instant};
 use crate::error::{Error, Result};
 use crate::group::Group;
 use crate::tensor::{DType, Storage, Tensor};
+use crate::transport::Memory;
 use crate::wire::symm::{PeerRecord, RECORD_VERSION};
 pub use pool::MemPool;
+use remote::{Link, Links, Remote};
 use segment::{Pad, Segment};
 use signal::{Failure, Patience};
 
@@ -87,6 +90,8 @@ struct Globals {
     steps: HashMap<String, u64>,
     /// One lock per group: signal-pad operations of a group are serialized across threads.
     locks: HashMap<String, Arc<Mutex<()>>>,
+    /// Per group: the transport links to its ranks on other hosts.
+    links: HashMap<String, Arc<Links>>,
 }
 
 fn globals() -> MutexGuard<'static, Globals> {
@@ -96,6 +101,7 @@ fn globals() -> MutexGuard<'static, Globals> {
             allocated: false,
             steps: HashMap::new(),
             locks: HashMap::new(),
+            links: HashMap::new(),
         })
     });
     // The bookkeeping stays consistent even if a holder panicked.
@@ -231,14 +237,38 @@ pub fn is_symm_mem_tensor(t: &Tensor) -> bool {
     t.storage().as_symm().is_some()
 }
 
-/// The peers of one allocation in one group: their mapped segments.
+/// One peer's copy of an allocation: mapped (same host) or reached through a link.
+#[derive(Debug)]
+enum Peer {
+    Local(Arc<Segment>),
+    Remote(Box<Remote>),
+}
+
+/// The peers of one allocation in one group.
 #[derive(Debug)]
 struct PeerSet {
     rank: usize,
     world_size: usize,
     group: String,
-    segments: Vec<Arc<Segment>>,
+    own: Arc<Segment>,
+    peers: Vec<Peer>,
+    /// This rank's signal pad and data buffer as registered on each link, by peer.
+    exposed: HashMap<usize, (Arc<Link>, Memory, Memory)>,
     lock: Arc<Mutex<()>>,
+}
+
+impl Drop for PeerSet {
+    fn drop(&mut self) {
+        // The links outlive allocations: withdraw this one from them, or the registrations
+        // would keep the segment alive.
+        for (link, pad, data) in self.exposed.values() {
+            for m in [pad, data] {
+                if let Err(e) = link.transport.unregister_memory(m) {
+                    tracing::warn!("symmetric memory: unregistering from the link to rank {}: {e}", link.peer);
+                }
+            }
+        }
+    }
 }
 
 /// A rendezvoused symmetric allocation, seen from one rank: peer buffers, signal pads, and the
@@ -357,37 +387,113 @@ fn exchange(alloc: &Allocation, tensor: &Tensor, offset: usize, group: &Group) -
             describe(rec)
         )));
     }
-    if let Some((r, rec)) = records.iter().enumerate().find(|(_, rec)| rec.host != records[0].host) {
-        return Err(Error::Rendezvous(format!(
-            "rank {r} of group {name:?} is on host {} and rank 0 on {}: peers on other hosts are not reachable \
-             through shared memory (symmetric memory across hosts is not supported yet)",
-            rec.host, records[0].host
-        )));
-    }
-
-    let mut segments = Vec::with_capacity(ws);
-    let mut failure = String::new();
-    for (r, rec) in records.iter().enumerate() {
-        if r == rank {
-            segments.push(alloc.segment.clone());
-            continue;
+    let hosts: Vec<String> = records.iter().map(|r| r.host.clone()).collect();
+    let remote: Vec<usize> = (0..ws).filter(|&r| hosts[r] != hosts[rank]).collect();
+    let links = if remote.is_empty() {
+        Arc::new(Links::new())
+    } else {
+        let cached = globals().links.get(&name).cloned();
+        match cached {
+            Some(l) if remote.iter().all(|r| l.contains_key(r)) => l,
+            _ => {
+                let l = Arc::new(remote::connect(group, step, &remote, &hosts)?);
+                globals().links.insert(name.clone(), l.clone());
+                l
+            }
         }
-        match Segment::open(r, rec) {
-            Ok(s) => segments.push(Arc::new(s)),
+    };
+
+    // Expose this allocation on every link; map the peers on this host.
+    let own = alloc.segment.clone();
+    let mut exposed = HashMap::new();
+    let mut offers = Vec::new();
+    let mut failure = String::new();
+    for &peer in &remote {
+        let link = links[&peer].clone();
+        let pad = Tensor::from_storage(Arc::new(Pad(own.clone())), &[own.pad_size() / 4], DType::U32);
+        let data = Tensor::from_storage(own.clone(), &[own.data_size()], DType::U8);
+        let regs = link.transport.register_memory(&pad).and_then(|p| Ok((p, link.transport.register_memory(&data)?)));
+        match regs.and_then(|(p, d)| Ok((p.to_remote_buffer()?, d.to_remote_buffer()?, p, d))) {
+            Ok((pd, dd, p, d)) => {
+                offers.push(Offer {
+                    to: peer,
+                    pad: String::from_utf8_lossy(&pd.serialize()).into_owned(),
+                    data: String::from_utf8_lossy(&dd.serialize()).into_owned(),
+                });
+                exposed.insert(peer, (link, p, d));
+            }
             Err(e) => {
-                failure = format!("rank {rank} could not map rank {r}'s segment: {e}");
+                failure = format!("rank {rank} could not expose its allocation to rank {peer}: {e}");
                 break;
             }
         }
     }
+    let mut segments: Vec<Option<Arc<Segment>>> = vec![None; ws];
+    for (r, rec) in records.iter().enumerate() {
+        if r == rank {
+            segments[r] = Some(own.clone());
+        } else if failure.is_empty() && hosts[r] == hosts[rank] {
+            match Segment::open(r, rec) {
+                Ok(s) => segments[r] = Some(Arc::new(s)),
+                Err(e) => failure = format!("rank {rank} could not map rank {r}'s segment: {e}"),
+            }
+        }
+    }
     // Confirm: nobody returns (and may free its segment) before everyone has mapped, and a
-    // failure on one rank becomes an error on all.
-    let verdicts = group.all_gather_bytes(&format!("symm/{step}/mapped"), failure.as_bytes())?;
-    if let Some(v) = verdicts.iter().find(|v| !v.is_empty()) {
-        return Err(Error::Rendezvous(String::from_utf8_lossy(v).into_owned()));
+    // failure on one rank becomes an error on all. Descriptors for remote peers ride along.
+    let confirm = Confirm { failure, offers };
+    let raw = serde_json::to_vec(&confirm).map_err(|e| Error::Rendezvous(format!("encoding the confirmation: {e}")))?;
+    let verdicts = group.all_gather_bytes(&format!("symm/{step}/mapped"), &raw)?;
+    let verdicts = verdicts
+        .iter()
+        .enumerate()
+        .map(|(r, v)| {
+            serde_json::from_slice::<Confirm>(v).map_err(|e| Error::Rendezvous(format!("rank {r}'s confirmation: {e}")))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    if let Some(v) = verdicts.iter().find(|v| !v.failure.is_empty()) {
+        return Err(Error::Rendezvous(v.failure.clone()));
+    }
+    let mut peers = Vec::with_capacity(ws);
+    for (r, seg) in segments.into_iter().enumerate() {
+        if let Some(seg) = seg {
+            peers.push(Peer::Local(seg));
+            continue;
+        }
+        let offer = verdicts[r].offers.iter().find(|o| o.to == rank).ok_or_else(|| {
+            Error::Rendezvous(format!("rank {r} on host {} offered no descriptors to rank {rank}", hosts[r]))
+        })?;
+        let pad = crate::transport::RemoteBuffer::deserialize(offer.pad.as_bytes())?;
+        let data = crate::transport::RemoteBuffer::deserialize(offer.data.as_bytes())?;
+        if pad.len() != records[r].pad_size || data.len() != records[r].buffer_size {
+            return Err(Error::Rendezvous(format!(
+                "rank {r} offered a pad of {} and a buffer of {} bytes, but announced {} and {}",
+                pad.len(),
+                data.len(),
+                records[r].pad_size,
+                records[r].buffer_size
+            )));
+        }
+        peers.push(Peer::Remote(Box::new(Remote::new(links[&r].clone(), pad, data))));
     }
     let lock = globals().locks.entry(name.clone()).or_default().clone();
-    Ok(PeerSet { rank, world_size: ws, group: name, segments, lock })
+    Ok(PeerSet { rank, world_size: ws, group: name, own, peers, exposed, lock })
+}
+
+/// What a rank offers a peer on another host: descriptors of its pad and data buffer.
+#[derive(serde::Serialize, serde::Deserialize)]
+struct Offer {
+    to: usize,
+    pad: String,
+    data: String,
+}
+
+/// A rank's answer in the rendezvous's confirm step.
+#[derive(serde::Serialize, serde::Deserialize)]
+struct Confirm {
+    /// Empty on success, else why this rank failed.
+    failure: String,
+    offers: Vec<Offer>,
 }
 
 impl SymmHandle {
@@ -411,30 +517,140 @@ impl SymmHandle {
         self.offset
     }
 
-    /// The address of `rank`'s data buffer in this process (no allocation; panics if `rank`
-    /// is out of range).
-    pub fn buffer_ptr(&self, rank: usize) -> usize {
-        self.peers.segments[rank].data_ptr() as usize
+    /// Whether `rank` is on this host (its memory is mapped here). Panics if out of range.
+    pub fn is_local(&self, rank: usize) -> bool {
+        matches!(self.peers.peers[rank], Peer::Local(_))
     }
 
-    /// The address of every rank's data buffer, in this process's address space.
-    pub fn buffer_ptrs(&self) -> Vec<usize> {
-        self.peers.segments.iter().map(|s| s.data_ptr() as usize).collect()
+    /// Whether every rank of the group is on this host.
+    pub fn all_local(&self) -> bool {
+        self.peers.exposed.is_empty()
     }
 
-    /// The address of every rank's signal pad, in this process's address space.
-    pub fn signal_pad_ptrs(&self) -> Vec<usize> {
-        self.peers.segments.iter().map(|s| s.pad_ptr() as usize).collect()
+    /// The ranks on other hosts, reached through the transport.
+    pub fn remote_ranks(&self) -> Vec<usize> {
+        (0..self.world_size()).filter(|&r| !self.is_local(r)).collect()
+    }
+
+    #[cold]
+    fn not_addressable(&self, what: &str, rank: usize) -> Error {
+        let host = match &self.peers.peers[rank] {
+            Peer::Remote(r) => r.link.host.clone(),
+            Peer::Local(_) => this_host(),
+        };
+        Error::InvalidArgument(format!(
+            "{what}: rank {rank} is on host {host}, so its memory cannot be addressed from this host; reach it \
+             with put/get (nvshmem_put, nvshmem_get, put_signal) or the operators"
+        ))
+    }
+
+    fn local(&self, rank: usize) -> Option<&Arc<Segment>> {
+        match &self.peers.peers[rank] {
+            Peer::Local(s) => Some(s),
+            Peer::Remote(_) => None,
+        }
+    }
+
+    pub(crate) fn remote(&self, rank: usize) -> Option<&Remote> {
+        match &self.peers.peers[rank] {
+            Peer::Remote(r) => Some(r),
+            Peer::Local(_) => None,
+        }
+    }
+
+    /// The address of `rank`'s data buffer in this process; an error for a rank on another
+    /// host. Panics if `rank` is out of range.
+    pub fn buffer_ptr(&self, rank: usize) -> Result<usize> {
+        self.local(rank).map(|s| s.data_ptr() as usize).ok_or_else(|| self.not_addressable("buffer_ptr", rank))
+    }
+
+    /// The address of every rank's data buffer, in this process's address space; an error when
+    /// the group spans hosts.
+    pub fn buffer_ptrs(&self) -> Result<Vec<usize>> {
+        (0..self.world_size())
+            .map(|r| self.local(r).map(|s| s.data_ptr() as usize).ok_or_else(|| self.not_addressable("buffer_ptrs", r)))
+            .collect()
+    }
+
+    /// The address of every rank's signal pad, in this process's address space; an error when
+    /// the group spans hosts.
+    pub fn signal_pad_ptrs(&self) -> Result<Vec<usize>> {
+        (0..self.world_size())
+            .map(|r| {
+                self.local(r).map(|s| s.pad_ptr() as usize).ok_or_else(|| self.not_addressable("signal_pad_ptrs", r))
+            })
+            .collect()
+    }
+
+    /// Where operators read `rank`'s data buffer: its mapping, or for a rank on another host
+    /// the mirror that [`SymmHandle::fetch`] filled.
+    pub(crate) fn read_ptr(&self, rank: usize) -> usize {
+        match &self.peers.peers[rank] {
+            Peer::Local(s) => s.data_ptr() as usize,
+            Peer::Remote(r) => r.mirror_ptr().expect("fetch allocates every mirror before operators read them"),
+        }
+    }
+
+    /// Where this rank's own data buffer is.
+    pub(crate) fn own_ptr(&self) -> usize {
+        self.peers.own.data_ptr() as usize
+    }
+
+    /// Fetches, from every rank on another host, the bytes `range(rank)` (offset and length in
+    /// its data buffer) into its mirror, all at once; a no-op when every rank is local.
+    pub(crate) fn fetch(&self, range: &dyn Fn(usize) -> (usize, usize), timeout: Duration) -> Result<()> {
+        if self.all_local() {
+            return Ok(());
+        }
+        let mut works = Vec::new();
+        for p in &self.peers.peers {
+            if let Peer::Remote(r) = p {
+                r.mirror()?;
+                let (at, len) = range(r.link.peer);
+                if len > 0 {
+                    works.push((&**r, r.start_fetch(at, len, timeout)));
+                }
+            }
+        }
+        remote::wait_all(works, "reading from")
+    }
+
+    /// Copies `len` bytes at `from` in this rank's own data buffer to `to` in `rank`'s data
+    /// buffer: a memcpy on this host, a transport write to another. Every write has landed
+    /// when it returns.
+    pub(crate) fn push(&self, ranks: &[usize], from: usize, len: usize, to: usize, timeout: Duration) -> Result<()> {
+        let mut works = Vec::new();
+        for &rank in ranks {
+            match &self.peers.peers[rank] {
+                Peer::Local(s) => {
+                    if from + len > self.peers.own.data_size() || to + len > s.data_size() {
+                        return Err(Error::InvalidArgument(format!("push of {len} bytes is out of bounds")));
+                    }
+                    // SAFETY: both ranges lie inside mapped data buffers (checked above); the
+                    // caller's barriers give this rank the destination range; `copy` tolerates
+                    // the overlap of a rank pushing to itself.
+                    unsafe {
+                        std::ptr::copy(self.peers.own.data_ptr().add(from), s.data_ptr().add(to), len);
+                    }
+                }
+                Peer::Remote(r) => {
+                    let (_, _, data) = &self.peers.exposed[&rank];
+                    let src = data.to_view(from, Some(len))?;
+                    works.push((&**r, r.start_write_from(&src, to, timeout)));
+                }
+            }
+        }
+        remote::wait_all(works, "writing to")
     }
 
     /// The size of the whole data buffer of the allocation, in bytes.
     pub fn buffer_size(&self) -> usize {
-        self.peers.segments[self.rank()].data_size()
+        self.peers.own.data_size()
     }
 
     /// The size of each signal pad, in bytes.
     pub fn signal_pad_size(&self) -> usize {
-        self.peers.segments[self.rank()].pad_size()
+        self.peers.own.pad_size()
     }
 
     /// The multicast address: none on CPUs.
@@ -465,10 +681,11 @@ impl SymmHandle {
         Ok(())
     }
 
-    /// A view of `rank`'s data buffer, `storage_offset` elements in.
+    /// A view of `rank`'s data buffer, `storage_offset` elements in; an error for a rank on
+    /// another host.
     pub fn get_buffer(&self, rank: usize, sizes: &[usize], dtype: DType, storage_offset: usize) -> Result<Tensor> {
         self.check_rank(rank)?;
-        let seg = &self.peers.segments[rank];
+        let seg = self.local(rank).ok_or_else(|| self.not_addressable("get_buffer", rank))?;
         let numel: usize = sizes.iter().product();
         let start = storage_offset * dtype.size();
         let end = start + numel * dtype.size();
@@ -482,7 +699,8 @@ impl SymmHandle {
         Tensor::view_of(seg.clone(), sizes, &strides, storage_offset, dtype)
     }
 
-    /// A view of `peer`'s copy of the rendezvoused tensor (at this handle's offset).
+    /// A view of `peer`'s copy of the rendezvoused tensor (at this handle's offset); an error
+    /// for a peer on another host.
     pub fn get_remote_tensor(&self, peer: usize, sizes: &[usize], dtype: DType) -> Result<Tensor> {
         if !self.offset.is_multiple_of(dtype.size()) {
             return Err(Error::InvalidArgument(format!(
@@ -490,13 +708,17 @@ impl SymmHandle {
                 self.offset
             )));
         }
+        self.check_rank(peer)?;
+        if !self.is_local(peer) {
+            return Err(self.not_addressable("get_remote_tensor", peer));
+        }
         self.get_buffer(peer, sizes, dtype, self.offset / dtype.size())
     }
 
-    /// A `u32` view of `rank`'s signal pad.
+    /// A `u32` view of `rank`'s signal pad; an error for a rank on another host.
     pub fn get_signal_pad(&self, rank: usize) -> Result<Tensor> {
         self.check_rank(rank)?;
-        let seg = self.peers.segments[rank].clone();
+        let seg = self.local(rank).ok_or_else(|| self.not_addressable("get_signal_pad", rank))?.clone();
         let n = seg.pad_size() / 4;
         Ok(Tensor::from_storage(Arc::new(Pad(seg)), &[n], DType::U32))
     }
@@ -518,7 +740,7 @@ impl SymmHandle {
         self.check_rank(dst_rank)?;
         self.check_channel(channel)?;
         let _g = lock(&self.peers.lock);
-        self.put(dst_rank, channel, &self.patience(timeout), "put_signal", timeout)
+        self.put_all(&[dst_rank], channel, &self.patience(timeout), "put_signal", timeout)
     }
 
     /// Consumes a signal from `src_rank` on `channel`, waiting at most `timeout`.
@@ -536,33 +758,96 @@ impl SymmHandle {
         let _g = lock(&self.peers.lock);
         let p = self.patience(timeout);
         let (me, ws) = (self.rank(), self.world_size());
-        for k in 1..ws {
-            self.put((me + k) % ws, channel, &p, "barrier", timeout)?;
-        }
+        let others: Vec<usize> = (1..ws).map(|k| (me + k) % ws).collect();
+        self.put_all(&others, channel, &p, "barrier", timeout)?;
         for k in 1..ws {
             self.wait((me + ws - k) % ws, channel, &p, "barrier", timeout)?;
         }
         Ok(())
     }
 
-    fn put(&self, dst: usize, channel: usize, p: &Patience, op: &str, timeout: Duration) -> Result<()> {
-        let slot = self.peers.segments[dst].slot(channel * self.world_size() + self.rank());
-        signal::put(slot, p).map_err(|f| self.signal_error(f, op, "send a signal to", dst, channel, timeout))
+    /// Raises signals at every rank of `dsts`: remote ones all in flight at once, then the
+    /// local ones.
+    fn put_all(&self, dsts: &[usize], channel: usize, p: &Patience, op: &str, timeout: Duration) -> Result<()> {
+        let slot = channel * self.world_size() + self.rank();
+        let remote: Vec<(&Remote, usize)> = dsts.iter().filter_map(|&d| self.remote(d).map(|r| (r, slot))).collect();
+        if !remote.is_empty() {
+            let what = |peer: usize| {
+                format!(
+                    "SymmetricMemory::{op}: rank {} of group {:?} to send a signal to rank {peer} on channel {channel}",
+                    self.rank(),
+                    self.peers.group
+                )
+            };
+            remote::slot_puts(&remote, timeout, &what)?;
+        }
+        for &dst in dsts {
+            if let Some(seg) = self.local(dst) {
+                signal::put(seg.slot(slot), p)
+                    .map_err(|f| self.signal_error(f, op, "send a signal to", dst, channel, timeout))?;
+            }
+        }
+        Ok(())
     }
 
     fn wait(&self, src: usize, channel: usize, p: &Patience, op: &str, timeout: Duration) -> Result<()> {
-        let slot = self.peers.segments[self.rank()].slot(channel * self.world_size() + src);
-        signal::wait(slot, p).map_err(|f| self.signal_error(f, op, "receive a signal from", src, channel, timeout))
+        let slot = self.peers.own.slot(channel * self.world_size() + src);
+        let Some(r) = self.remote(src) else {
+            return signal::wait(slot, p)
+                .map_err(|f| self.signal_error(f, op, "receive a signal from", src, channel, timeout));
+        };
+        // A peer on another host: wait in slices, watching its link between them, so a lost
+        // host is reported at once rather than at the timeout.
+        loop {
+            let slice = Patience { deadline: p.deadline.min(Instant::now() + Duration::from_millis(50)), ..*p };
+            match signal::wait(slot, &slice) {
+                Ok(()) => return Ok(()),
+                Err(Failure::TimedOut) if Instant::now() < p.deadline => {
+                    if let Some(why) = r.link.lost() {
+                        return Err(Error::Transfer(format!(
+                            "SymmetricMemory::{op}: rank {} of group {:?} lost rank {src} on host {} while waiting \
+                             for its signal on channel {channel}: {why}",
+                            self.rank(),
+                            self.peers.group,
+                            r.link.host
+                        )));
+                    }
+                }
+                Err(f) => return Err(self.signal_error(f, op, "receive a signal from", src, channel, timeout)),
+            }
+        }
+    }
+
+    /// After a timeout in a group that spans hosts: which ranks on other hosts no longer answer
+    /// (a probe of one word each, all at once, for at most a second).
+    #[cold]
+    fn diagnose(&self) -> String {
+        if self.all_local() {
+            return String::new();
+        }
+        let remotes: Vec<&Remote> = (0..self.world_size()).filter_map(|r| self.remote(r)).collect();
+        let lost = remote::unanswered(&remotes, Duration::from_secs(1));
+        if lost.is_empty() {
+            return "; every rank on other hosts still answers".into();
+        }
+        let hosts: std::collections::BTreeSet<&str> =
+            lost.iter().filter_map(|&r| self.remote(r)).map(|r| r.link.host.as_str()).collect();
+        format!(
+            "; ranks {lost:?} on host(s) {} do not answer: lost or unreachable",
+            hosts.into_iter().collect::<Vec<_>>().join(", ")
+        )
     }
 
     #[cold]
     fn signal_error(&self, f: Failure, op: &str, verb: &str, peer: usize, channel: usize, t: Duration) -> Error {
+        let host = self.remote(peer).map(|r| format!(" on host {}", r.link.host)).unwrap_or_default();
         match f {
             Failure::TimedOut => Error::timeout(
                 format!(
-                    "SymmetricMemory::{op}: rank {} of group {:?} to {verb} rank {peer} on channel {channel}",
+                    "SymmetricMemory::{op}: rank {} of group {:?} to {verb} rank {peer}{host} on channel {channel}{}",
                     self.rank(),
-                    self.peers.group
+                    self.peers.group,
+                    self.diagnose()
                 ),
                 t,
             ),
@@ -588,67 +873,262 @@ pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
 
 /// Copies `dst.numel()` elements from `peer`'s allocation behind `hdl`, starting `offset`
 /// elements (of `dst`'s dtype) after the handle's offset, into `dst`. One-sided: `peer` takes
-/// no part.
+/// no part, on this host or another.
 pub fn get(dst: &Tensor, hdl: &SymmHandle, peer: usize, offset: usize) -> Result<()> {
+    get_bytes("get", dst, hdl, peer, offset, dst.nbytes())
+}
+
+fn get_bytes(op: &str, dst: &Tensor, hdl: &SymmHandle, peer: usize, offset: usize, len: usize) -> Result<()> {
     if !dst.is_contiguous() {
-        return Err(Error::InvalidArgument("get: dst must be contiguous".into()));
+        return Err(Error::InvalidArgument(format!("{op}: dst must be contiguous")));
     }
     if peer >= hdl.world_size() {
-        return Err(Error::InvalidArgument(format!("get: invalid peer {peer} (world size {})", hdl.world_size())));
+        return Err(Error::InvalidArgument(format!("{op}: invalid peer {peer} (world size {})", hdl.world_size())));
+    }
+    if len > dst.nbytes() {
+        return Err(Error::InvalidArgument(format!(
+            "{op}: dst holds {} bytes, fewer than the {len} asked",
+            dst.nbytes()
+        )));
     }
     let es = dst.dtype().size();
     if !hdl.offset.is_multiple_of(es) {
-        return Err(Error::InvalidArgument("get: handle offset is not element-aligned".into()));
+        return Err(Error::InvalidArgument(format!("{op}: handle offset is not element-aligned")));
     }
-    let start = hdl.offset + offset * es;
-    let end = start + dst.nbytes();
-    let seg = &hdl.peers.segments[peer];
-    if start > seg.data_size() || end > seg.data_size() {
+    let start = offset.checked_mul(es).and_then(|o| o.checked_add(hdl.offset));
+    let size = hdl.buffer_size();
+    let Some(start) = start.filter(|s| s.checked_add(len).is_some_and(|end| end <= size)) else {
+        let from = offset.saturating_mul(es).saturating_add(hdl.offset);
         return Err(Error::InvalidArgument(format!(
-            "get: requested range [{start}, {end}) exceeds symmetric allocation of {} bytes",
-            seg.data_size()
+            "{op}: requested range [{from}, {}) exceeds symmetric allocation of {size} bytes",
+            from.saturating_add(len)
+        )));
+    };
+    match &hdl.peers.peers[peer] {
+        Peer::Local(seg) => {
+            // SAFETY: [start, start+len) lies inside the peer's data buffer (checked above),
+            // which stays mapped while `hdl` lives; dst is contiguous with at least len bytes.
+            // The two may overlap only if peer is this rank and dst views the same allocation,
+            // hence `copy`.
+            unsafe { std::ptr::copy(seg.data_ptr().add(start), dst.data_ptr(), len) };
+            Ok(())
+        }
+        Peer::Remote(r) => {
+            let t = crate::ops::op_timeout();
+            let reg = r.link.transport.register_memory(dst)?;
+            let res = r.start_read_into(&reg.to_mutable_view(0, Some(len))?, start, len, t).and_then(|w| w.wait(None));
+            unregister_temporary(r, &reg);
+            res.map_err(|e| r.link.error(&format!("{op}: reading from"), &e))
+        }
+    }
+}
+
+/// Drops a registration made for one transfer, unless it is one of the long-lived ones.
+fn unregister_temporary(r: &Remote, reg: &Memory) {
+    if let Err(e) = r.link.transport.unregister_memory(reg) {
+        tracing::warn!("symmetric memory: unregistering a temporary registration: {e}");
+    }
+}
+
+/// Writes `len` bytes of contiguous `src` to byte `at` of `peer`'s data buffer and returns when
+/// they have landed.
+fn put_bytes(op: &str, src: &Tensor, hdl: &SymmHandle, peer: usize, at: usize) -> Result<()> {
+    if !src.is_contiguous() {
+        return Err(Error::InvalidArgument(format!("{op}: src must be contiguous")));
+    }
+    hdl.check_rank(peer).map_err(|_| {
+        Error::InvalidArgument(format!("{op}: peer {peer} must be smaller than world size {}", hdl.world_size()))
+    })?;
+    let len = src.nbytes();
+    if at.checked_add(len).is_none_or(|end| end > hdl.buffer_size()) {
+        return Err(Error::InvalidArgument(format!(
+            "{op}: {len} bytes at offset {at} exceed the symmetric allocation of {} bytes",
+            hdl.buffer_size()
         )));
     }
-    // SAFETY: [start, end) lies inside the peer's data buffer (checked above), which stays
-    // mapped while `hdl` lives; dst is contiguous with nbytes bytes inside its storage. The two
-    // may overlap only if peer is this rank and dst views the same allocation, hence `copy`.
-    unsafe { std::ptr::copy(seg.data_ptr().add(start), dst.data_ptr(), dst.nbytes()) };
-    Ok(())
+    match &hdl.peers.peers[peer] {
+        Peer::Local(seg) => {
+            // SAFETY: the destination range lies inside the peer's buffer (checked above); src
+            // is contiguous inside its storage; `copy` tolerates overlap.
+            unsafe { std::ptr::copy(src.data_ptr(), seg.data_ptr().add(at), len) };
+            Ok(())
+        }
+        Peer::Remote(r) => {
+            let t = crate::ops::op_timeout();
+            let own = hdl.own_ptr();
+            let from = src.data_ptr() as usize;
+            // From this rank's own buffer, use its long-lived registration; otherwise register
+            // src for this one write.
+            let res = if from >= own && from + len <= own + hdl.buffer_size() {
+                let (_, _, data) = &hdl.peers.exposed[&peer];
+                data.to_view(from - own, Some(len)).and_then(|v| r.start_write_from(&v, at, t)?.wait(None))
+            } else {
+                let reg = r.link.transport.register_memory_read_only(src)?;
+                let res = reg.to_view(0, Some(len)).and_then(|v| r.start_write_from(&v, at, t)?.wait(None));
+                unregister_temporary(r, &reg);
+                res
+            };
+            res.map_err(|e| r.link.error(&format!("{op}: writing to"), &e))
+        }
+    }
 }
 
 /// Copies contiguous `src` into `peer`'s allocation at the handle's offset, then raises a
 /// signal at `peer` on channel 0: the peer's [`wait_signal`] returns after the data landed.
 pub fn put_signal(src: &Tensor, hdl: &SymmHandle, peer: usize) -> Result<()> {
-    if !src.is_contiguous() {
-        return Err(Error::InvalidArgument("put_signal: src must be contiguous".into()));
-    }
-    hdl.check_rank(peer)
-        .map_err(|_| Error::InvalidArgument("put_signal: peer must be smaller than world size".into()))?;
-    let seg = &hdl.peers.segments[peer];
-    let end = hdl.offset + src.nbytes();
-    if end > seg.data_size() {
-        return Err(Error::InvalidArgument(format!(
-            "put_signal: {} bytes at offset {} exceed the symmetric allocation of {} bytes",
-            src.nbytes(),
-            hdl.offset,
-            seg.data_size()
-        )));
-    }
+    put_bytes("put_signal", src, hdl, peer, hdl.offset)?;
+    // Data first (landed: a local copy, or an acknowledged remote write), then the signal,
+    // whose Release CAS orders the copy before the peer's Acquire in wait_signal. As in
+    // PyTorch, the caller must not overwrite data the peer has not read: signals say "data is
+    // here", not "data was consumed".
     let _g = lock(&hdl.peers.lock);
-    let p = hdl.patience(DEFAULT_TIMEOUT);
-    // Data first, then the signal, whose Release CAS orders the copy before the peer's Acquire
-    // in wait_signal. As in PyTorch, the caller must not overwrite data the peer has not read:
-    // signals say "data is here", not "data was consumed".
-    // SAFETY: the destination range lies inside the peer's buffer (checked above); src is
-    // contiguous inside its storage; `copy` tolerates overlap.
-    unsafe { std::ptr::copy(src.data_ptr(), seg.data_ptr().add(hdl.offset), src.nbytes()) };
-    hdl.put(peer, 0, &p, "put_signal", DEFAULT_TIMEOUT)
+    hdl.put_all(&[peer], 0, &hdl.patience(DEFAULT_TIMEOUT), "put_signal", DEFAULT_TIMEOUT)
 }
 
 /// Waits (up to [`DEFAULT_TIMEOUT`]) for a signal from `peer` on channel 0, as raised by
 /// [`put_signal`].
 pub fn wait_signal(hdl: &SymmHandle, peer: usize) -> Result<()> {
     hdl.wait_signal(peer, 0, DEFAULT_TIMEOUT)
+}
+
+/// The one handle of a symmetric tensor: the group it was rendezvoused on, at its offset.
+fn handle_of(op: &str, t: &Tensor) -> Result<Arc<SymmHandle>> {
+    let Some((alloc, base)) = t.storage().as_symm() else {
+        return Err(Error::InvalidArgument(format!("{op}: the tensor is not in symmetric memory")));
+    };
+    let offset = base + t.storage_offset() * t.dtype().size();
+    let handles = lock(&alloc.handles);
+    let mut found = handles.iter().filter(|((_, o), _)| *o == offset).map(|(_, h)| h.clone());
+    match (found.next(), found.next()) {
+        (Some(h), None) => Ok(h),
+        (None, _) => Err(Error::InvalidArgument(format!("{op}: rendezvous the tensor on a group first"))),
+        (Some(_), Some(_)) => Err(Error::InvalidArgument(format!(
+            "{op}: the tensor was rendezvoused on several groups; use the handle's get/put_signal instead"
+        ))),
+    }
+}
+
+/// NVSHMEM's host-initiated put: copies the whole of contiguous symmetric `tensor` into the
+/// same symmetric tensor on `peer` (on this host or another). The bytes have landed when it
+/// returns; the peer learns of them only through your synchronization
+/// ([`nvshmem_put_with_signal`], a barrier).
+pub fn nvshmem_put(tensor: &Tensor, peer: usize) -> Result<()> {
+    let h = handle_of("nvshmem_put", tensor)?;
+    put_bytes("nvshmem_put", tensor, &h, peer, h.offset)
+}
+
+/// NVSHMEM's host-initiated get: copies the same symmetric tensor on `peer` into `tensor`.
+pub fn nvshmem_get(tensor: &Tensor, peer: usize) -> Result<()> {
+    let h = handle_of("nvshmem_get", tensor)?;
+    get_bytes("nvshmem_get", tensor, &h, peer, 0, tensor.nbytes())
+}
+
+/// Copies `size` elements (of `dst`'s dtype) starting `offset` elements after the handle's
+/// offset in `peer`'s allocation into `dst` (which must hold `size` elements).
+pub fn nvshmem_get_out(dst: &Tensor, hdl: &SymmHandle, offset: usize, size: usize, peer: usize) -> Result<()> {
+    let len = size
+        .checked_mul(dst.dtype().size())
+        .ok_or_else(|| Error::InvalidArgument(format!("nvshmem_get_out: size {size} is too large")))?;
+    get_bytes("nvshmem_get_out", dst, hdl, peer, offset, len)
+}
+
+fn signal_word(op: &str, sigpad: &Tensor) -> Result<(Arc<SymmHandle>, usize)> {
+    let width = sigpad.dtype().size();
+    if !matches!(sigpad.dtype(), DType::I64 | DType::I32 | DType::U32) || sigpad.numel() == 0 {
+        return Err(Error::InvalidArgument(format!(
+            "{op}: the signal must be a non-empty int64, int32 or uint32 symmetric tensor (got {} of {})",
+            sigpad.numel(),
+            sigpad.dtype()
+        )));
+    }
+    let h = handle_of(op, sigpad)?;
+    if !h.offset.is_multiple_of(width) {
+        return Err(Error::InvalidArgument(format!("{op}: the signal word is not {width}-byte aligned")));
+    }
+    Ok((h, width))
+}
+
+/// NVSHMEM's put with signal: puts the whole of `tensor` into the same symmetric tensor on
+/// `peer`, then sets the first element of `peer`'s `sigpad` (a symmetric int64/int32/uint32
+/// tensor) to `signal`. The peer sees the signal only after the data landed.
+pub fn nvshmem_put_with_signal(tensor: &Tensor, sigpad: &Tensor, signal: u64, peer: usize) -> Result<()> {
+    let (sh, width) = signal_word("nvshmem_put_with_signal", sigpad)?;
+    nvshmem_put(tensor, peer)?;
+    let t = crate::ops::op_timeout();
+    match &sh.peers.peers[peer] {
+        Peer::Local(seg) => {
+            let at = seg.data_ptr().wrapping_add(sh.offset);
+            if width == 8 {
+                // SAFETY: the word lies inside the mapped data buffer (a non-empty tensor at
+                // this offset) and is 8-aligned (checked); signal words are touched atomically.
+                let w = unsafe { &*at.cast::<std::sync::atomic::AtomicU64>() };
+                // Release: pairs with the Acquire load in nvshmem_wait_for_signal, after the put.
+                w.store(signal, std::sync::atomic::Ordering::Release);
+            } else {
+                // SAFETY: as above, for a 4-aligned 4-byte word.
+                let w = unsafe { &*at.cast::<std::sync::atomic::AtomicU32>() };
+                // Release: pairs with the Acquire load in nvshmem_wait_for_signal.
+                w.store(signal as u32, std::sync::atomic::Ordering::Release);
+                crate::sys::futex::wake(w);
+            }
+            Ok(())
+        }
+        Peer::Remote(r) => r
+            .start_set(sh.offset, width, signal, t)
+            .and_then(|w| w.wait(None))
+            .map_err(|e| r.link.error("nvshmem_put_with_signal: signalling", &e)),
+    }
+}
+
+/// NVSHMEM's wait for signal: waits until the first element of this rank's `sigpad` equals
+/// `signal` (set by a peer's [`nvshmem_put_with_signal`]), at most the operator timeout
+/// (`SYMMEM_OP_TIMEOUT`). `peer` names who is expected to signal, for the error message.
+pub fn nvshmem_wait_for_signal(sigpad: &Tensor, signal: u64, peer: usize) -> Result<()> {
+    let (h, width) = signal_word("nvshmem_wait_for_signal", sigpad)?;
+    let timeout = crate::ops::op_timeout();
+    let deadline = Instant::now() + timeout;
+    let at = h.own_ptr() + h.offset;
+    let read = || {
+        if width == 8 {
+            // SAFETY: the word lies in this rank's own data buffer, 8-aligned (checked).
+            let w = unsafe { &*(at as *const std::sync::atomic::AtomicU64) };
+            // Acquire: pairs with the putter's Release store (local) or the transport thread's.
+            w.load(std::sync::atomic::Ordering::Acquire)
+        } else {
+            // SAFETY: as above, 4-aligned.
+            let w = unsafe { &*(at as *const std::sync::atomic::AtomicU32) };
+            // Acquire: as above.
+            u64::from(w.load(std::sync::atomic::Ordering::Acquire))
+        }
+    };
+    let want = if width == 8 { signal } else { signal & 0xffff_ffff };
+    let mut spins = 0u32;
+    while read() != want {
+        spins += 1;
+        if spins < 1000 {
+            std::hint::spin_loop();
+        } else if spins < 2000 {
+            std::thread::yield_now();
+        } else {
+            if Instant::now() >= deadline {
+                return Err(Error::timeout(
+                    format!("nvshmem_wait_for_signal: rank {} waiting for signal {signal} from rank {peer}", h.rank()),
+                    timeout,
+                ));
+            }
+            if let Some(r) = h.remote(peer)
+                && let Some(why) = r.link.lost()
+            {
+                return Err(Error::Transfer(format!(
+                    "nvshmem_wait_for_signal: rank {} lost rank {peer} on host {}: {why}",
+                    h.rank(),
+                    r.link.host
+                )));
+            }
+            std::thread::sleep(Duration::from_micros(50));
+        }
+    }
+    Ok(())
 }
 
 /// Rendezvouses `x` on `group` and returns every rank's copy of it.

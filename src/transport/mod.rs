@@ -84,6 +84,10 @@ pub enum Direction {
     Write,
     /// Remote buffer → local mutable view.
     Read,
+    /// A remote atomic on the word at the start of the remote range (crate-internal: the
+    /// symmetric-memory layer signals peers on other hosts with it). Backends without remote
+    /// atomics refuse it.
+    Atomic(crate::wire::tcp::Atomic, u64),
 }
 
 /// One transfer handed to a backend.
@@ -114,6 +118,9 @@ impl Request {
         self.local.ptr.wrapping_add(self.local_offset)
     }
 }
+
+/// The error a remote slot put completes with when the slot still holds a signal.
+pub(crate) const ATOMIC_BUSY: &str = "the remote signal slot still holds an unconsumed signal";
 
 static NEXT_TRANSPORT: AtomicU64 = AtomicU64::new(1);
 
@@ -665,7 +672,7 @@ impl Transport {
     ) -> Result<Work> {
         self.check_open()?;
         self.check_local(local)?;
-        self.check_remote(local, remote, direction == Direction::Write)?;
+        self.check_remote(local, remote, direction != Direction::Read)?;
         if !self.backend.connected() {
             let why = self.backend.disconnect_reason().map(|r| format!(": {r}")).unwrap_or_default();
             return Err(Error::InvalidArgument(format!("{} transport is not connected{why}", self.backend.name())));
@@ -707,6 +714,24 @@ impl Transport {
         timeout: Option<Duration>,
     ) -> Result<Work> {
         self.submit(Direction::Read, &local.0, remote, timeout)
+    }
+
+    /// Starts a remote atomic `op` with `operand` on the word at the start of `remote`.
+    /// `scratch` is any local view of the word's size (it carries no data; the bookkeeping of
+    /// a transfer wants one). Completes with [`ATOMIC_BUSY`] as its error when a slot put found
+    /// the previous signal unconsumed.
+    pub(crate) fn start_atomic(
+        &self,
+        scratch: &MemoryView,
+        remote: &RemoteBuffer,
+        op: crate::wire::tcp::Atomic,
+        operand: u64,
+        timeout: Option<Duration>,
+    ) -> Result<Work> {
+        if scratch.len as u64 != op.width() {
+            return Err(Error::InvalidArgument(format!("a {op:?} acts on {} bytes", op.width())));
+        }
+        self.submit(Direction::Atomic(op, operand), scratch, remote, timeout)
     }
 
     /// Writes `local` to the start of `remote` and waits until the bytes are in the peer's

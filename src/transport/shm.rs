@@ -495,7 +495,11 @@ fn transfer(peer: &Peer, req: &Request) -> std::result::Result<(), String> {
     if !peer.check_alive() {
         return Err(format!("connection to the peer lost: process {} has exited", peer.pid));
     }
-    let write = req.direction == Direction::Write;
+    let write = match req.direction {
+        Direction::Write => true,
+        Direction::Read => false,
+        Direction::Atomic(..) => return Err("the shm transport has no remote atomics".into()),
+    };
     let r = &req.remote;
     let e = peer.table.find(r.buffer_id).filter(|e| e.key == r.access_key).ok_or("unknown remote buffer")?;
     let len = req.len as u64;

@@ -25,13 +25,14 @@
 use std::collections::HashMap;
 use std::io::{IoSlice, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, RwLock, mpsc};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use super::{Backend, Direction, Options, Registration, Request};
 use crate::error::{Error, Result};
-use crate::wire::tcp::{HANDSHAKE_LEN, HEADER_LEN, Handshake, Header, MAX_ERROR_LEN, Op};
+use crate::symm::signal::{self, Patience};
+use crate::wire::tcp::{ATOMIC_BUSY, Atomic, HANDSHAKE_LEN, HEADER_LEN, Handshake, Header, MAX_ERROR_LEN, Op};
 
 /// Environment variable: default number of connections per endpoint.
 pub const FLOWS_ENV: &str = "SYMMEM_TRANSPORT_TCP_FLOWS";
@@ -335,6 +336,10 @@ fn serve(inner: &Inner, mut s: &TcpStream) -> std::io::Result<()> {
         let write = match h.op {
             Op::Write => true,
             Op::Read => false,
+            Op::Atomic => {
+                atomic(inner, s, &h)?;
+                continue;
+            }
             other => return Err(std::io::Error::other(format!("unexpected {other:?} frame from the initiator"))),
         };
         let reg = inner.table.read().unwrap_or_else(|p| p.into_inner()).get(&h.buffer).cloned();
@@ -369,6 +374,65 @@ fn serve(inner: &Inner, mut s: &TcpStream) -> std::io::Result<()> {
             }
         }
     }
+}
+
+/// Performs an ATOMIC request on a registered word and answers it.
+fn atomic(inner: &Inner, s: &TcpStream, h: &Header) -> std::io::Result<()> {
+    let refuse = |msg: &str| reply(s, h, Op::Error, &msg.as_bytes()[..msg.len().min(MAX_ERROR_LEN as usize)]);
+    let Some(op) = Atomic::from_byte(h.status) else {
+        return refuse(&format!("unknown remote atomic {}", h.status));
+    };
+    if h.length != op.width() || !h.remote_offset.is_multiple_of(op.width()) {
+        return refuse(&format!("a {op:?} acts on an aligned {}-byte word", op.width()));
+    }
+    let reg = inner.table.read().unwrap_or_else(|p| p.into_inner()).get(&h.buffer).cloned();
+    let reg = match reg {
+        Some(r) => match r.check_access(&h.key, h.remote_offset, h.length, true) {
+            Ok(()) => r,
+            Err(msg) => return refuse(&msg),
+        },
+        None => return refuse("unknown remote buffer"),
+    };
+    let at = reg.ptr().wrapping_add(h.remote_offset as usize);
+    if !(at as usize).is_multiple_of(op.width() as usize) {
+        return refuse("the word is not aligned in memory");
+    }
+    let busy = match op {
+        Atomic::SlotPut => {
+            // SAFETY: check_access put the 4 bytes inside the live registration, which `reg`
+            // keeps alive, and `at` is 4-aligned (checked); peers touch signal slots only
+            // atomically, so viewing them as an AtomicU32 is sound.
+            let slot = unsafe { &*at.cast::<AtomicU32>() };
+            // One attempt, no waiting: a busy slot is the initiator's to retry, so this
+            // thread never blocks on a peer.
+            let now = Patience { spin: Duration::ZERO, yield_for: Duration::ZERO, deadline: Instant::now() };
+            match signal::put(slot, &now) {
+                Ok(()) => false,
+                Err(signal::Failure::TimedOut) => true,
+                Err(signal::Failure::Corrupt(v)) => {
+                    return refuse(&format!("the signal slot holds {v}, which the signal protocol never writes"));
+                }
+            }
+        }
+        Atomic::Set32 => {
+            // SAFETY: as above, for an aligned 4-byte word.
+            let w = unsafe { &*at.cast::<AtomicU32>() };
+            // Release: pairs with the Acquire load of whoever polls the word, after the
+            // initiator's earlier writes on this link (acknowledged before it sent this).
+            w.store(h.cookie as u32, Ordering::Release);
+            crate::sys::futex::wake(w);
+            false
+        }
+        Atomic::Set64 => {
+            // SAFETY: as above, for an aligned 8-byte word.
+            let w = unsafe { &*at.cast::<AtomicU64>() };
+            // Release: pairs with the Acquire load of the word's poller (see Set32).
+            w.store(h.cookie, Ordering::Release);
+            false
+        }
+    };
+    let ack = Header { op: Op::Ack, status: if busy { ATOMIC_BUSY } else { 0 }, ..*h };
+    write_frame(s, &ack, &[])
 }
 
 fn drain(mut s: &TcpStream, mut n: u64) -> std::io::Result<()> {
@@ -536,7 +600,11 @@ impl Client {
         }
         let id = self.next.fetch_add(1, Ordering::Relaxed);
         let chunks = self.plan(req.len);
-        let op = if req.direction == Direction::Write { Op::Write } else { Op::Read };
+        let (op, status, operand) = match req.direction {
+            Direction::Write => (Op::Write, 0, None),
+            Direction::Read => (Op::Read, 0, None),
+            Direction::Atomic(a, v) => (Op::Atomic, a as u8, Some(v)),
+        };
         let (buffer, key, base) = (req.remote.buffer_id, req.remote.access_key, req.remote.offset);
         let inline = req.len <= INLINE;
         let pending = Arc::new(Pending { req, remaining: AtomicUsize::new(chunks.len()), error: Mutex::new(None) });
@@ -549,9 +617,10 @@ impl Client {
         for (flow, at, n) in chunks {
             let header = Header {
                 op,
-                status: 0,
+                status,
                 request: id,
-                cookie: at as u64,
+                // An atomic's operand travels in the cookie (it has no local bytes to place).
+                cookie: operand.unwrap_or(at as u64),
                 buffer,
                 key,
                 remote_offset: base + at as u64,
@@ -623,6 +692,9 @@ impl Client {
                 .cloned()
                 .ok_or_else(|| std::io::Error::other(format!("reply to unknown request {}", h.request)))?;
             let error = match h.op {
+                Op::Ack if h.status == ATOMIC_BUSY && matches!(p.req.direction, Direction::Atomic(..)) => {
+                    Some(super::ATOMIC_BUSY.to_string())
+                }
                 Op::Ack => None,
                 Op::Data => {
                     let (at, n) = (h.cookie as usize, h.length as usize);

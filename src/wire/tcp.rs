@@ -17,6 +17,12 @@
 //! prototype, the handshake is answered (a refused flow fails `connect` with a reason instead
 //! of a silent close), a refused request fails only itself, and any number of requests may be in
 //! flight on a connection.
+//!
+//! ATOMIC (client → server) is a remote atomic on one aligned word of a registration, the way
+//! RDMA and NVSHMEM signal a peer: `status` names the operation ([`Atomic`]), `cookie` carries the
+//! operand and `length` the word's size. The target performs it with an atomic instruction and
+//! wakes whoever sleeps on the word, then answers ACK with status 0, or status 1 ("busy") when a
+//! signal-slot put finds the previous signal still unconsumed, so the initiator retries.
 
 /// The handshake's magic.
 pub const MAGIC: [u8; 8] = *b"SYMTCP01";
@@ -41,7 +47,45 @@ pub enum Op {
     Data = 4,
     /// Server → client: the request was refused; the message follows.
     Error = 5,
+    /// Client → server: a remote atomic on one word (see [`Atomic`]); no payload.
+    Atomic = 6,
 }
+
+/// The remote atomics, carried in an ATOMIC frame's `status` byte.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u8)]
+pub enum Atomic {
+    /// Raise a symmetric-memory signal in a 4-byte slot (the signal-pad protocol's put, once:
+    /// busy if the slot still holds an unconsumed signal).
+    SlotPut = 1,
+    /// Store the operand's low 32 bits.
+    Set32 = 2,
+    /// Store the 64-bit operand.
+    Set64 = 3,
+}
+
+impl Atomic {
+    /// Parses the status byte of an ATOMIC frame.
+    pub fn from_byte(b: u8) -> Option<Atomic> {
+        Some(match b {
+            1 => Atomic::SlotPut,
+            2 => Atomic::Set32,
+            3 => Atomic::Set64,
+            _ => return None,
+        })
+    }
+
+    /// The size of the word it acts on.
+    pub fn width(self) -> u64 {
+        match self {
+            Atomic::SlotPut | Atomic::Set32 => 4,
+            Atomic::Set64 => 8,
+        }
+    }
+}
+
+/// The ACK status of an ATOMIC slot put that found the slot busy.
+pub const ATOMIC_BUSY: u8 = 1;
 
 impl Op {
     fn from_byte(b: u8) -> Option<Op> {
@@ -51,6 +95,7 @@ impl Op {
             3 => Op::Read,
             4 => Op::Data,
             5 => Op::Error,
+            6 => Op::Atomic,
             _ => return None,
         })
     }

@@ -1,0 +1,257 @@
+//! Peers on other hosts: reached through `tcp` transport links, the way NVSHMEM reaches other
+//! nodes over RDMA.
+//!
+//! ```text
+//!   group spans hosts ──▶ one tcp link per (rank, remote peer), made once per group:
+//!                         every rank binds all its links, publishes their URLs in the group's
+//!                         store, then connects them (no ordering between pairs, no deadlock)
+//!   each allocation   ──▶ its signal pad and data buffer are registered on every link; the
+//!                         descriptors travel in the rendezvous's confirm step
+//!   data              ──▶ one-sided reads and writes of the peer's data buffer
+//!   signals           ──▶ a remote atomic: the peer's transport thread performs the signal
+//!                         protocol's put on the slot (and wakes a sleeping waiter)
+//! ```
+//!
+//! Ordering: a signal is sent only after every earlier write on the link has been acknowledged,
+//! so the peer sees the signal only after the data landed. Waiting for a remote peer's signal
+//! watches its link: a peer whose link breaks is named in the error at once, not at the timeout.
+
+use std::collections::HashMap;
+use std::sync::{Arc, OnceLock};
+use std::time::{Duration, Instant};
+
+use crate::error::{Error, Result};
+use crate::group::Group;
+use crate::tensor::{DType, Tensor};
+use crate::transport::{ATOMIC_BUSY, Memory, Options, RemoteBuffer, Transport, Work, new_transport};
+use crate::wire::tcp::Atomic;
+
+/// A connection from this rank to one rank on another host.
+#[derive(Debug)]
+pub(crate) struct Link {
+    pub(crate) peer: usize,
+    pub(crate) host: String,
+    pub(crate) transport: Transport,
+    /// A registered 8-byte word: the local side of remote atomics (it carries no data).
+    scratch: Memory,
+}
+
+impl Link {
+    /// Why the link is down, if it is.
+    pub(crate) fn lost(&self) -> Option<String> {
+        (!self.transport.connected()).then(|| self.transport.describe())
+    }
+
+    /// The error for a failed transfer to this link's peer.
+    pub(crate) fn error(&self, what: &str, e: &Error) -> Error {
+        Error::Transfer(format!("{what} rank {} on host {}: {e}", self.peer, self.host))
+    }
+
+    /// Starts a remote atomic on the word at the start of `remote`.
+    fn start_atomic(&self, remote: &RemoteBuffer, op: Atomic, operand: u64, timeout: Duration) -> Result<Work> {
+        let scratch = self.scratch.to_view(0, Some(op.width() as usize))?;
+        self.transport.start_atomic(&scratch, remote, op, operand, Some(timeout))
+    }
+}
+
+/// The links of one group: peer rank → link.
+pub(crate) type Links = HashMap<usize, Arc<Link>>;
+
+/// How long link bootstrap may take, and the links' transfer timeout.
+fn link_timeout() -> Duration {
+    crate::ops::op_timeout()
+}
+
+/// Connects this rank to each of `remote` (ranks of `group` on other hosts; `hosts[r]` names
+/// rank r's host). Collective over the ranks of the group that have remote peers.
+pub(crate) fn connect(group: &Group, step: u64, remote: &[usize], hosts: &[String]) -> Result<Links> {
+    let me = group.rank();
+    let timeout = link_timeout();
+    let mut options = Options::new();
+    options.insert("timeout".into(), format!("{}", timeout.as_secs_f64()));
+    let store = group.store();
+    let mut bound = Vec::with_capacity(remote.len());
+    for &peer in remote {
+        let t = new_transport("tcp", None, &options)?;
+        let url = t.bind(Some(timeout))?;
+        store.set(&format!("symm-net/{step}/{me}/{peer}"), &url)?;
+        bound.push((peer, t));
+    }
+    let mut links = Links::new();
+    for (peer, transport) in bound {
+        let url = store.get_timeout(&format!("symm-net/{step}/{peer}/{me}"), timeout).map_err(|e| {
+            Error::Rendezvous(format!("rank {peer} on host {} did not publish its link: {e}", hosts[peer]))
+        })?;
+        transport.connect(&url, Some(timeout)).map_err(|e| {
+            Error::Rendezvous(format!("rank {me} could not connect to rank {peer} on host {}: {e}", hosts[peer]))
+        })?;
+        let word = Tensor::zeros(&[8], DType::U8)?;
+        let scratch = transport.register_memory_read_only(&word)?;
+        links.insert(peer, Arc::new(Link { peer, host: hosts[peer].clone(), transport, scratch }));
+    }
+    Ok(links)
+}
+
+/// One remote peer's copy of an allocation.
+#[derive(Debug)]
+pub(crate) struct Remote {
+    pub(crate) link: Arc<Link>,
+    /// The peer's signal pad and data buffer.
+    pub(crate) pad: RemoteBuffer,
+    pub(crate) data: RemoteBuffer,
+    /// A local buffer the size of the peer's data buffer, registered on the link, into which
+    /// operators fetch the parts of the peer's buffer they read (same offsets).
+    mirror: OnceLock<(Tensor, Memory)>,
+}
+
+impl Remote {
+    pub(crate) fn new(link: Arc<Link>, pad: RemoteBuffer, data: RemoteBuffer) -> Remote {
+        Remote { link, pad, data, mirror: OnceLock::new() }
+    }
+
+    pub(crate) fn data_size(&self) -> usize {
+        self.data.len() as usize
+    }
+
+    /// The mirror, allocated and registered on first use.
+    pub(crate) fn mirror(&self) -> Result<&(Tensor, Memory)> {
+        if let Some(m) = self.mirror.get() {
+            return Ok(m);
+        }
+        let t = Tensor::zeros(&[self.data_size().max(1)], DType::U8)?;
+        let m = self.link.transport.register_memory_read_only(&t)?;
+        Ok(self.mirror.get_or_init(|| (t, m)))
+    }
+
+    /// Starts reading `[at, at + len)` of the peer's data buffer into the same range of the
+    /// mirror.
+    pub(crate) fn start_fetch(&self, at: usize, len: usize, timeout: Duration) -> Result<Work> {
+        let (_, m) = self.mirror()?;
+        let view = m.to_mutable_view(at, Some(len))?;
+        self.link.transport.start_read(&view, &self.data.slice(at as u64, len as u64)?, Some(timeout))
+    }
+
+    /// Starts reading `[at, at + len)` of the peer's data buffer into `dst` (a view registered
+    /// on this link).
+    pub(crate) fn start_read_into(
+        &self,
+        dst: &crate::transport::MutableMemoryView,
+        at: usize,
+        len: usize,
+        timeout: Duration,
+    ) -> Result<Work> {
+        self.link.transport.start_read(dst, &self.data.slice(at as u64, len as u64)?, Some(timeout))
+    }
+
+    /// Starts writing `src` (a view registered on this link) to `[at, ..)` of the peer's data
+    /// buffer.
+    pub(crate) fn start_write_from(
+        &self,
+        src: &crate::transport::MemoryView,
+        at: usize,
+        timeout: Duration,
+    ) -> Result<Work> {
+        self.link.transport.start_write(src, &self.data.slice(at as u64, src.size() as u64)?, Some(timeout))
+    }
+
+    /// The address of the mirror (valid for the ranges fetched since the last barrier).
+    pub(crate) fn mirror_ptr(&self) -> Result<usize> {
+        Ok(self.mirror()?.0.data_ptr() as usize)
+    }
+
+    /// Starts a slot put on signal slot `slot` of the peer's pad.
+    pub(crate) fn start_slot_put(&self, slot: usize, timeout: Duration) -> Result<Work> {
+        let word = self.pad.slice(slot as u64 * 4, 4)?;
+        self.link.start_atomic(&word, Atomic::SlotPut, 1, timeout)
+    }
+
+    /// Starts storing `value` (4 or 8 bytes wide) at byte `at` of the peer's data buffer.
+    pub(crate) fn start_set(&self, at: usize, width: usize, value: u64, timeout: Duration) -> Result<Work> {
+        let op = if width == 8 { Atomic::Set64 } else { Atomic::Set32 };
+        let word = self.data.slice(at as u64, width as u64)?;
+        self.link.start_atomic(&word, op, value, timeout)
+    }
+}
+
+impl Drop for Remote {
+    fn drop(&mut self) {
+        if let Some((_, m)) = self.mirror.get()
+            && let Err(e) = self.link.transport.unregister_memory(m)
+        {
+            tracing::warn!("symmetric memory: unregistering a mirror of rank {}: {e}", self.link.peer);
+        }
+    }
+}
+
+/// Whether a completed atomic failed only because the slot was busy.
+pub(crate) fn is_busy(e: &Error) -> bool {
+    e.to_string().contains(ATOMIC_BUSY)
+}
+
+/// Raises signals on remote slots, retrying busy ones (the previous signal not yet consumed)
+/// until `deadline`. `puts` holds (peer, slot) pairs; all are in flight at once.
+pub(crate) fn slot_puts(puts: &[(&Remote, usize)], timeout: Duration, what: &dyn Fn(usize) -> String) -> Result<()> {
+    let deadline = Instant::now() + timeout;
+    let mut todo: Vec<usize> = (0..puts.len()).collect();
+    let mut backoff = Duration::from_micros(20);
+    while !todo.is_empty() {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let works = todo
+            .iter()
+            .map(|&i| puts[i].0.start_slot_put(puts[i].1, left.max(Duration::from_millis(1))))
+            .collect::<Vec<_>>();
+        let mut busy = Vec::new();
+        for (&i, w) in todo.iter().zip(works) {
+            let r = puts[i].0;
+            match w.and_then(|w| w.wait(None)) {
+                Ok(()) => {}
+                Err(e) if is_busy(&e) => busy.push(i),
+                Err(e) => {
+                    return Err(Error::Transfer(format!("{} (on host {}): {e}", what(r.link.peer), r.link.host)));
+                }
+            }
+        }
+        todo = busy;
+        if !todo.is_empty() {
+            if Instant::now() >= deadline {
+                let r = puts[todo[0]].0;
+                return Err(Error::timeout(
+                    format!("{} (its previous signal was never consumed)", what(r.link.peer)),
+                    timeout,
+                ));
+            }
+            std::thread::sleep(backoff);
+            backoff = (backoff * 2).min(Duration::from_millis(2));
+        }
+    }
+    Ok(())
+}
+
+/// Which of `peers` do not answer a one-word read within `timeout`: lost or unreachable.
+pub(crate) fn unanswered(peers: &[&Remote], timeout: Duration) -> Vec<usize> {
+    let probes: Vec<_> = peers
+        .iter()
+        .map(|r| {
+            let read = r
+                .link
+                .scratch
+                .to_mutable_view(0, Some(4))
+                .and_then(|v| r.link.transport.start_read(&v, &r.pad.slice(0, 4)?, Some(timeout)));
+            (r.link.peer, read)
+        })
+        .collect();
+    probes.into_iter().filter(|(_, w)| w.as_ref().map_or(true, |w| w.wait(None).is_err())).map(|(p, _)| p).collect()
+}
+
+/// Waits for every work, naming the peer of the first failure.
+pub(crate) fn wait_all(works: Vec<(&Remote, Result<Work>)>, what: &str) -> Result<()> {
+    let mut first = None;
+    for (r, w) in works {
+        if let Err(e) = w.and_then(|w| w.wait(None))
+            && first.is_none()
+        {
+            first = Some(r.link.error(what, &e));
+        }
+    }
+    first.map_or(Ok(()), Err)
+}

@@ -116,7 +116,9 @@ pub fn store(options: &StoreBenchOptions, mut emit: impl FnMut(BenchResult)) -> 
                     continue;
                 }
                 run += 1;
-                emit(rendezvous(&addr, &copts, n, multi, run).await?);
+                let how = if multi { Exchange::MultiGet } else { Exchange::PerKey };
+                let value = |i: usize| format!("handle-of-rank-{i}").into_bytes();
+                emit(rendezvous(&addr, &copts, n, how, run, &value).await?);
             }
         }
         Ok::<_, Error>(())
@@ -282,27 +284,74 @@ async fn throughput(
     })
 }
 
-/// N simulated ranks each publish one value and read every other rank's: with one get per key
-/// (N-1 round trips of WAIT+GET each) or with one `multi_get`.
-async fn rendezvous(addr: &str, options: &ClientOptions, n: usize, multi: bool, run: u64) -> Result<BenchResult> {
+/// How simulated ranks exchange their rendezvous records.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Exchange {
+    /// PyTorch's default: one set, then one WAIT+GET per other rank (N² requests in all).
+    PerKey,
+    /// symmem's default: one set and one WAIT+MULTI_GET of every other key.
+    MultiGet,
+    /// Through rank 0 (`SYMMEM_RENDEZVOUS=gather`): ranks set, rank 0 multi-gets them all and
+    /// sets one blob, every other rank gets the blob: O(N) requests.
+    Gather,
+}
+
+impl Exchange {
+    fn name(self) -> &'static str {
+        match self {
+            Exchange::PerKey => "rendezvous_get",
+            Exchange::MultiGet => "rendezvous_multi_get",
+            Exchange::Gather => "rendezvous_gather",
+        }
+    }
+}
+
+/// N simulated ranks each publish one value (`value(rank)`) and obtain every rank's.
+async fn rendezvous(
+    addr: &str,
+    options: &ClientOptions,
+    n: usize,
+    how: Exchange,
+    run: u64,
+    value: &(dyn Fn(usize) -> Vec<u8> + Sync),
+) -> Result<BenchResult> {
     let conns = connect_all(addr, options, n).await?;
     let start_line = Arc::new(tokio::sync::Barrier::new(n + 1));
     let mut tasks = Vec::new();
-    for (i, mut c) in conns.into_iter().enumerate() {
+    let values: Vec<Vec<u8>> = (0..n).map(value).collect();
+    let record_bytes = values.first().map_or(0, Vec::len);
+    for (i, (mut c, mine)) in conns.into_iter().zip(values).enumerate() {
         let start_line = start_line.clone();
         tasks.push(tokio::spawn(async move {
-            let keys: Vec<String> = (0..n).filter(|&j| j != i).map(|j| format!("rdzv/{run}/{j}")).collect();
+            let prefix = format!("rdzv/{run}");
+            let others: Vec<String> = (0..n).filter(|&j| j != i).map(|j| format!("{prefix}/{j}")).collect();
+            let refs: Vec<&str> = others.iter().map(String::as_str).collect();
             start_line.wait().await;
             let t = Instant::now();
-            c.set(&format!("rdzv/{run}/{i}"), format!("handle-of-rank-{i}").as_bytes()).await?;
             let timeout = Duration::from_secs(600);
-            if multi {
-                let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
-                let values = c.multi_get(&refs, timeout).await?;
-                debug_assert_eq!(values.len(), n - 1);
-            } else {
-                for k in &keys {
-                    c.get(k, timeout).await?;
+            let all = format!("{prefix}/all");
+            match how {
+                Exchange::Gather if i == 0 => {
+                    let mut got = vec![mine];
+                    got.extend(c.multi_get(&refs, timeout).await?);
+                    c.set(&all, &crate::wire::symm::pack_gathered(&got)).await?;
+                }
+                Exchange::Gather => {
+                    c.set(&format!("{prefix}/{i}"), &mine).await?;
+                    let blob = c.get(&all, timeout).await?;
+                    let got = crate::wire::symm::unpack_gathered(&blob, n).map_err(Error::Rendezvous)?;
+                    debug_assert_eq!(got.len(), n);
+                }
+                Exchange::MultiGet => {
+                    c.set(&format!("{prefix}/{i}"), &mine).await?;
+                    let got = c.multi_get(&refs, timeout).await?;
+                    debug_assert_eq!(got.len(), n - 1);
+                }
+                Exchange::PerKey => {
+                    c.set(&format!("{prefix}/{i}"), &mine).await?;
+                    for k in &refs {
+                        c.get(k, timeout).await?;
+                    }
                 }
             }
             Ok::<_, Error>(t.elapsed())
@@ -316,13 +365,19 @@ async fn rendezvous(addr: &str, options: &ClientOptions, n: usize, multi: bool, 
     }
     let wall = t0.elapsed();
     let (median, p99) = percentiles(&mut lat);
-    // Requests on the wire: SET, then per key WAIT+GET, or one WAIT+MULTI_GET.
-    let requests = if multi { n * 3 } else { n + 2 * n * (n - 1) };
+    // Requests on the wire: SET, then per key WAIT+GET, or one WAIT+MULTI_GET; through rank 0,
+    // N-1 SETs and WAIT+GETs plus rank 0's WAIT+MULTI_GET and SET.
+    let requests = match how {
+        Exchange::MultiGet => n * 3,
+        Exchange::PerKey => n + 2 * n * (n - 1),
+        Exchange::Gather => 3 * (n - 1) + 3,
+    };
     let mut extra = serde_json::Map::new();
     extra.insert("total_ms".into(), (wall.as_secs_f64() * 1e3).into());
     extra.insert("ops_per_s".into(), (requests as f64 / wall.as_secs_f64()).round().into());
+    extra.insert("record_bytes".into(), record_bytes.into());
     Ok(BenchResult {
-        bench: if multi { "rendezvous_multi_get" } else { "rendezvous_get" }.into(),
+        bench: how.name().into(),
         ranks: n,
         bytes: None,
         iters: 1,
@@ -331,6 +386,49 @@ async fn rendezvous(addr: &str, options: &ClientOptions, n: usize, multi: bool, 
         gbps: None,
         extra,
     })
+}
+
+/// A rank's symmetric-rendezvous record as a real job publishes it (JSON, about 200 bytes):
+/// 8 ranks per host, a 1 MiB float32 tensor.
+pub fn sample_record(rank: usize) -> Vec<u8> {
+    crate::wire::symm::PeerRecord {
+        version: crate::wire::symm::RECORD_VERSION,
+        host: format!("node{:04}/6f1d3c2a-9b8e-4c7d-a5f0-{:012x}", rank / 8, rank / 8),
+        pid: 100_000 + rank as u32,
+        fd: 17,
+        segment_len: (1 << 20) + 16384,
+        pad_size: 9216,
+        buffer_size: 1 << 20,
+        shape: vec![512, 512],
+        dtype: crate::tensor::DType::F32.code(),
+        offset: 0,
+    }
+    .encode()
+}
+
+/// `symmem bench rendezvous`: N simulated ranks (one store connection each, in this process)
+/// exchange real rendezvous records through a local store, each way in [`Exchange`]; per-key
+/// gets only up to `per_key_max` ranks (they cost N² requests).
+pub fn rendezvous_scaling(ranks: &[usize], per_key_max: usize, mut emit: impl FnMut(BenchResult)) -> Result<()> {
+    crate::sys::raise_fd_limit();
+    let server = StoreServer::start("127.0.0.1:0", ServerOptions::default())?;
+    let addr = server.local_addr().to_string();
+    let copts = ClientOptions { timeout: Duration::from_secs(600), secret: None };
+    crate::rt::block_on(async {
+        let mut run = 1_000_000u64;
+        for &n in ranks {
+            for how in [Exchange::PerKey, Exchange::MultiGet, Exchange::Gather] {
+                if n < 2 || how == Exchange::PerKey && n > per_key_max {
+                    continue;
+                }
+                run += 1;
+                emit(rendezvous(&addr, &copts, n, how, run, &sample_record).await?);
+            }
+        }
+        Ok::<_, Error>(())
+    })?;
+    drop(server);
+    Ok(())
 }
 
 #[cfg(test)]

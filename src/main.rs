@@ -300,6 +300,20 @@ enum BenchCommand {
         #[arg(long, default_value_t = 10000)]
         iters: usize,
     },
+    /// Rendezvous at scale: N simulated ranks exchange real rendezvous records through a store,
+    /// with per-key gets (PyTorch's default), one multi-get each (symmem's default), and through
+    /// rank 0 (`SYMMEM_RENDEZVOUS=gather`, PyTorch's `use_pg_for_symm_mem_rendezvous`).
+    Rendezvous {
+        /// One JSON object per result line instead of a table.
+        #[arg(long)]
+        json: bool,
+        /// Simulated rank counts.
+        #[arg(long, value_delimiter = ',', default_values_t = [2usize, 16, 128, 1024, 4096])]
+        ranks: Vec<usize>,
+        /// Largest rank count measured with per-key gets (N² requests).
+        #[arg(long, default_value_t = 1024)]
+        per_key_max: usize,
+    },
     /// Store throughput (set, get, add with K clients) and rendezvous of N simulated ranks.
     Store {
         /// One JSON object per result line instead of a table.
@@ -378,6 +392,11 @@ fn dispatch(command: Command) -> Result<ExitCode> {
             let exe = std::env::current_exe().context("find the symmem executable")?;
             let mut table = Table::new(json);
             bench::signal(&bench::SignalBenchOptions { ranks, iters, exe }, |r| table.row(&r))?;
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Bench { which: BenchCommand::Rendezvous { json, ranks, per_key_max } } => {
+            let mut table = Table::new(json);
+            bench::rendezvous_scaling(&ranks, per_key_max, |r| table.row(&r))?;
             Ok(ExitCode::SUCCESS)
         }
         Command::Bench { which: BenchCommand::Store { json, clients, ops, bytes, ranks, per_key_max, addr } } => {

@@ -179,6 +179,8 @@ fn every_call_works_for_2_3_and_4_ranks() {
     for n in [2, 3, 4] {
         assert_job(n, "rank_every_call", &[]);
     }
+    // Rendezvous exchanges through rank 0 give the same handles.
+    assert_job(3, "rank_every_call", &[("SYMMEM_RENDEZVOUS", "gather")]);
 }
 
 #[test]

@@ -361,7 +361,7 @@ fn exchange(alloc: &Allocation, tensor: &Tensor, offset: usize, group: &Group) -
         dtype: tensor.dtype().code(),
         offset: offset as u64,
     };
-    let raw = group.all_gather_bytes(&format!("symm/{step}"), &me.encode()).map_err(|e| match e {
+    let raw = group.exchange_bytes(&format!("symm/{step}"), &me.encode()).map_err(|e| match e {
         Error::Timeout { what, after } => Error::timeout(format!("symmetric rendezvous step {step}: {what}"), after),
         e => e,
     })?;
@@ -443,7 +443,7 @@ fn exchange(alloc: &Allocation, tensor: &Tensor, offset: usize, group: &Group) -
     // failure on one rank becomes an error on all. Descriptors for remote peers ride along.
     let confirm = Confirm { failure, offers };
     let raw = serde_json::to_vec(&confirm).map_err(|e| Error::Rendezvous(format!("encoding the confirmation: {e}")))?;
-    let verdicts = group.all_gather_bytes(&format!("symm/{step}/mapped"), &raw)?;
+    let verdicts = group.exchange_bytes(&format!("symm/{step}/mapped"), &raw)?;
     let verdicts = verdicts
         .iter()
         .enumerate()

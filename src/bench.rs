@@ -922,6 +922,9 @@ pub struct OpBenchOptions {
     pub warmup: usize,
     /// The `symmem` executable to launch ranks of.
     pub exe: std::path::PathBuf,
+    /// Hosts to play (`--hosts`): the ranks are split evenly over them, and ranks on
+    /// different "hosts" reach each other through the tcp transport.
+    pub hosts: usize,
 }
 
 use crate::tensor::DType;
@@ -956,10 +959,14 @@ pub fn collective(options: &OpBenchOptions, mut emit: impl FnMut(BenchResult)) -
         "--sizes".into(),
         sizes.into(),
     ];
-    let mut launch = crate::launch::LaunchOptions::local(options.ranks, options.exe.clone(), args);
+    let hosts = options.hosts.max(1);
+    if !options.ranks.is_multiple_of(hosts) {
+        return Err(Error::InvalidArgument(format!("{} ranks do not split evenly over {hosts} hosts", options.ranks)));
+    }
+    let mut launch = crate::launch::LaunchOptions::local(options.ranks / hosts, options.exe.clone(), args);
     launch.env.push((BENCH_OUT_ENV.into(), out.clone().into()));
     launch.timeout = Some(Duration::from_secs(1200));
-    let result = crate::launch::run(&launch).and_then(|outcome| {
+    let result = crate::launch::run_hosts(&launch, hosts).and_then(|outcome| {
         if outcome != crate::launch::Outcome::Success {
             return Err(Error::InvalidArgument(format!("benchmark job failed: {outcome}")));
         }
@@ -1047,6 +1054,10 @@ pub fn collective_rank(op: &str, algo: &str, dtype: DType, iters: usize, warmup:
             _ => "pull",
         };
         extra.insert("algo".into(), used.into());
+        extra.insert(
+            "hosts".into(),
+            std::env::var("GROUP_WORLD_SIZE").ok().and_then(|v| v.parse::<u64>().ok()).unwrap_or(1).into(),
+        );
         extra.insert("dtype".into(), dtype.to_string().into());
         extra.insert("busbw_gbps".into(), (algbw * bus_factor(op, ws)).into());
         extra.insert("ops_per_s".into(), (n_iters as f64 / total.as_secs_f64()).round().into());

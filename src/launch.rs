@@ -200,6 +200,46 @@ pub fn run(options: &LaunchOptions) -> Result<Outcome> {
     crate::rt::block_on(run_async(options))
 }
 
+/// Plays a job of `hosts` hosts on this machine: one launcher per host (in threads of this
+/// process), each with `options.nproc_per_node` ranks, a free port for the store, and
+/// `SYMMEM_HOST_ID=host<i>` so the ranks of different "hosts" reach each other only through
+/// the transport, as on separate machines. Returns the first host's outcome that is not a
+/// success, else success.
+pub fn run_hosts(options: &LaunchOptions, hosts: usize) -> Result<Outcome> {
+    if hosts <= 1 {
+        return run(options);
+    }
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map_err(|e| Error::io("pick a port for the store", e))?
+        .port();
+    let outcomes: Vec<Result<Outcome>> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..hosts)
+            .map(|i| {
+                let mut o = options.clone();
+                o.nnodes = hosts;
+                o.node_rank = i;
+                o.master_addr = "127.0.0.1".into();
+                o.master_port = port;
+                o.env.push((crate::symm::HOST_ID_ENV.into(), format!("host{i}").into()));
+                s.spawn(move || run(&o))
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().unwrap_or_else(|_| Err(Error::InvalidArgument("a launcher panicked".into()))))
+            .collect()
+    });
+    let mut first = Outcome::Success;
+    for o in outcomes {
+        let o = o?;
+        if first == Outcome::Success {
+            first = o;
+        }
+    }
+    Ok(first)
+}
+
 async fn run_async(o: &LaunchOptions) -> Result<Outcome> {
     let server = if o.node_rank == 0 {
         let host = if o.nnodes > 1 { "0.0.0.0" } else { o.master_addr.as_str() };
@@ -253,6 +293,7 @@ async fn run_async(o: &LaunchOptions) -> Result<Outcome> {
             .env(group::LOCAL_RANK_ENV, local.to_string())
             .env(group::LOCAL_WORLD_SIZE_ENV, o.nproc_per_node.to_string())
             .env("GROUP_RANK", o.node_rank.to_string())
+            .env("GROUP_WORLD_SIZE", o.nnodes.to_string())
             .env(group::MASTER_ADDR_ENV, &o.master_addr)
             .env(group::MASTER_PORT_ENV, port.to_string())
             .env(group::AGENT_STORE_ENV, "True")

@@ -195,9 +195,13 @@ struct CollectiveArgs {
     /// One JSON object per result line instead of a table.
     #[arg(long)]
     json: bool,
-    /// Ranks to launch on this host.
+    /// Ranks to launch (in all).
     #[arg(long, default_value_t = 2)]
     ranks: usize,
+    /// Hosts to play on this machine: the ranks split evenly over them, and ranks on different
+    /// "hosts" reach each other through the tcp transport.
+    #[arg(long, default_value_t = 1)]
+    hosts: usize,
     /// Message sizes (bytes; K and M suffixes allowed).
     #[arg(long, value_delimiter = ',', default_values_t = ["8".to_string(), "4K".into(), "64K".into(), "1M".into(), "16M".into()])]
     sizes: Vec<String>,
@@ -239,6 +243,7 @@ fn bench_collective(op: &str, a: &CollectiveArgs) -> Result<ExitCode> {
         iters: a.iters,
         warmup: a.warmup,
         exe: std::env::current_exe().context("find the symmem executable")?,
+        hosts: a.hosts,
     };
     let mut table = Table::new(a.json);
     // A spinner on a terminal only (indicatif draws nothing when stderr is not a terminal).

@@ -51,6 +51,46 @@ impl PeerRecord {
     }
 }
 
+/// Packs the values of an all-gather into one blob, as the root of a gathered rendezvous
+/// publishes them: a little-endian `u32` count, then per value a `u32` length and its bytes.
+pub fn pack_gathered(values: &[Vec<u8>]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(4 + values.iter().map(|v| v.len() + 4).sum::<usize>());
+    out.extend_from_slice(&(values.len() as u32).to_le_bytes());
+    for v in values {
+        out.extend_from_slice(&(v.len() as u32).to_le_bytes());
+        out.extend_from_slice(v);
+    }
+    out
+}
+
+/// Unpacks [`pack_gathered`]'s blob, which must hold exactly `count` values.
+pub fn unpack_gathered(blob: &[u8], count: usize) -> Result<Vec<Vec<u8>>, String> {
+    fn take<'a>(blob: &'a [u8], at: &mut usize, len: usize) -> Result<&'a [u8], String> {
+        let end = at.checked_add(len).filter(|&e| e <= blob.len()).ok_or("truncated gathered blob")?;
+        let b = &blob[*at..end];
+        *at = end;
+        Ok(b)
+    }
+    fn word(blob: &[u8], at: &mut usize) -> Result<usize, String> {
+        let b = take(blob, at, 4)?;
+        Ok(u32::from_le_bytes([b[0], b[1], b[2], b[3]]) as usize)
+    }
+    let mut at = 0;
+    let n = word(blob, &mut at)?;
+    if n != count {
+        return Err(format!("gathered blob holds {n} values; expected {count}"));
+    }
+    let mut out = Vec::with_capacity(n);
+    for _ in 0..n {
+        let len = word(blob, &mut at)?;
+        out.push(take(blob, &mut at, len)?.to_vec());
+    }
+    if at != blob.len() {
+        return Err("trailing bytes after the gathered values".into());
+    }
+    Ok(out)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -92,44 +132,4 @@ mod tests {
         let old = PeerRecord { version: 2, ..r };
         assert!(PeerRecord::decode(&old.encode()).unwrap_err().contains("version 2"));
     }
-}
-
-/// Packs the values of an all-gather into one blob, as the root of a gathered rendezvous
-/// publishes them: a little-endian `u32` count, then per value a `u32` length and its bytes.
-pub fn pack_gathered(values: &[Vec<u8>]) -> Vec<u8> {
-    let mut out = Vec::with_capacity(4 + values.iter().map(|v| v.len() + 4).sum::<usize>());
-    out.extend_from_slice(&(values.len() as u32).to_le_bytes());
-    for v in values {
-        out.extend_from_slice(&(v.len() as u32).to_le_bytes());
-        out.extend_from_slice(v);
-    }
-    out
-}
-
-/// Unpacks [`pack_gathered`]'s blob, which must hold exactly `count` values.
-pub fn unpack_gathered(blob: &[u8], count: usize) -> Result<Vec<Vec<u8>>, String> {
-    fn take<'a>(blob: &'a [u8], at: &mut usize, len: usize) -> Result<&'a [u8], String> {
-        let end = at.checked_add(len).filter(|&e| e <= blob.len()).ok_or("truncated gathered blob")?;
-        let b = &blob[*at..end];
-        *at = end;
-        Ok(b)
-    }
-    fn word(blob: &[u8], at: &mut usize) -> Result<usize, String> {
-        let b = take(blob, at, 4)?;
-        Ok(u32::from_le_bytes([b[0], b[1], b[2], b[3]]) as usize)
-    }
-    let mut at = 0;
-    let n = word(blob, &mut at)?;
-    if n != count {
-        return Err(format!("gathered blob holds {n} values; expected {count}"));
-    }
-    let mut out = Vec::with_capacity(n);
-    for _ in 0..n {
-        let len = word(blob, &mut at)?;
-        out.push(take(blob, &mut at, len)?.to_vec());
-    }
-    if at != blob.len() {
-        return Err("trailing bytes after the gathered values".into());
-    }
-    Ok(out)
 }

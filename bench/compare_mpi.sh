@@ -1,13 +1,24 @@
 #!/usr/bin/env bash
-# Open MPI's MPI_Allreduce next to `symmem bench all-reduce`, same sizes and rank count, each
-# run RUNS times (default 3); prints the median of the runs' median latencies side by side.
+# Open MPI's MPI_Allreduce (or MPI_Alltoall with OP=all-to-all) next to `symmem bench
+# all-reduce` (all-to-all), same sizes and rank count, each run RUNS times (default 3); prints
+# the median of the runs' median latencies side by side.
+# HOSTS=2 plays two hosts on this machine: symmem splits the ranks over two "hosts" that reach
+# each other through its tcp transport (`--hosts 2`), and Open MPI is restricted to its TCP
+# transport (`--mca btl tcp,self`, every pair over TCP loopback, as between hosts).
 # Needs Debian's openmpi-bin and libopenmpi-dev (installed if missing, as root).
 #   bench/compare_mpi.sh [RANKS] [SIZES]     e.g. bench/compare_mpi.sh 2 8,4096,65536,1048576,16777216
+#   HOSTS=2 OP=all-to-all bench/compare_mpi.sh 4 8,65536,1048576,16777216
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RANKS=${1:-2}
 SIZES=${2:-8,4096,65536,1048576,16777216}
 RUNS=${RUNS:-3}
+HOSTS=${HOSTS:-1}
+OP=${OP:-all-reduce}
+MPI_ARGS=()
+if [ "$HOSTS" -gt 1 ]; then MPI_ARGS=(--mca btl tcp,self); fi
+if [ "$OP" = all-to-all ]; then export MPI_BENCH_OP=alltoall; MPI_NAME=mpi_alltoall; SYM_NAME=all_to_all;
+else MPI_NAME=mpi_allreduce; SYM_NAME=all_reduce; fi
 if ! command -v mpicc >/dev/null; then
     apt-get update -qq && apt-get install -y -qq openmpi-bin libopenmpi-dev >/dev/null
 fi
@@ -17,20 +28,21 @@ mpicc -O2 -o target/bench/mpi_allreduce bench/mpi_allreduce.c
 out=target/bench/compare.jsonl
 : > "$out"
 for run in $(seq "$RUNS"); do
-    mpirun --allow-run-as-root --oversubscribe -np "$RANKS" target/bench/mpi_allreduce ${SIZES//,/ } >> "$out"
-    target/release/symmem bench all-reduce --json --ranks "$RANKS" --sizes "$SIZES" >> "$out"
+    mpirun --allow-run-as-root --oversubscribe "${MPI_ARGS[@]}" -np "$RANKS" target/bench/mpi_allreduce ${SIZES//,/ } >> "$out"
+    target/release/symmem bench "$OP" --json --ranks "$RANKS" --hosts "$HOSTS" --sizes "$SIZES" >> "$out"
 done
-python3 - "$out" "$RANKS" <<'PY'
+python3 - "$out" "$RANKS" "$MPI_NAME" "$SYM_NAME" "$HOSTS" <<'PY'
 import json, statistics, sys
 rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
 by = {}
 for r in rows:
     by.setdefault((r["bench"], r["bytes"]), []).append(r["lat_us"])
 sizes = sorted({b for (_, b) in by})
-print(f"all-reduce, {sys.argv[2]} ranks, float32 sum, median of {len(by.get(('mpi_allreduce', sizes[0]), []))} runs' medians (us)")
+mpi, sym, hosts = sys.argv[3], sys.argv[4], sys.argv[5]
+print(f"{sym}, {sys.argv[2]} ranks on {hosts} host(s), float32, median of {len(by.get((mpi, sizes[0]), []))} runs' medians (us)")
 print(f"{'bytes':>10} {'Open MPI':>12} {'symmem':>12} {'speedup':>8}")
 for b in sizes:
-    m = statistics.median(by.get(("mpi_allreduce", b), [float("nan")]))
-    s = statistics.median(by.get(("all_reduce", b), [float("nan")]))
+    m = statistics.median(by.get((mpi, b), [float("nan")]))
+    s = statistics.median(by.get((sym, b), [float("nan")]))
     print(f"{b:>10} {m:>12.2f} {s:>12.2f} {m / s:>7.2f}x")
 PY

@@ -1,6 +1,7 @@
-/* A minimal timing loop around Open MPI's MPI_Allreduce (float sum), printing the same JSON
- * fields as `symmem bench all-reduce --json`: median and p99 latency per size, measured on
- * rank 0 over back-to-back calls, after a warm-up.
+/* A minimal timing loop around Open MPI's MPI_Allreduce (float sum), or MPI_Alltoall when
+ * MPI_BENCH_OP=alltoall (equal blocks of the size's bytes split over the ranks), printing the
+ * same JSON fields as `symmem bench all-reduce --json`: median and p99 latency per size,
+ * measured on rank 0 over back-to-back calls, after a warm-up.
  * Build: mpicc -O2 -o mpi_allreduce bench/mpi_allreduce.c
  * Run:   mpirun --allow-run-as-root --oversubscribe -np 2 ./mpi_allreduce 8 4096 65536 */
 #include <mpi.h>
@@ -18,25 +19,30 @@ int main(int argc, char **argv) {
     int rank, size;
     MPI_Comm_rank(MPI_COMM_WORLD, &rank);
     MPI_Comm_size(MPI_COMM_WORLD, &size);
+    const char *op = getenv("MPI_BENCH_OP");
+    int a2a = op && strcmp(op, "alltoall") == 0;
     for (int a = 1; a < argc; a++) {
         long bytes = atol(argv[a]);
         long count = bytes / 4 < 1 ? 1 : bytes / 4;
+        if (a2a) count = (count + size - 1) / size * size;
         float *in = calloc(count, 4), *out = calloc(count, 4);
         long budget = (256L << 20) / (count * 4);
         int iters = budget < 10 ? 10 : budget > 2000 ? 2000 : (int)budget;
         double *lat = malloc(sizeof(double) * iters);
-        for (int i = 0; i < 100 && i < iters; i++) MPI_Allreduce(in, out, count, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
-        MPI_Barrier(MPI_COMM_WORLD);
-        for (int i = 0; i < iters; i++) {
+        for (int i = 0; i < 100 + iters; i++) {
+            if (i == 100) MPI_Barrier(MPI_COMM_WORLD);
             double t = MPI_Wtime();
-            MPI_Allreduce(in, out, count, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
-            lat[i] = (MPI_Wtime() - t) * 1e6;
+            if (a2a)
+                MPI_Alltoall(in, (int)(count / size), MPI_FLOAT, out, (int)(count / size), MPI_FLOAT, MPI_COMM_WORLD);
+            else
+                MPI_Allreduce(in, out, count, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
+            if (i >= 100) lat[i - 100] = (MPI_Wtime() - t) * 1e6;
         }
         qsort(lat, iters, sizeof(double), cmp);
         double median = lat[(iters - 1) / 2], p99 = lat[(int)((iters - 1) * 0.99)];
         if (rank == 0)
-            printf("{\"bench\":\"mpi_allreduce\",\"ranks\":%d,\"bytes\":%ld,\"iters\":%d,\"lat_us\":%.3f,\"p99_us\":%.3f}\n",
-                   size, count * 4, iters, median, p99);
+            printf("{\"bench\":\"%s\",\"ranks\":%d,\"bytes\":%ld,\"iters\":%d,\"lat_us\":%.3f,\"p99_us\":%.3f}\n",
+                   a2a ? "mpi_alltoall" : "mpi_allreduce", size, count * 4, iters, median, p99);
         free(in);
         free(out);
         free(lat);

@@ -1048,7 +1048,9 @@ pub fn collective_rank(op: &str, algo: &str, dtype: DType, iters: usize, warmup:
         let (median, p99) = percentiles(&mut lat);
         let algbw = bytes as f64 / (median / 1e6) / 1e9;
         let mut extra = serde_json::Map::new();
+        let hosts: usize = std::env::var("GROUP_WORLD_SIZE").ok().and_then(|v| v.parse().ok()).unwrap_or(1);
         let used = match (op, algo) {
+            ("all_reduce", "auto") if hosts > 1 => crate::ops::all_reduce_algo_across_hosts(bytes, ws.div_ceil(hosts)),
             ("all_reduce", "auto") => crate::ops::all_reduce_algo(bytes, ws),
             ("all_reduce", a) => a,
             _ => "pull",

@@ -7,7 +7,7 @@
 //! rank that finds an error (a negative split, an output too small) still takes part in the
 //! final barrier, so no peer is left waiting, and then reports it.
 
-use super::{bad, barrier, fetch, symmetric};
+use super::{bad, barrier, fetch, fetch_shared, symmetric};
 use crate::error::Result;
 use crate::group::Group;
 use crate::symm::SymmHandle;
@@ -114,7 +114,7 @@ pub fn all_to_all_vdev(
     barrier(&h)?;
     let me = h.rank();
     let outcome = (|| {
-        fetch(&hs, |_| (0, hs_bytes))?;
+        fetch_shared(&hs, |_| (0, hs_bytes))?;
         let mut out_splits = vec![0i64; ws];
         let mut src_off = vec![0i64; ws];
         for p in 0..ws {
@@ -176,7 +176,7 @@ pub fn all_to_all_vdev_2d(
     barrier(&h)?;
     let me = h.rank();
     let outcome = (|| {
-        fetch(&hs, |_| (0, hs_bytes))?;
+        fetch_shared(&hs, |_| (0, hs_bytes))?;
         // out split e·ws + src = in_splits_src[me·ne + e]; the source offset is src's scan.
         let mut out_splits = vec![0i64; n];
         let mut src_off = vec![0i64; n];
@@ -243,7 +243,7 @@ pub fn all_to_all_vdev_2d_offset(
     barrier(&h)?;
     let me = h.rank();
     let outcome = (|| {
-        fetch(&hs, |_| (0, hs_bytes))?;
+        fetch_shared(&hs, |_| (0, hs_bytes))?;
         let mut out_splits = vec![0i64; n];
         let mut src_off = vec![0i64; n];
         for src in 0..ws {

@@ -13,7 +13,7 @@ use std::sync::{Arc, Mutex};
 use half::{bf16, f16};
 
 use super::reduce::{self, ReduceOp};
-use super::{bad, barrier, fetch, symmetric, timeout};
+use super::{bad, barrier, fetch, fetch_shared, symmetric, timeout};
 use crate::error::Result;
 use crate::group::Group;
 use crate::symm::{self, Device, SymmHandle};
@@ -205,7 +205,7 @@ pub fn fused_all_gather_matmul(
         bs.iter().map(|b| Tensor::zeros(&[gathered_shape[0], b.shape()[1]], dtype)).collect::<Result<_>>()?;
     barrier(&h)?;
     // Shards on other hosts are fetched first; the gatherer then copies every shard alike.
-    fetch(&h, |_| (0, a_shard.nbytes()))?;
+    fetch_shared(&h, |_| (0, a_shard.nbytes()))?;
     let a_ptr = a.data_ptr() as usize;
     let (tx, rx) = std::sync::mpsc::channel::<usize>();
     std::thread::scope(|s| -> Result<()> {
@@ -336,7 +336,7 @@ pub fn fused_matmul_reduce_scatter(
         if scatter_dim == 0 {
             fetch(&h, |_| (me * (m / ws) * n * es, (m / ws) * n * es))?;
         } else {
-            fetch(&h, |_| (me * (n / ws) * es, (m.saturating_sub(1) * n + n / ws) * es))?;
+            fetch_shared(&h, |_| (0, m * n * es))?;
         }
         if scatter_dim == 0 {
             let rows = m / ws;

@@ -23,6 +23,7 @@ mod nd;
 mod reduce;
 mod small;
 mod tile;
+mod xhost;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -134,11 +135,25 @@ fn barrier(h: &SymmHandle) -> Result<()> {
 }
 
 /// Makes the bytes `range(rank)` (offset from the tensor's start, length) of every rank on
-/// another host readable through [`peers`]: one-sided reads into the rank's mirror, all in
-/// flight at once. A no-op when the group is on one host.
+/// another host readable through [`peers`]: one-sided reads into the host's mirror, all in
+/// flight at once. Ranks of a host must fetch disjoint ranges (each reads what it alone
+/// needs); a no-op when the group is on one host.
 fn fetch(h: &SymmHandle, range: impl Fn(usize) -> (usize, usize)) -> Result<()> {
     let base = h.offset();
     h.fetch(
+        &|r| {
+            let (at, len) = range(r);
+            (base + at, len)
+        },
+        timeout(),
+    )
+}
+
+/// [`fetch`] for ranges that every rank of a host reads alike: the host's ranks share the
+/// fetching out and then share the bytes (see [`SymmHandle::fetch_shared`]). Collective.
+fn fetch_shared(h: &SymmHandle, range: impl Fn(usize) -> (usize, usize)) -> Result<()> {
+    let base = h.offset();
+    h.fetch_shared(
         &|r| {
             let (at, len) = range(r);
             (base + at, len)
@@ -166,7 +181,7 @@ pub fn one_shot_all_reduce_out(input: &Tensor, op: ReduceOp, group: &Group, out:
         return Ok(());
     }
     barrier(&h)?;
-    fetch(&h, |_| (0, input.nbytes()))?;
+    fetch_shared(&h, |_| (0, input.nbytes()))?;
     // SAFETY: between the barriers no rank writes its input (the operator's contract), every
     // peer pointer addresses numel elements inside that peer's mapped buffer or its mirror
     // (rendezvous checked the shapes), and `out` is a contiguous tensor of numel elements.
@@ -242,7 +257,7 @@ pub fn two_shot_all_reduce_out(input: &Tensor, op: ReduceOp, group: &Group, out:
     // SAFETY: as in two_shot_all_reduce_; this rank writes only its own slice of its own buffer.
     unsafe { reduce::reduce(input.dtype(), op, &peers(&h, start * es), &[own], len, ws)? };
     barrier(&h)?;
-    fetch(&h, |r| {
+    fetch_shared(&h, |r| {
         let (s, l) = slice(input.numel(), ws, r, per_align);
         (s * es, l * es)
     })?;
@@ -305,11 +320,9 @@ pub fn reduce_scatter_out(
     let es = input.dtype().size();
     barrier(&h)?;
     if split_last_dim {
-        // Each row's column block lies apart from the next: fetch the rows' whole span.
-        let last = *input.shape().last().unwrap_or(&1);
-        let cols = last / ws;
-        let rows = input.numel() / last;
-        fetch(&h, |_| (h.rank() * cols * es, ((rows - 1) * last + cols) * es))?;
+        // Each row's column block lies apart from the next, and the ranks' blocks interleave:
+        // the host fetches whole inputs once.
+        fetch_shared(&h, |_| (0, input.nbytes()))?;
     } else {
         let per = input.numel() / ws;
         fetch(&h, |_| (h.rank() * per * es, per * es))?;
@@ -352,7 +365,7 @@ pub fn all_gather_into(input: &Tensor, group: &Group, out: &Tensor) -> Result<()
     let h = symmetric(OP, input, group)?;
     let n = input.nbytes();
     barrier(&h)?;
-    fetch(&h, |_| (0, n))?;
+    fetch_shared(&h, |_| (0, n))?;
     let ptrs = peers(&h, 0);
     for k in 0..ws {
         let r = (h.rank() + k) % ws;
@@ -370,9 +383,7 @@ pub fn broadcast_(input: &Tensor, root: usize, group: &Group) -> Result<()> {
     }
     let h = symmetric(OP, input, group)?;
     barrier(&h)?;
-    if h.rank() != root && !h.is_local(root) {
-        fetch(&h, |r| if r == root { (0, input.nbytes()) } else { (0, 0) })?;
-    }
+    fetch_shared(&h, |r| if r == root { (0, input.nbytes()) } else { (0, 0) })?;
     if h.rank() != root {
         // SAFETY: root's buffer is not written between the barriers; ours is written only here.
         unsafe { std::ptr::copy_nonoverlapping(peers(&h, 0)[root], input.data_ptr(), input.nbytes()) };
@@ -417,11 +428,22 @@ pub fn all_reduce_algo(bytes: usize, world_size: usize) -> &'static str {
     if bytes <= max { "one_shot" } else { "two_shot" }
 }
 
+/// The algorithm [`all_reduce`] uses for `bytes` on a group spanning hosts with at most
+/// `ranks_per_host` ranks on a host: `"host_push"` (each host's inputs in one message to every
+/// other host, one one-way trip) while a host's inputs fit in 256 KiB, `"two_shot"` above.
+pub fn all_reduce_algo_across_hosts(bytes: usize, ranks_per_host: usize) -> &'static str {
+    if xhost::fits_size(bytes, ranks_per_host) { "host_push" } else { "two_shot" }
+}
+
 /// In-place all-reduce of a symmetric tensor, picking the algorithm by size
 /// ([`all_reduce_algo`]): small messages go one-shot through a double-buffered workspace with a
-/// single synchronization per call; larger ones two-shot.
+/// single synchronization per call; larger ones two-shot. Across hosts
+/// ([`all_reduce_algo_across_hosts`]), hosts exchange their inputs in one message each up to a
+/// few hundred KiB, two-shot above; results are bitwise those of one host.
 pub fn all_reduce(tensor: &Tensor, op: ReduceOp, group: &Group) -> Result<()> {
-    if all_reduce_algo(tensor.nbytes(), group.world_size()) == "two_shot" {
+    let cross_host_small =
+        || symm::rendezvous(tensor, group).is_ok_and(|h| !h.all_local() && xhost::fits(&h, tensor.nbytes()));
+    if all_reduce_algo(tensor.nbytes(), group.world_size()) == "two_shot" && !cross_host_small() {
         return two_shot_all_reduce_(tensor, op, group);
     }
     const OP: &str = "all_reduce";
@@ -441,11 +463,11 @@ pub fn all_reduce(tensor: &Tensor, op: ReduceOp, group: &Group) -> Result<()> {
     }
     let h = symmetric(OP, tensor, group)?;
     if !h.all_local() {
-        // Across hosts: one-shot into a scratch tensor (every rank reads every input, so the
-        // result cannot be written in place before the final barrier), then copied back.
-        let out = Tensor::zeros(tensor.shape(), tensor.dtype())?;
-        one_shot_all_reduce_out(tensor, op, group, &out)?;
-        return tensor.copy_from(&out);
+        // Across hosts: a host's inputs travel in one message to every other host.
+        if xhost::fits(&h, tensor.nbytes()) {
+            return xhost::all_reduce(tensor, op, group, timeout());
+        }
+        return two_shot_all_reduce_(tensor, op, group);
     }
     small::all_reduce(tensor, op, group, timeout())
 }

@@ -3,7 +3,7 @@
 //! two barriers.
 
 use super::reduce::{self, ReduceOp};
-use super::{bad, barrier, fetch, symmetric};
+use super::{bad, barrier, fetch_shared, symmetric};
 use crate::error::Result;
 use crate::group::Group;
 use crate::tensor::Tensor;
@@ -85,7 +85,7 @@ pub fn reduce_scatter_offset(
     let outcome = (|| {
         // Ranks on other hosts: fetch their whole input (the blocks this rank owns may be
         // anywhere in it).
-        fetch(&h, |_| (0, input.nbytes()))?;
+        fetch_shared(&h, |_| (0, input.nbytes()))?;
         for (j, &i) in owned[me].iter().enumerate() {
             let start = if i == 0 { 0 } else { offsets[i - 1] };
             let len = size(i);
@@ -155,7 +155,7 @@ pub fn all_to_all_nd(input: &Tensor, out: &Tensor, scatter_dim: usize, gather_di
     }
     let h = symmetric(OP, input, group)?;
     barrier(&h)?;
-    fetch(&h, |_| (0, input.nbytes()))?;
+    fetch_shared(&h, |_| (0, input.nbytes()))?;
     let (me, es) = (h.rank(), input.dtype().size());
     let peer = |r: usize, elem: usize| (h.read_ptr(r) + h.offset() + elem * es) as *const u8;
     for k in 0..g {

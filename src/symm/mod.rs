@@ -16,6 +16,7 @@
 //!
 //! Layer: uses `group` (rendezvous through its store), `tensor`, `sys` and `wire`.
 
+pub(crate) mod hostsync;
 mod pool;
 mod remote;
 mod segment;
@@ -31,7 +32,7 @@ use crate::tensor::{DType, Storage, Tensor};
 use crate::transport::Memory;
 use crate::wire::symm::{PeerRecord, RECORD_VERSION};
 pub use pool::MemPool;
-use remote::{Link, Links, Remote};
+use remote::{Link, Links, Mirror, Remote};
 use segment::{Pad, Segment};
 use signal::{Failure, Patience};
 
@@ -92,6 +93,8 @@ struct Globals {
     locks: HashMap<String, Arc<Mutex<()>>>,
     /// Per group: the transport links to its ranks on other hosts.
     links: HashMap<String, Arc<Links>>,
+    /// Per group spanning hosts: its barrier.
+    syncs: HashMap<String, Arc<hostsync::HostSync>>,
 }
 
 fn globals() -> MutexGuard<'static, Globals> {
@@ -102,6 +105,7 @@ fn globals() -> MutexGuard<'static, Globals> {
             steps: HashMap::new(),
             locks: HashMap::new(),
             links: HashMap::new(),
+            syncs: HashMap::new(),
         })
     });
     // The bookkeeping stays consistent even if a holder panicked.
@@ -252,6 +256,10 @@ struct PeerSet {
     group: String,
     own: Arc<Segment>,
     peers: Vec<Peer>,
+    /// The host of every rank, numbered in order of first appearance.
+    host_of: Vec<usize>,
+    /// The group's barrier across hosts (none on one host, or for that barrier's own words).
+    sync: std::sync::OnceLock<Arc<hostsync::HostSync>>,
     /// This rank's signal pad and data buffer as registered on each link, by peer.
     exposed: HashMap<usize, (Arc<Link>, Memory, Memory)>,
     lock: Arc<Mutex<()>>,
@@ -306,6 +314,11 @@ pub fn rendezvous(tensor: &Tensor, group: &Group) -> Result<Arc<SymmHandle>> {
         Some(p) => p,
         None => {
             let p = Arc::new(exchange(alloc, tensor, offset, group)?);
+            if !p.exposed.is_empty()
+                && let Some(sync) = host_sync(group)?
+            {
+                let _ = p.sync.set(sync);
+            }
             lock(&alloc.peers).insert(group.name().to_string(), p.clone());
             p
         }
@@ -313,6 +326,32 @@ pub fn rendezvous(tensor: &Tensor, group: &Group) -> Result<Arc<SymmHandle>> {
     let h = Arc::new(SymmHandle { peers, offset });
     lock(&alloc.handles).insert(key, h.clone());
     Ok(h)
+}
+
+thread_local! {
+    /// Set while a group's barrier words are being rendezvoused (they get no barrier of their own).
+    static MAKING_SYNC: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// The barrier of a group that spans hosts, made at its first rendezvous across hosts (every
+/// rank reaches that point in the same order, so the nested rendezvous is collective too).
+fn host_sync(group: &Group) -> Result<Option<Arc<hostsync::HostSync>>> {
+    if MAKING_SYNC.get() {
+        return Ok(None);
+    }
+    if let Some(s) = globals().syncs.get(group.name()) {
+        return Ok(Some(s.clone()));
+    }
+    MAKING_SYNC.set(true);
+    let made = (|| {
+        let words = empty(&[hostsync::words(group.world_size())], DType::U32, Device::Cpu)?;
+        let h = rendezvous(&words, group)?;
+        Ok::<_, Error>(Arc::new(hostsync::HostSync::new(words, h)))
+    })();
+    MAKING_SYNC.set(false);
+    let s = made?;
+    globals().syncs.insert(group.name().to_string(), s.clone());
+    Ok(Some(s))
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -439,9 +478,38 @@ fn exchange(alloc: &Allocation, tensor: &Tensor, offset: usize, group: &Group) -
             }
         }
     }
+    // The host's leader (its lowest rank) makes the shared mirrors of the remote ranks.
+    let mut distinct: Vec<&String> = Vec::new();
+    let host_of: Vec<usize> = hosts
+        .iter()
+        .map(|h| {
+            distinct.iter().position(|d| *d == h).unwrap_or_else(|| {
+                distinct.push(h);
+                distinct.len() - 1
+            })
+        })
+        .collect();
+    let leader = (0..ws).find(|&r| host_of[r] == host_of[rank]).unwrap_or(rank);
+    let mut mirrors: HashMap<usize, Arc<Mirror>> = HashMap::new();
+    let mut mirror_offers = Vec::new();
+    if leader == rank && failure.is_empty() {
+        for &r in &remote {
+            match Mirror::create(records[r].buffer_size as usize) {
+                Ok(m) => {
+                    mirror_offers.push(MirrorOffer { of: r, pid: std::process::id(), fd: m.fd_number() });
+                    mirrors.insert(r, Arc::new(m));
+                }
+                Err(e) => {
+                    failure = format!("rank {rank} could not make a mirror of rank {r}'s buffer: {e}");
+                    break;
+                }
+            }
+        }
+    }
     // Confirm: nobody returns (and may free its segment) before everyone has mapped, and a
-    // failure on one rank becomes an error on all. Descriptors for remote peers ride along.
-    let confirm = Confirm { failure, offers };
+    // failure on one rank becomes an error on all. Descriptors for remote peers and the shared
+    // mirrors ride along.
+    let confirm = Confirm { failure, offers, mirrors: mirror_offers };
     let raw = serde_json::to_vec(&confirm).map_err(|e| Error::Rendezvous(format!("encoding the confirmation: {e}")))?;
     let verdicts = group.exchange_bytes(&format!("symm/{step}/mapped"), &raw)?;
     let verdicts = verdicts
@@ -453,6 +521,14 @@ fn exchange(alloc: &Allocation, tensor: &Tensor, offset: usize, group: &Group) -
         .collect::<Result<Vec<_>>>()?;
     if let Some(v) = verdicts.iter().find(|v| !v.failure.is_empty()) {
         return Err(Error::Rendezvous(v.failure.clone()));
+    }
+    if leader != rank {
+        for o in &verdicts[leader].mirrors {
+            let m = Mirror::open(o.pid, o.fd, records[o.of].buffer_size as usize).map_err(|e| {
+                Error::Rendezvous(format!("rank {rank} could not map its host's mirror of rank {}: {e}", o.of))
+            })?;
+            mirrors.insert(o.of, Arc::new(m));
+        }
     }
     let mut peers = Vec::with_capacity(ws);
     for (r, seg) in segments.into_iter().enumerate() {
@@ -474,10 +550,13 @@ fn exchange(alloc: &Allocation, tensor: &Tensor, offset: usize, group: &Group) -
                 records[r].buffer_size
             )));
         }
-        peers.push(Peer::Remote(Box::new(Remote::new(links[&r].clone(), pad, data))));
+        let mirror = mirrors.get(&r).cloned().ok_or_else(|| {
+            Error::Rendezvous(format!("rank {leader} (this host's leader) made no mirror of rank {r}"))
+        })?;
+        peers.push(Peer::Remote(Box::new(Remote::new(links[&r].clone(), pad, data, mirror))));
     }
     let lock = globals().locks.entry(name.clone()).or_default().clone();
-    Ok(PeerSet { rank, world_size: ws, group: name, own, peers, exposed, lock })
+    Ok(PeerSet { rank, world_size: ws, group: name, own, peers, host_of, sync: Default::default(), exposed, lock })
 }
 
 /// What a rank offers a peer on another host: descriptors of its pad and data buffer.
@@ -488,12 +567,21 @@ struct Offer {
     data: String,
 }
 
+/// A host leader's shared mirror of one remote rank's buffer, for the other ranks of its host.
+#[derive(serde::Serialize, serde::Deserialize)]
+struct MirrorOffer {
+    of: usize,
+    pid: u32,
+    fd: i32,
+}
+
 /// A rank's answer in the rendezvous's confirm step.
 #[derive(serde::Serialize, serde::Deserialize)]
 struct Confirm {
     /// Empty on success, else why this rank failed.
     failure: String,
     offers: Vec<Offer>,
+    mirrors: Vec<MirrorOffer>,
 }
 
 impl SymmHandle {
@@ -587,7 +675,7 @@ impl SymmHandle {
     pub(crate) fn read_ptr(&self, rank: usize) -> usize {
         match &self.peers.peers[rank] {
             Peer::Local(s) => s.data_ptr() as usize,
-            Peer::Remote(r) => r.mirror_ptr().expect("fetch allocates every mirror before operators read them"),
+            Peer::Remote(r) => r.mirror_ptr(),
         }
     }
 
@@ -605,7 +693,6 @@ impl SymmHandle {
         let mut works = Vec::new();
         for p in &self.peers.peers {
             if let Peer::Remote(r) = p {
-                r.mirror()?;
                 let (at, len) = range(r.link.peer);
                 if len > 0 {
                     works.push((&**r, r.start_fetch(at, len, timeout)));
@@ -613,6 +700,30 @@ impl SymmHandle {
             }
         }
         remote::wait_all(works, "reading from")
+    }
+
+    /// Like [`SymmHandle::fetch`] for a range every rank of this host reads alike: the ranks
+    /// of the host share the remote ranks out among themselves, each fetches its share into
+    /// the host's mirrors, and a barrier among the host's ranks makes every share visible to
+    /// all. Collective over the ranks of the group. Each remote byte crosses hosts once per
+    /// host instead of once per rank.
+    pub(crate) fn fetch_shared(&self, range: &dyn Fn(usize) -> (usize, usize), timeout: Duration) -> Result<()> {
+        if self.all_local() {
+            return Ok(());
+        }
+        let locals = self.local_ranks();
+        let me = locals.iter().position(|&r| r == self.rank()).unwrap_or(0);
+        let mut works = Vec::new();
+        for (i, r) in (0..self.world_size()).filter_map(|r| self.remote(r)).enumerate() {
+            let (at, len) = range(r.link.peer);
+            if i % locals.len() == me && len > 0 {
+                works.push((r, r.start_fetch(at, len, timeout)));
+            }
+        }
+        let fetched = remote::wait_all(works, "reading from");
+        // The barrier happens even after a failure, so that no rank of the host is left waiting.
+        let synced = self.local_barrier(0, timeout);
+        fetched.and(synced)
     }
 
     /// Copies `len` bytes at `from` in this rank's own data buffer to `to` in `rank`'s data
@@ -641,6 +752,23 @@ impl SymmHandle {
             }
         }
         remote::wait_all(works, "writing to")
+    }
+
+    /// Starts writing `len` bytes at `from` in this rank's own data buffer to `to` in the data
+    /// buffer of `rank`, on another host, without waiting. Writes of at most 64 KiB that one
+    /// thread starts on one link land in the order started, atomics included.
+    pub(crate) fn start_push(
+        &self,
+        rank: usize,
+        from: usize,
+        len: usize,
+        to: usize,
+        timeout: Duration,
+    ) -> Result<crate::transport::Work> {
+        let r = self.remote(rank).ok_or_else(|| Error::InvalidArgument(format!("rank {rank} is not remote")))?;
+        let (_, _, data) = &self.peers.exposed[&rank];
+        let src = data.to_view(from, Some(len))?;
+        r.start_write_from(&src, to, timeout).map_err(|e| r.link.error("writing to", &e))
     }
 
     /// The size of the whole data buffer of the allocation, in bytes.
@@ -723,7 +851,7 @@ impl SymmHandle {
         Ok(Tensor::from_storage(Arc::new(Pad(seg)), &[n], DType::U32))
     }
 
-    fn patience(&self, timeout: Duration) -> Patience {
+    pub(crate) fn patience(&self, timeout: Duration) -> Patience {
         // When ranks outnumber cores, spinning only steals time from the rank being waited for:
         // yield the core to it instead, and sleep only after that.
         let (spin, yield_for) = if self.world_size() > cores() {
@@ -757,11 +885,71 @@ impl SymmHandle {
         self.check_channel(channel)?;
         let _g = lock(&self.peers.lock);
         let p = self.patience(timeout);
+        if !self.all_local() {
+            return match self.peers.sync.get() {
+                Some(sync) => sync.barrier(&p, timeout),
+                None => self.host_barrier(channel, &p, timeout),
+            };
+        }
         let (me, ws) = (self.rank(), self.world_size());
         let others: Vec<usize> = (1..ws).map(|k| (me + k) % ws).collect();
         self.put_all(&others, channel, &p, "barrier", timeout)?;
         for k in 1..ws {
             self.wait((me + ws - k) % ws, channel, &p, "barrier", timeout)?;
+        }
+        Ok(())
+    }
+
+    /// The ranks on this host, this one included, in order.
+    pub(crate) fn local_ranks(&self) -> Vec<usize> {
+        let mine = self.peers.host_of[self.rank()];
+        (0..self.world_size()).filter(|&r| self.peers.host_of[r] == mine).collect()
+    }
+
+    /// The most ranks any one host of the group has.
+    pub(crate) fn max_ranks_per_host(&self) -> usize {
+        let h = &self.peers.host_of;
+        h.iter().map(|x| h.iter().filter(|y| *y == x).count()).max().unwrap_or(1)
+    }
+
+    /// Every host's leader (its lowest rank), in order.
+    pub(crate) fn leaders(&self) -> Vec<usize> {
+        let h = &self.peers.host_of;
+        (0..self.world_size()).filter(|&r| !h[..r].contains(&h[r])).collect()
+    }
+
+    /// A barrier across hosts in three steps, so that only one rank per host signals across
+    /// hosts: the ranks of a host signal their leader; the leaders signal each other; each
+    /// leader releases its host's ranks. Every slot is used once each way, so pads stay
+    /// balanced.
+    fn host_barrier(&self, channel: usize, p: &Patience, timeout: Duration) -> Result<()> {
+        let me = self.rank();
+        let locals = self.local_ranks();
+        let leader = locals[0];
+        if me != leader {
+            self.put_all(&[leader], channel, p, "barrier", timeout)?;
+            return self.wait(leader, channel, p, "barrier", timeout);
+        }
+        for &r in &locals[1..] {
+            self.wait(r, channel, p, "barrier", timeout)?;
+        }
+        let others: Vec<usize> = self.leaders().into_iter().filter(|&l| l != me).collect();
+        self.put_all(&others, channel, p, "barrier", timeout)?;
+        for &l in &others {
+            self.wait(l, channel, p, "barrier", timeout)?;
+        }
+        self.put_all(&locals[1..], channel, p, "barrier", timeout)
+    }
+
+    /// A barrier among the ranks of this host only.
+    fn local_barrier(&self, channel: usize, timeout: Duration) -> Result<()> {
+        let _g = lock(&self.peers.lock);
+        let p = self.patience(timeout);
+        let me = self.rank();
+        let others: Vec<usize> = self.local_ranks().into_iter().filter(|&r| r != me).collect();
+        self.put_all(&others, channel, &p, "barrier", timeout)?;
+        for &r in &others {
+            self.wait(r, channel, &p, "barrier", timeout)?;
         }
         Ok(())
     }
@@ -821,7 +1009,7 @@ impl SymmHandle {
     /// After a timeout in a group that spans hosts: which ranks on other hosts no longer answer
     /// (a probe of one word each, all at once, for at most a second).
     #[cold]
-    fn diagnose(&self) -> String {
+    pub(crate) fn diagnose(&self) -> String {
         if self.all_local() {
             return String::new();
         }

@@ -17,12 +17,14 @@
 //! watches its link: a peer whose link breaks is named in the error at once, not at the timeout.
 
 use std::collections::HashMap;
+use std::os::fd::OwnedFd;
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
 use crate::group::Group;
-use crate::tensor::{DType, Tensor};
+use crate::sys::shm::{self, Mapping};
+use crate::tensor::{DType, Storage, Tensor};
 use crate::transport::{ATOMIC_BUSY, Memory, Options, RemoteBuffer, Transport, Work, new_transport};
 use crate::wire::tcp::Atomic;
 
@@ -92,6 +94,50 @@ pub(crate) fn connect(group: &Group, step: u64, remote: &[usize], hosts: &[Strin
     Ok(links)
 }
 
+/// A host's copy of one remote rank's data buffer: shared memory made by the host's leader
+/// (its lowest rank) and mapped by every rank of the host, so that what one rank fetches
+/// every rank of the host can read (same offsets as the remote buffer).
+#[derive(Debug)]
+pub(crate) struct Mirror {
+    map: Mapping,
+    /// The leader keeps its memfd open so the other ranks of the host can open it.
+    fd: Option<OwnedFd>,
+}
+
+impl Mirror {
+    /// A new mirror of `len` bytes (on the host's leader).
+    pub(crate) fn create(len: usize) -> Result<Mirror> {
+        let len = len.max(1).div_ceil(4096) * 4096;
+        let fd = shm::create("symmem-mirror", len)?;
+        Ok(Mirror { map: Mapping::new(&fd, len)?, fd: Some(fd) })
+    }
+
+    /// Maps the leader's mirror (on the other ranks of the host).
+    pub(crate) fn open(pid: u32, fd: i32, len: usize) -> Result<Mirror> {
+        let fd = shm::open_peer(pid, fd)?;
+        let size = shm::size(&fd)?;
+        if size < len {
+            return Err(Error::Rendezvous(format!("a shared mirror of {size} bytes cannot hold {len}")));
+        }
+        Ok(Mirror { map: Mapping::new(&fd, size)?, fd: None })
+    }
+
+    /// The leader's descriptor number, for the other ranks to open.
+    pub(crate) fn fd_number(&self) -> i32 {
+        self.fd.as_ref().map_or(-1, shm::raw)
+    }
+}
+
+// SAFETY: the mapping lives (at a fixed address) as long as the Mirror.
+unsafe impl Storage for Mirror {
+    fn ptr(&self) -> *mut u8 {
+        self.map.ptr()
+    }
+    fn len(&self) -> usize {
+        self.map.len()
+    }
+}
+
 /// One remote peer's copy of an allocation.
 #[derive(Debug)]
 pub(crate) struct Remote {
@@ -99,26 +145,28 @@ pub(crate) struct Remote {
     /// The peer's signal pad and data buffer.
     pub(crate) pad: RemoteBuffer,
     pub(crate) data: RemoteBuffer,
-    /// A local buffer the size of the peer's data buffer, registered on the link, into which
-    /// operators fetch the parts of the peer's buffer they read (same offsets).
+    /// This host's shared copy of the peer's data buffer, into which operators fetch the parts
+    /// they read; registered on this rank's link on first use.
+    shared: Arc<Mirror>,
     mirror: OnceLock<(Tensor, Memory)>,
 }
 
 impl Remote {
-    pub(crate) fn new(link: Arc<Link>, pad: RemoteBuffer, data: RemoteBuffer) -> Remote {
-        Remote { link, pad, data, mirror: OnceLock::new() }
+    pub(crate) fn new(link: Arc<Link>, pad: RemoteBuffer, data: RemoteBuffer, shared: Arc<Mirror>) -> Remote {
+        Remote { link, pad, data, shared, mirror: OnceLock::new() }
     }
 
     pub(crate) fn data_size(&self) -> usize {
         self.data.len() as usize
     }
 
-    /// The mirror, allocated and registered on first use.
+    /// The mirror, registered on this rank's link on first use.
     pub(crate) fn mirror(&self) -> Result<&(Tensor, Memory)> {
         if let Some(m) = self.mirror.get() {
             return Ok(m);
         }
-        let t = Tensor::zeros(&[self.data_size().max(1)], DType::U8)?;
+        let storage: Arc<dyn Storage> = self.shared.clone();
+        let t = Tensor::from_storage(storage, &[self.data_size().max(1)], DType::U8);
         let m = self.link.transport.register_memory_read_only(&t)?;
         Ok(self.mirror.get_or_init(|| (t, m)))
     }
@@ -154,9 +202,9 @@ impl Remote {
         self.link.transport.start_write(src, &self.data.slice(at as u64, src.size() as u64)?, Some(timeout))
     }
 
-    /// The address of the mirror (valid for the ranges fetched since the last barrier).
-    pub(crate) fn mirror_ptr(&self) -> Result<usize> {
-        Ok(self.mirror()?.0.data_ptr() as usize)
+    /// The address of this host's mirror (valid for the ranges fetched since the last barrier).
+    pub(crate) fn mirror_ptr(&self) -> usize {
+        self.shared.map.ptr() as usize
     }
 
     /// Starts a slot put on signal slot `slot` of the peer's pad.

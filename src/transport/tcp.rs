@@ -569,7 +569,8 @@ impl Client {
     }
 
     /// Splits a request into (flow, local offset, length) chunks of at most `chunk` bytes:
-    /// whole on one flow (round-robin) below `STRIPE_MIN`, else one contiguous stripe per flow.
+    /// whole on flow 0 up to `INLINE`, whole on one flow (round-robin) below `STRIPE_MIN`, else
+    /// one contiguous stripe per flow.
     fn plan(&self, len: usize) -> Vec<(usize, usize, usize)> {
         let f = self.flows.len();
         let mut out = Vec::new();
@@ -584,7 +585,11 @@ impl Client {
                 }
             }
         };
-        if len < STRIPE_MIN || f == 1 {
+        if len <= INLINE {
+            // Small requests all take flow 0, so those one thread sends on one link reach the
+            // target in order: a write and then a remote atomic need no wait in between.
+            cut(0, 0, len);
+        } else if len < STRIPE_MIN || f == 1 {
             cut(self.rr.fetch_add(1, Ordering::Relaxed) % f, 0, len);
         } else {
             for i in 0..f {

@@ -1053,6 +1053,7 @@ pub fn collective_rank(op: &str, algo: &str, dtype: DType, iters: usize, warmup:
             ("all_reduce", "auto") if hosts > 1 => crate::ops::all_reduce_algo_across_hosts(bytes, ws.div_ceil(hosts)),
             ("all_reduce", "auto") => crate::ops::all_reduce_algo(bytes, ws),
             ("all_reduce", a) => a,
+            ("all_to_all", _) if hosts > 1 && bytes <= crate::ops::ALL_TO_ALL_PUSH_MAX => "host_push",
             _ => "pull",
         };
         extra.insert("algo".into(), used.into());

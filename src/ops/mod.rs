@@ -405,6 +405,9 @@ pub fn all_to_all(input: &Tensor, out: &Tensor, group: &Group) -> Result<()> {
     }
     let h = symmetric(OP, input, group)?;
     let block = input.nbytes() / ws;
+    if !h.all_local() && input.nbytes() <= ALL_TO_ALL_PUSH_MAX {
+        return xhost::all_to_all(input, out, group, &h, timeout());
+    }
     barrier(&h)?;
     fetch(&h, |_| (h.rank() * block, block))?;
     for k in 0..ws {
@@ -415,6 +418,11 @@ pub fn all_to_all(input: &Tensor, out: &Tensor, group: &Group) -> Result<()> {
     }
     barrier(&h)
 }
+
+/// Across hosts, [`all_to_all`] inputs up to this size (per rank) go hierarchically, one
+/// message per pair of hosts through the hosts' leaders (`"host_push"`); larger ones are
+/// pulled by every rank (`"pull"`), which spreads the copying over every rank and flow.
+pub const ALL_TO_ALL_PUSH_MAX: usize = 512 << 10;
 
 /// The largest message [`all_reduce`] ever sends one-shot (when ranks outnumber cores).
 pub const ONE_SHOT_MAX: usize = 8 * 1024;

@@ -47,9 +47,35 @@ struct Workspace {
     sent: Vec<(usize, Work)>,
 }
 
-fn workspaces() -> &'static Mutex<HashMap<String, Workspace>> {
-    static W: std::sync::OnceLock<Mutex<HashMap<String, Workspace>>> = std::sync::OnceLock::new();
+/// Workspaces per (group, operator).
+type Workspaces = HashMap<(String, &'static str), Workspace>;
+
+fn workspaces() -> &'static Mutex<Workspaces> {
+    static W: std::sync::OnceLock<Mutex<Workspaces>> = std::sync::OnceLock::new();
     W.get_or_init(|| Mutex::new(HashMap::new()))
+}
+
+/// The workspace of `kind` on `group` for messages of up to `cap` bytes, `bytes(cap)` after
+/// the words; made (or grown) collectively, which every rank does at the same call since the
+/// sizes are the same everywhere.
+fn workspace<'a>(
+    all: &'a mut Workspaces,
+    group: &Group,
+    kind: &'static str,
+    cap: usize,
+    bytes: impl Fn(usize) -> usize,
+    timeout: Duration,
+) -> Result<&'a mut Workspace> {
+    let key = (group.name().to_string(), kind);
+    if all.get(&key).is_none_or(|w| w.cap < cap) {
+        let cap = cap.max(4096).next_power_of_two();
+        let t = symm::empty(&[words_bytes(group.world_size()) + bytes(cap)], DType::U8, Device::Cpu)?;
+        let handle = symm::rendezvous(&t, group)?;
+        handle.barrier(0, timeout)?;
+        let words = Words::new(handle, 0);
+        all.insert(key.clone(), Workspace { _tensor: t, words, cap, epoch: 0, sent: Vec::new() });
+    }
+    all.get_mut(&key).ok_or_else(|| Error::InvalidArgument("workspace vanished".into()))
 }
 
 /// Bytes of epoch words at the start of the workspace.
@@ -73,18 +99,7 @@ pub(crate) fn all_reduce(tensor: &Tensor, op: ReduceOp, group: &Group, timeout: 
     let stride = n.next_multiple_of(16);
     let (me, world) = (group.rank(), group.world_size());
     let mut all = workspaces().lock().unwrap_or_else(|p| p.into_inner());
-    if all.get(group.name()).is_none_or(|w| w.cap < stride) {
-        // Collective: every rank makes (or grows) it at the same call, the sizes being equal.
-        let cap = stride.max(4096).next_power_of_two();
-        let t = symm::empty(&[words_bytes(world) + 2 * world * cap + 2 * cap], DType::U8, Device::Cpu)?;
-        let handle = symm::rendezvous(&t, group)?;
-        handle.barrier(0, timeout)?;
-        all.insert(
-            group.name().to_string(),
-            Workspace { _tensor: t, words: Words::new(handle, 0), cap, epoch: 0, sent: Vec::new() },
-        );
-    }
-    let w = all.get_mut(group.name()).ok_or_else(|| Error::InvalidArgument("workspace vanished".into()))?;
+    let w = workspace(&mut all, group, "all_reduce", stride, |cap| 2 * world * cap + 2 * cap, timeout)?;
     let e = w.epoch.wrapping_add(1);
     let hw = w.words.h.clone();
     let p = hw.patience(timeout);
@@ -151,6 +166,93 @@ pub(crate) fn all_reduce(tensor: &Tensor, op: ReduceOp, group: &Group, timeout: 
     }
     // SAFETY: as above; the tensor holds n bytes.
     unsafe { std::ptr::copy_nonoverlapping(own(result).cast_const(), tensor.data_ptr(), n) };
+    w.epoch = e;
+    Ok(())
+}
+
+/// Equal-split all-to-all on a group that spans hosts (`h`: the input's handle), hierarchically:
+/// every rank stages its input in its workspace; each host's leader packs, for every other
+/// host, the blocks its ranks send to that host's ranks into one region and writes it to that
+/// host's leader (then raises its FROM word); each rank then copies its blocks from the stages
+/// of the ranks on its host and from its leader's inbox. One message per pair of hosts; the
+/// buffers alternate as in the all-reduce above, with the same argument.
+pub(crate) fn all_to_all(input: &Tensor, out: &Tensor, group: &Group, h: &SymmHandle, timeout: Duration) -> Result<()> {
+    let (me, world) = (group.rank(), group.world_size());
+    let b = input.nbytes() / world;
+    let bs = b.next_multiple_of(16);
+    let (hosts, lmax) = (h.hosts(), h.max_ranks_per_host());
+    // Per parity: the stage (world blocks), the outbox and the inbox (hosts × lmax² blocks each).
+    let per = move |cap: usize| world * cap + 2 * hosts * lmax * lmax * cap;
+    let mut all = workspaces().lock().unwrap_or_else(|p| p.into_inner());
+    let w = workspace(&mut all, group, "all_to_all", bs, move |cap| 2 * per(cap), timeout)?;
+    let e = w.epoch.wrapping_add(1);
+    let hw = w.words.h.clone();
+    let p = hw.patience(timeout);
+    let base = hw.offset() + words_bytes(world) + (e % 2) as usize * per(w.cap);
+    let stage = |d: usize| base + d * bs;
+    let boxes = base + world * w.cap;
+    let outbox = |host: usize, ls: usize, ld: usize| boxes + ((host * lmax + ls) * lmax + ld) * bs;
+    let inbox = |host: usize, ls: usize, ld: usize| outbox(host, ls, ld) + hosts * lmax * lmax * w.cap;
+    let at = |rank: usize, off: usize| (hw.read_ptr(rank) + off) as *mut u8;
+    let local_index = |r: usize| hw.ranks_on(hw.host_of(r)).iter().position(|&x| x == r).unwrap_or(0);
+    let (arrive, release, from) = (|r: usize| r, world, |l: usize| world + 1 + l);
+    let locals = hw.local_ranks();
+    let (leader, my_host) = (locals[0], hw.host_of(me));
+
+    // SAFETY (for the copies into this rank's stage p): it holds world blocks of bs >= b bytes,
+    // nobody reads it before this rank's ARRIVE, and nobody still reads it from call e-2.
+    for d in 0..world {
+        // SAFETY: see above; the input is contiguous, world blocks of b bytes.
+        unsafe { std::ptr::copy_nonoverlapping(input.data_ptr().add(d * b).cast_const(), at(me, stage(d)), b) };
+    }
+    if me != leader {
+        w.words.publish(leader, arrive(me), e);
+        w.words.wait_for(release, e, leader, &p, timeout)?;
+    } else {
+        settle(&hw, &mut w.sent, timeout)?;
+        for &r in &locals[1..] {
+            w.words.wait_for(arrive(r), e, r, &p, timeout)?;
+        }
+        for host in (0..hosts).filter(|&x| x != my_host) {
+            let theirs = hw.ranks_on(host);
+            for (ls, &s) in locals.iter().enumerate() {
+                for (ld, &d) in theirs.iter().enumerate() {
+                    // SAFETY: rank s's stage p is complete (its ARRIVE seen with Acquire) and
+                    // not rewritten before call e+2; this leader's outbox p is rewritten only
+                    // after the sends of call e settled (above, at call e+2).
+                    unsafe {
+                        std::ptr::copy_nonoverlapping(at(s, stage(d)).cast_const(), at(me, outbox(host, ls, ld)), b)
+                    };
+                }
+            }
+            let l = theirs[0];
+            let (src, dst, len) = (outbox(host, 0, 0), inbox(my_host, 0, 0), lmax * lmax * bs);
+            for off in (0..len).step_by(IN_ORDER) {
+                let piece = IN_ORDER.min(len - off);
+                w.sent.push((l, hw.start_push(l, src + off, piece, dst + off, timeout)?));
+            }
+            w.sent.push((l, w.words.start_remote(l, from(leader), e, timeout)?));
+        }
+        for host in (0..hosts).filter(|&x| x != my_host) {
+            let l = hw.ranks_on(host)[0];
+            w.words.wait_for(from(l), e, l, &p, timeout)?;
+        }
+        for &r in &locals[1..] {
+            w.words.publish(r, release, e);
+        }
+    }
+    let ld = local_index(me);
+    for s in 0..world {
+        let src = if hw.host_of(s) == my_host {
+            at(s, stage(me))
+        } else {
+            at(leader, inbox(hw.host_of(s), local_index(s), ld))
+        };
+        // SAFETY: a local rank's stage p is complete (it arrived before the leader released this
+        // host); the leader's inbox region from s's host landed before that host's FROM word
+        // rose, which the leader saw before releasing; out holds world blocks of b bytes.
+        unsafe { std::ptr::copy_nonoverlapping(src.cast_const(), out.data_ptr().add(s * b), b) };
+    }
     w.epoch = e;
     Ok(())
 }

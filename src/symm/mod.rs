@@ -906,6 +906,21 @@ impl SymmHandle {
         (0..self.world_size()).filter(|&r| self.peers.host_of[r] == mine).collect()
     }
 
+    /// How many hosts the group spans.
+    pub(crate) fn hosts(&self) -> usize {
+        self.peers.host_of.iter().max().map_or(1, |m| m + 1)
+    }
+
+    /// The host (index) of `rank`.
+    pub(crate) fn host_of(&self, rank: usize) -> usize {
+        self.peers.host_of[rank]
+    }
+
+    /// The ranks on host `host`, in order.
+    pub(crate) fn ranks_on(&self, host: usize) -> Vec<usize> {
+        (0..self.world_size()).filter(|&r| self.peers.host_of[r] == host).collect()
+    }
+
     /// The most ranks any one host of the group has.
     pub(crate) fn max_ranks_per_host(&self) -> usize {
         let h = &self.peers.host_of;

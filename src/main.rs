@@ -41,9 +41,13 @@ enum Command {
     Run(RunArgs),
     /// The main job: launch ranks that rendezvous through the store, barrier, and report timings.
     Demo {
-        /// Ranks to launch.
+        /// Ranks to launch (per host, with --hosts).
         #[arg(short = 'n', long, default_value_t = 2)]
         nproc: usize,
+        /// Play this many hosts on this machine: one launcher per host, and ranks on different
+        /// "hosts" reach each other only through the tcp transport, as on separate machines.
+        #[arg(long, default_value_t = 1)]
+        hosts: usize,
     },
     /// One rank of the demo (started by `symmem demo`).
     #[command(hide = true)]
@@ -363,7 +367,7 @@ fn main() -> ExitCode {
 fn dispatch(command: Command) -> Result<ExitCode> {
     match command {
         Command::Run(args) => run(args),
-        Command::Demo { nproc } => demo(nproc),
+        Command::Demo { nproc, hosts } => demo(nproc, hosts),
         Command::DemoRank => demo_rank().map(|()| ExitCode::SUCCESS),
         Command::BenchSignalRank { iters } => bench::signal_rank(iters).map(|()| ExitCode::SUCCESS).map_err(Into::into),
         Command::BenchFlagRank { iters } => bench::flag_rank(iters).map(|()| ExitCode::SUCCESS).map_err(Into::into),
@@ -459,11 +463,24 @@ fn run(args: RunArgs) -> Result<ExitCode> {
     launch_and_report(&options)
 }
 
-fn demo(nproc: usize) -> Result<ExitCode> {
+fn demo(nproc: usize, hosts: usize) -> Result<ExitCode> {
     let exe = std::env::current_exe().context("find the symmem executable")?;
-    say!("symmem demo: launching {nproc} ranks of {} on this host", exe.display());
-    let mut options = LaunchOptions::local(nproc, exe, vec!["demo-rank".into()]);
+    let mut options = LaunchOptions::local(nproc, exe.clone(), vec!["demo-rank".into()]);
     options.timeout = Some(Duration::from_secs(120));
+    if hosts > 1 {
+        say!(
+            "symmem demo: playing {hosts} hosts on this machine, {nproc} ranks of {} each; ranks on different hosts \
+             reach each other only through the tcp transport",
+            exe.display()
+        );
+        options.guard = Some((exe.into(), vec!["__guard".into(), "--".into()]));
+        let outcome = launch::run_hosts(&options, hosts)?;
+        if outcome != launch::Outcome::Success {
+            eprintln!("symmem demo: {outcome}");
+        }
+        return Ok(exit_code(outcome.exit_code()));
+    }
+    say!("symmem demo: launching {nproc} ranks of {} on this host", exe.display());
     let code = launch_and_report(&options)?;
     open_mpi_figures(nproc);
     Ok(code)
@@ -557,6 +574,14 @@ fn demo_rank() -> Result<()> {
             rdzv.as_secs_f64() * 1e3,
             h.num_channels()
         );
+        if !h.all_local() {
+            say!(
+                "rank 0: the group spans hosts; ranks {:?} are on other hosts, reached through tcp links \
+                 (their memory is not addressable: {})",
+                h.remote_ranks(),
+                h.buffer_ptrs().err().map(|e| e.to_string()).unwrap_or_default()
+            );
+        }
     }
     h.barrier(0, timeout)?;
     let (next, prev) = ((rank + 1) % world, (rank + world - 1) % world);
@@ -579,21 +604,27 @@ fn demo_rank() -> Result<()> {
             lap.as_secs_f64() * 1e6 / world as f64
         );
     }
-    let peer = h.get_remote_tensor(next, &[1024], DType::F32)?;
     let t = Instant::now();
-    let seen = peer.to_vec::<f32>()?;
+    let (seen, how) = if h.is_local(next) {
+        (h.get_remote_tensor(next, &[1024], DType::F32)?.to_vec::<f32>()?, "directly (same host)")
+    } else {
+        let into = Tensor::zeros(&[1024], DType::F32)?;
+        symm::get(&into, &h, next, 0)?;
+        (into.to_vec::<f32>()?, "one-sidedly from another host (symm::get over tcp)")
+    };
     let read = t.elapsed();
     if seen.iter().any(|&v| v != next as f32) {
         anyhow::bail!("rank {rank} read unexpected values from rank {next}'s buffer");
     }
-    say!("rank {rank}: read rank {next}'s 4 KiB buffer directly in {:.2} us: all {next}.0", read.as_secs_f64() * 1e6);
+    say!("rank {rank}: read rank {next}'s 4 KiB buffer {how} in {:.2} us: all {next}.0", read.as_secs_f64() * 1e6);
     h.barrier(0, timeout)?;
     let t = Instant::now();
     for _ in 0..1000 {
         h.barrier(0, timeout)?;
     }
     let sbar = t.elapsed() / 1000;
-    say!("rank {rank}: 1000 signal-pad barriers: {:.2} us each", sbar.as_secs_f64() * 1e6);
+    let kind = if h.all_local() { "signal-pad" } else { "hierarchical (across hosts)" };
+    say!("rank {rank}: 1000 {kind} barriers: {:.2} us each", sbar.as_secs_f64() * 1e6);
     group.barrier(timeout)?;
 
     // Collectives on symmetric memory: all-reduce, small (one-shot) and large (two-shot).
@@ -613,7 +644,12 @@ fn demo_rank() -> Result<()> {
         }
         let (median, _) = bench::percentiles(&mut lat);
         if rank == 0 {
-            let algo = ops::all_reduce_algo(bytes, world).replace('_', "-");
+            let algo = if h.all_local() {
+                ops::all_reduce_algo(bytes, world)
+            } else {
+                ops::all_reduce_algo_across_hosts(bytes, h.max_ranks_per_host())
+            }
+            .replace('_', "-");
             say!(
                 "rank 0: all-reduce of {label} ({algo}) on {world} ranks: median {median:.2} us, result checked on every rank"
             );
@@ -701,7 +737,9 @@ fn demo_rank() -> Result<()> {
     group.barrier(timeout)?;
     if rank == 0 {
         say!(
-            "rank 0: done: {world} ranks joined, synchronized through the store and shared memory, and moved a tensor one-sidedly"
+            "rank 0: done: {world} ranks joined, synchronized through the store and shared memory{}, and moved a tensor \
+             one-sidedly",
+            if h.all_local() { "" } else { " and tcp links between hosts" }
         );
     }
     Ok(())

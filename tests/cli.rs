@@ -192,6 +192,20 @@ fn ranks_rendezvous_through_the_launchers_store() {
 }
 
 #[test]
+fn the_demo_plays_two_hosts() {
+    let out = symmem(&["demo", "--hosts", "2"]);
+    let stdout = text(&out.stdout);
+    assert!(out.status.success(), "{stdout}\n{}", text(&out.stderr));
+    assert!(stdout.contains("playing 2 hosts"), "{stdout}");
+    assert!(stdout.contains("ranks [2, 3] are on other hosts"), "{stdout}");
+    assert!(stdout.contains("[1] rank 1: read rank 2's 4 KiB buffer one-sidedly from another host"), "{stdout}");
+    assert!(stdout.contains("[2] rank 2: read rank 3's 4 KiB buffer directly (same host)"), "{stdout}");
+    assert!(stdout.contains("all-reduce of 4 KiB (host-push) on 4 ranks"), "{stdout}");
+    assert!(stdout.contains("all-reduce of 1 MiB (two-shot) on 4 ranks"), "{stdout}");
+    assert!(stdout.contains("[0] rank 0: done: 4 ranks joined"), "{stdout}");
+}
+
+#[test]
 fn a_multi_host_job_runs_as_two_launchers() {
     // Two launchers on this host play two hosts of one job.
     let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port().to_string();

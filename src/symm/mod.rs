@@ -901,34 +901,34 @@ impl SymmHandle {
     }
 
     /// The ranks on this host, this one included, in order.
-    pub(crate) fn local_ranks(&self) -> Vec<usize> {
+    pub fn local_ranks(&self) -> Vec<usize> {
         let mine = self.peers.host_of[self.rank()];
         (0..self.world_size()).filter(|&r| self.peers.host_of[r] == mine).collect()
     }
 
     /// How many hosts the group spans.
-    pub(crate) fn hosts(&self) -> usize {
+    pub fn hosts(&self) -> usize {
         self.peers.host_of.iter().max().map_or(1, |m| m + 1)
     }
 
-    /// The host (index) of `rank`.
-    pub(crate) fn host_of(&self, rank: usize) -> usize {
+    /// The host of `rank`, as an index (hosts are numbered in order of their lowest rank).
+    pub fn host_of(&self, rank: usize) -> usize {
         self.peers.host_of[rank]
     }
 
     /// The ranks on host `host`, in order.
-    pub(crate) fn ranks_on(&self, host: usize) -> Vec<usize> {
+    pub fn ranks_on(&self, host: usize) -> Vec<usize> {
         (0..self.world_size()).filter(|&r| self.peers.host_of[r] == host).collect()
     }
 
     /// The most ranks any one host of the group has.
-    pub(crate) fn max_ranks_per_host(&self) -> usize {
+    pub fn max_ranks_per_host(&self) -> usize {
         let h = &self.peers.host_of;
         h.iter().map(|x| h.iter().filter(|y| *y == x).count()).max().unwrap_or(1)
     }
 
     /// Every host's leader (its lowest rank), in order.
-    pub(crate) fn leaders(&self) -> Vec<usize> {
+    pub fn leaders(&self) -> Vec<usize> {
         let h = &self.peers.host_of;
         (0..self.world_size()).filter(|&r| !h[..r].contains(&h[r])).collect()
     }

@@ -232,6 +232,18 @@ impl PyHandle {
         self.0.group_name().to_string()
     }
 
+    /// The ranks on other hosts (reached through the transport).
+    #[getter]
+    fn remote_ranks(&self) -> Vec<usize> {
+        self.0.remote_ranks()
+    }
+
+    /// The ranks on this host, this one included.
+    #[getter]
+    fn local_ranks(&self) -> Vec<usize> {
+        self.0.local_ranks()
+    }
+
     /// Rank `rank`'s buffer as `sizes` elements of `dtype` from element `storage_offset`.
     fn get_buffer(
         &self,
@@ -283,6 +295,49 @@ fn put_signal(py: Python<'_>, src: &PyTensor, hdl: &PyHandle, peer: usize) -> Py
 #[pyfunction]
 fn wait_signal(py: Python<'_>, hdl: &PyHandle, peer: usize) -> PyResult<()> {
     py.detach(|| symm::wait_signal(&hdl.0, peer)).map_err(err)
+}
+
+/// NVSHMEM's put: the whole of symmetric `tensor` into the same tensor on `peer`.
+#[pyfunction]
+fn nvshmem_put(py: Python<'_>, tensor: &PyTensor, peer: usize) -> PyResult<()> {
+    py.detach(|| symm::nvshmem_put(&tensor.0, peer)).map_err(err)
+}
+
+/// NVSHMEM's get: the same symmetric tensor on `peer` into `tensor`.
+#[pyfunction]
+fn nvshmem_get(py: Python<'_>, tensor: &PyTensor, peer: usize) -> PyResult<()> {
+    py.detach(|| symm::nvshmem_get(&tensor.0, peer)).map_err(err)
+}
+
+/// `size` elements from element `offset` of `peer`'s allocation behind `hdl` into `dst`.
+#[pyfunction]
+fn nvshmem_get_out(
+    py: Python<'_>,
+    dst: &PyTensor,
+    hdl: &PyHandle,
+    offset: usize,
+    size: usize,
+    peer: usize,
+) -> PyResult<()> {
+    py.detach(|| symm::nvshmem_get_out(&dst.0, &hdl.0, offset, size, peer)).map_err(err)
+}
+
+/// Puts `tensor` into `peer`'s copy, then sets `peer`'s `sigpad` to `signal`.
+#[pyfunction]
+fn nvshmem_put_with_signal(
+    py: Python<'_>,
+    tensor: &PyTensor,
+    sigpad: &PyTensor,
+    signal: u64,
+    peer: usize,
+) -> PyResult<()> {
+    py.detach(|| symm::nvshmem_put_with_signal(&tensor.0, &sigpad.0, signal, peer)).map_err(err)
+}
+
+/// Waits until this rank's `sigpad` equals `signal`.
+#[pyfunction]
+fn nvshmem_wait_for_signal(py: Python<'_>, sigpad: &PyTensor, signal: u64, peer: usize) -> PyResult<()> {
+    py.detach(|| symm::nvshmem_wait_for_signal(&sigpad.0, signal, peer)).map_err(err)
 }
 
 /// Runs an operator with the GIL released.
@@ -514,6 +569,11 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(get, m)?)?;
     m.add_function(wrap_pyfunction!(put_signal, m)?)?;
     m.add_function(wrap_pyfunction!(wait_signal, m)?)?;
+    m.add_function(wrap_pyfunction!(nvshmem_put, m)?)?;
+    m.add_function(wrap_pyfunction!(nvshmem_get, m)?)?;
+    m.add_function(wrap_pyfunction!(nvshmem_get_out, m)?)?;
+    m.add_function(wrap_pyfunction!(nvshmem_put_with_signal, m)?)?;
+    m.add_function(wrap_pyfunction!(nvshmem_wait_for_signal, m)?)?;
     m.add_function(wrap_pyfunction!(one_shot_all_reduce, m)?)?;
     m.add_function(wrap_pyfunction!(one_shot_all_reduce_out, m)?)?;
     m.add_function(wrap_pyfunction!(two_shot_all_reduce_, m)?)?;

@@ -29,6 +29,25 @@ def test_symmetric_memory_and_operators_under_torchrun(nproc):
         assert f"symm worker ok {r}" in out.stdout, out.stdout + out.stderr
 
 
+def test_two_hosts_under_two_torchrun_launchers():
+    # Two torchrun launchers play two hosts of one job (torch's own environment variables);
+    # ranks on the other "host" are reached through symmem's transport.
+    worker = os.path.join(os.path.dirname(__file__), "hosts_worker.py")
+    with socket_port() as port:
+        procs = []
+        for node in range(2):
+            env = dict(os.environ, SYMMEM_HOST_ID=f"host{node}")
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node-rank={node}"]
+            cmd += ["--nproc-per-node=2", "--master-addr=127.0.0.1", f"--master-port={port}", worker]
+            procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
+        outs = [p.communicate(timeout=180) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, out + err
+    text = "".join(o for o, _ in outs)
+    for r in range(4):
+        assert f"hosts worker ok {r}" in text, text
+
+
 def test_world_without_a_launcher_names_the_missing_variable():
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     code = "import symmem.symm as s\ntry:\n    s.world()\nexcept RuntimeError as e:\n    print(e)\n"

@@ -35,8 +35,13 @@ __all__ = [
     "fused_matmul_reduce_scatter",
     "get",
     "is_symm_mem_tensor",
-    "new_group",
     "multi_root_tile_reduce",
+    "new_group",
+    "nvshmem_get",
+    "nvshmem_get_out",
+    "nvshmem_put",
+    "nvshmem_put_with_signal",
+    "nvshmem_wait_for_signal",
     "one_shot_all_reduce",
     "one_shot_all_reduce_out",
     "put_signal",
@@ -196,6 +201,8 @@ class SymmetricMemory:
     signal_pad_size = property(lambda self: self._h.signal_pad_size)
     offset = property(lambda self: self._h.offset)
     group_name = property(lambda self: self._h.group_name)
+    remote_ranks = property(lambda self: self._h.remote_ranks)
+    local_ranks = property(lambda self: self._h.local_ranks)
 
     def get_buffer(self, rank, sizes, dtype, storage_offset=0):
         """Rank ``rank``'s buffer as a tensor of ``sizes`` and ``dtype`` viewing its memory."""
@@ -256,6 +263,33 @@ def put_signal(src, hdl, peer):
 def wait_signal(hdl, peer):
     """Waits until ``peer``'s :func:`put_signal` data has landed."""
     _native.wait_signal(hdl._h, peer)
+
+
+def nvshmem_put(tensor, peer):
+    """Copies the whole of symmetric ``tensor`` into the same tensor on ``peer`` (any host)."""
+    _native.nvshmem_put(_native_tensor(tensor, symmetric=True), peer)
+
+
+def nvshmem_get(tensor, peer):
+    """Copies the same symmetric tensor on ``peer`` (any host) into ``tensor``."""
+    _native.nvshmem_get(_native_tensor(tensor, symmetric=True), peer)
+
+
+def nvshmem_get_out(dst, hdl, offset, size, peer):
+    """Copies ``size`` elements from element ``offset`` of ``peer``'s allocation into ``dst``."""
+    _native.nvshmem_get_out(_native_tensor(dst), hdl._h, offset, size, peer)
+
+
+def nvshmem_put_with_signal(tensor, sigpad, signal, peer):
+    """Puts ``tensor`` into ``peer``'s copy, then sets ``peer``'s ``sigpad`` (int64) to ``signal``."""
+    _native.nvshmem_put_with_signal(
+        _native_tensor(tensor, symmetric=True), _native_tensor(sigpad, symmetric=True), signal, peer
+    )
+
+
+def nvshmem_wait_for_signal(sigpad, signal, peer):
+    """Waits until this rank's ``sigpad`` equals ``signal`` (set by ``peer``'s put with signal)."""
+    _native.nvshmem_wait_for_signal(_native_tensor(sigpad, symmetric=True), signal, peer)
 
 
 def _like(x, buf):

@@ -40,6 +40,21 @@ pub const KNOBS: &[Knob] = &[
         doc: "seconds before store operations and connection attempts time out",
     },
     Knob {
+        env: crate::symm::HOST_ID_ENV,
+        default: "hostname/boot id",
+        doc: "this rank's host: ranks with the same one share memory, others reach each other through tcp",
+    },
+    Knob {
+        env: crate::group::RENDEZVOUS_ENV,
+        default: "auto",
+        doc: "rendezvous exchanges: `store` (a multi-get per rank), `gather` (through rank 0), auto: gather above 32 ranks",
+    },
+    Knob {
+        env: crate::ops::TIMEOUT_ENV,
+        default: "60",
+        doc: "seconds every operator and cross-host link waits before failing with who it waited for",
+    },
+    Knob {
         env: "SYMMEM_LOG",
         default: "warn",
         doc: "log filter (tracing-subscriber EnvFilter syntax), e.g. `symmem=debug`",

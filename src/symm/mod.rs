@@ -1,20 +1,29 @@
-//! Symmetric memory on one host: every rank allocates the same buffer, [`rendezvous`] maps every
+//! Symmetric memory: every rank allocates the same buffer, [`rendezvous`] gives access to every
 //! peer's, and signal pads synchronize them (`spec/symmetric-memory.md`).
 //!
 //! ```text
 //!   empty(shape, dtype)  ──▶ a tensor over a new shared segment [header | pad | data]
 //!   rendezvous(t, group) ──▶ collective the first time per (allocation, group): ranks publish
-//!                            where their segment is, check they agree (step, shape, dtype,
-//!                            host), map each other's, confirm; later calls hit the cache
-//!   handle               ──▶ buffer_ptrs, signal pads, barrier / put_signal / wait_signal,
-//!                            views of peers' buffers
+//!                            where their segment is, check they agree (step, shape, dtype),
+//!                            map the segments of the peers on their host, register theirs on
+//!                            a transport link to each peer on another host, confirm; later
+//!                            calls hit the cache
+//!   handle               ──▶ buffer pointers (peers on this host), signal pads, barrier /
+//!                            put_signal / wait_signal (every peer), views of peers' buffers
 //! ```
+//!
+//! Peers on other hosts are reached through `tcp` transport links (see `remote`): one-sided
+//! reads and writes of their buffers, and signals as remote atomics; their memory cannot be
+//! addressed, and the calls that would hand out an address say so. A group spanning hosts
+//! synchronizes hierarchically (see `hostsync`).
 //!
 //! Checks PyTorch does not make: ranks that allocate or rendezvous out of order, with other
 //! shapes or dtypes, get an error naming both ranks and both shapes, on every rank, instead of
-//! a hang or silent corruption; a rank that never arrives gives a timeout naming it.
+//! a hang or silent corruption; a rank that never arrives gives a timeout naming it; a peer
+//! whose host is lost is named.
 //!
-//! Layer: uses `group` (rendezvous through its store), `tensor`, `sys` and `wire`.
+//! Layer: uses `group` (rendezvous through its store), `transport` (peers on other hosts),
+//! `tensor`, `sys` and `wire`.
 
 pub(crate) mod hostsync;
 mod pool;
@@ -358,7 +367,8 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-/// The environment variable that overrides which host this rank is on (see [`this_host`]).
+/// The environment variable that overrides which host this rank is on: ranks with the same host
+/// identity map each other's memory; others reach each other through the transport.
 pub const HOST_ID_ENV: &str = "SYMMEM_HOST_ID";
 
 /// This host's identity: ranks with the same identity map each other's memory. By default the

@@ -105,10 +105,11 @@ pub(crate) struct Mirror {
 }
 
 impl Mirror {
-    /// A new mirror of `len` bytes (on the host's leader).
+    /// A new mirror of `len` bytes (on the host's leader); memory is taken only for the ranges
+    /// fetched into it.
     pub(crate) fn create(len: usize) -> Result<Mirror> {
         let len = len.max(1).div_ceil(4096) * 4096;
-        let fd = shm::create("symmem-mirror", len)?;
+        let fd = shm::create_sparse("symmem-mirror", len)?;
         Ok(Mirror { map: Mapping::new(&fd, len)?, fd: Some(fd) })
     }
 

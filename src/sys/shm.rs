@@ -23,6 +23,17 @@ pub(crate) fn create(name: &str, len: usize) -> Result<OwnedFd> {
     Ok(fd)
 }
 
+/// Creates an anonymous shared-memory file of `len` bytes, all zero, whose pages are allocated
+/// only when first written (for mirrors that are filled piecemeal; a failed allocation then
+/// fails the write that needed it, which the transport reports).
+pub(crate) fn create_sparse(name: &str, len: usize) -> Result<OwnedFd> {
+    let fd = rustix::fs::memfd_create(name, MemfdFlags::CLOEXEC)
+        .map_err(|e| Error::io(format!("memfd_create {name:?}"), e.into()))?;
+    rustix::fs::ftruncate(&fd, len as u64)
+        .map_err(|e| Error::io(format!("size memfd {name:?} to {len} bytes"), e.into()))?;
+    Ok(fd)
+}
+
 /// Opens another process's shared-memory file through `/proc/<pid>/fd/<fd>`. The kernel allows
 /// it when this process may inspect that one (same user, no ptrace restriction).
 pub(crate) fn open_peer(pid: u32, fd: i32) -> Result<OwnedFd> {

@@ -140,6 +140,7 @@ n[:] = rank + 1
 symm.all_reduce(n, "sum")
 assert (n == ws * (ws + 1) // 2).all()
 nh = symm.rendezvous(n)
+nh.barrier()  # the neighbour has written its result too
 assert (nh.get_buffer(right, 4, np.int32) == ws * (ws + 1) // 2).all()
 
 # A sub-group of ranks 1 and 0 (in that order): its own rendezvous and operators.

@@ -1128,9 +1128,21 @@ fn get_bytes(op: &str, dst: &Tensor, hdl: &SymmHandle, peer: usize, offset: usiz
         }
         Peer::Remote(r) => {
             let t = crate::ops::op_timeout();
-            let reg = r.link.transport.register_memory(dst)?;
-            let res = r.start_read_into(&reg.to_mutable_view(0, Some(len))?, start, len, t).and_then(|w| w.wait(None));
-            unregister_temporary(r, &reg);
+            let (own, into) = (hdl.own_ptr(), dst.data_ptr() as usize);
+            // Into this rank's own buffer, use its long-lived registration (registering the
+            // same range again would alias it, and unregistering would withdraw it from the
+            // peer); otherwise register dst for this one read.
+            let res = if into >= own && into + len <= own + hdl.buffer_size() {
+                let (_, _, data) = &hdl.peers.exposed[&peer];
+                data.to_mutable_view(into - own, Some(len))
+                    .and_then(|v| r.start_read_into(&v, start, len, t)?.wait(None))
+            } else {
+                let reg = r.link.transport.register_memory(dst)?;
+                let res =
+                    reg.to_mutable_view(0, Some(len)).and_then(|v| r.start_read_into(&v, start, len, t)?.wait(None));
+                unregister_temporary(r, &reg);
+                res
+            };
             res.map_err(|e| r.link.error(&format!("{op}: reading from"), &e))
         }
     }

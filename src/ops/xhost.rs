@@ -83,6 +83,35 @@ fn words_bytes(ws: usize) -> usize {
     (4 * (2 * ws + 1)).div_ceil(128) * 128
 }
 
+/// Above this, a block goes as one striped write (every flow of the link) that is waited for
+/// before the signal; below, as in-order pieces on one flow that the signal can follow at once.
+const STRIPED: usize = 512 * 1024;
+
+/// Writes `len` bytes at `src` of this rank's buffer to `dst` of `leader`'s, so that a remote
+/// atomic started next lands after them.
+fn send_then_signal(
+    sent: &mut Vec<(usize, Work)>,
+    h: &SymmHandle,
+    leader: usize,
+    src: usize,
+    dst: usize,
+    len: usize,
+    timeout: Duration,
+) -> Result<()> {
+    if len > STRIPED {
+        let w = h.start_push(leader, src, len, dst, timeout)?;
+        return w.wait(None).map_err(|e| match h.remote(leader) {
+            Some(r) => r.link.error("writing to", &e),
+            None => e,
+        });
+    }
+    for at in (0..len).step_by(IN_ORDER) {
+        let piece = IN_ORDER.min(len - at);
+        sent.push((leader, h.start_push(leader, src + at, piece, dst + at, timeout)?));
+    }
+    Ok(())
+}
+
 /// Whether a message of `bytes` with at most `ranks_per_host` ranks on a host takes this path.
 pub(crate) fn fits_size(bytes: usize, ranks_per_host: usize) -> bool {
     bytes > 0 && bytes.next_multiple_of(16) * ranks_per_host <= HOST_BLOCK_MAX
@@ -146,10 +175,7 @@ pub(crate) fn all_reduce(tensor: &Tensor, op: ReduceOp, group: &Group, timeout: 
     for l in hw.leaders().into_iter().filter(|&l| l != leader) {
         for &(a, b) in &runs {
             let len = (b - a - 1) * stride + n;
-            for at in (0..len).step_by(IN_ORDER) {
-                let piece = IN_ORDER.min(len - at);
-                w.sent.push((l, hw.start_push(l, inbox(a) + at, piece, inbox(a) + at, timeout)?));
-            }
+            send_then_signal(&mut w.sent, &hw, l, inbox(a), inbox(a), len, timeout)?;
         }
         w.sent.push((l, w.words.start_remote(l, from(leader), e, timeout)?));
     }
@@ -227,10 +253,7 @@ pub(crate) fn all_to_all(input: &Tensor, out: &Tensor, group: &Group, h: &SymmHa
             }
             let l = theirs[0];
             let (src, dst, len) = (outbox(host, 0, 0), inbox(my_host, 0, 0), lmax * lmax * bs);
-            for off in (0..len).step_by(IN_ORDER) {
-                let piece = IN_ORDER.min(len - off);
-                w.sent.push((l, hw.start_push(l, src + off, piece, dst + off, timeout)?));
-            }
+            send_then_signal(&mut w.sent, &hw, l, src, dst, len, timeout)?;
             w.sent.push((l, w.words.start_remote(l, from(leader), e, timeout)?));
         }
         for host in (0..hosts).filter(|&x| x != my_host) {

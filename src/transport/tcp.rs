@@ -611,7 +611,9 @@ impl Client {
             Direction::Atomic(a, v) => (Op::Atomic, a as u8, Some(v)),
         };
         let (buffer, key, base) = (req.remote.buffer_id, req.remote.access_key, req.remote.offset);
-        let inline = req.len <= INLINE;
+        // Requests that carry no payload (reads, atomics) are sent on the caller's thread
+        // whatever their length: 64 bytes per chunk, no hand-off to a sender thread.
+        let inline = req.len <= INLINE || op != Op::Write;
         let pending = Arc::new(Pending { req, remaining: AtomicUsize::new(chunks.len()), error: Mutex::new(None) });
         lock(&self.pending).insert(id, pending.clone());
         // A failure that raced with the insertion would never complete this request.

@@ -51,20 +51,30 @@ impl PeerRecord {
     }
 }
 
+/// The largest unpacked gathered blob accepted (bounds what a damaged blob can make us allocate).
+pub const MAX_GATHERED: usize = 1 << 30;
+
 /// Packs the values of an all-gather into one blob, as the root of a gathered rendezvous
-/// publishes them: a little-endian `u32` count, then per value a `u32` length and its bytes.
+/// publishes them: `D` and then, deflated, a little-endian `u32` count and per value a `u32`
+/// length and its bytes. Rendezvous records repeat themselves (hosts, shapes, sizes), so the
+/// blob every rank downloads shrinks about tenfold.
 pub fn pack_gathered(values: &[Vec<u8>]) -> Vec<u8> {
-    let mut out = Vec::with_capacity(4 + values.iter().map(|v| v.len() + 4).sum::<usize>());
-    out.extend_from_slice(&(values.len() as u32).to_le_bytes());
+    use std::io::Write;
+    let mut raw = Vec::with_capacity(4 + values.iter().map(|v| v.len() + 4).sum::<usize>());
+    raw.extend_from_slice(&(values.len() as u32).to_le_bytes());
     for v in values {
-        out.extend_from_slice(&(v.len() as u32).to_le_bytes());
-        out.extend_from_slice(v);
+        raw.extend_from_slice(&(v.len() as u32).to_le_bytes());
+        raw.extend_from_slice(v);
     }
-    out
+    let mut z = flate2::write::DeflateEncoder::new(vec![b'D'], flate2::Compression::fast());
+    // Writing into a Vec cannot fail.
+    let _ = z.write_all(&raw);
+    z.finish().unwrap_or_default()
 }
 
 /// Unpacks [`pack_gathered`]'s blob, which must hold exactly `count` values.
 pub fn unpack_gathered(blob: &[u8], count: usize) -> Result<Vec<Vec<u8>>, String> {
+    use std::io::Read;
     fn take<'a>(blob: &'a [u8], at: &mut usize, len: usize) -> Result<&'a [u8], String> {
         let end = at.checked_add(len).filter(|&e| e <= blob.len()).ok_or("truncated gathered blob")?;
         let b = &blob[*at..end];
@@ -75,6 +85,18 @@ pub fn unpack_gathered(blob: &[u8], count: usize) -> Result<Vec<Vec<u8>>, String
         let b = take(blob, at, 4)?;
         Ok(u32::from_le_bytes([b[0], b[1], b[2], b[3]]) as usize)
     }
+    let Some((&b'D', packed)) = blob.split_first() else {
+        return Err("not a gathered blob".into());
+    };
+    let mut raw = Vec::new();
+    flate2::read::DeflateDecoder::new(packed)
+        .take(MAX_GATHERED as u64 + 1)
+        .read_to_end(&mut raw)
+        .map_err(|e| format!("gathered blob does not inflate: {e}"))?;
+    if raw.len() > MAX_GATHERED {
+        return Err(format!("gathered blob inflates past {MAX_GATHERED} bytes"));
+    }
+    let blob = &raw[..];
     let mut at = 0;
     let n = word(blob, &mut at)?;
     if n != count {
@@ -102,12 +124,22 @@ mod tests {
         assert_eq!(unpack_gathered(&blob, 3), Ok(values));
         assert!(unpack_gathered(&blob, 2).unwrap_err().contains("expected 2"));
         assert!(unpack_gathered(&blob[..blob.len() - 1], 3).is_err());
-        let mut longer = blob.clone();
-        longer.push(0);
-        assert!(unpack_gathered(&longer, 3).is_err());
+        assert!(unpack_gathered(b"", 3).is_err() && unpack_gathered(b"Dxyz", 3).is_err());
         for cut in 0..blob.len() {
             let _ = unpack_gathered(&blob[..cut], 3);
         }
+        let mut flipped = blob.clone();
+        for i in 1..flipped.len() {
+            flipped[i] ^= 0x5a;
+            let _ = unpack_gathered(&flipped, 3);
+            flipped[i] ^= 0x5a;
+        }
+        // Repetitive records shrink.
+        let records: Vec<Vec<u8>> =
+            (0..256).map(|r| format!("host node{}/boot-id, shape [512, 512], rank {r}", r / 8).into_bytes()).collect();
+        let packed = pack_gathered(&records);
+        assert!(packed.len() * 5 < records.iter().map(Vec::len).sum::<usize>(), "{} bytes", packed.len());
+        assert_eq!(unpack_gathered(&packed, 256), Ok(records));
     }
 
     #[test]

@@ -20,11 +20,11 @@
 //! host, so the results are bitwise the same.
 
 use std::collections::HashMap;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use super::reduce::{self, ReduceOp};
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::group::Group;
 use crate::symm::hostsync::{Words, settle};
 use crate::symm::{self, Device, SymmHandle};
@@ -47,40 +47,45 @@ struct Workspace {
     sent: Vec<(usize, Work)>,
 }
 
-/// Workspaces per (group, operator).
-type Workspaces = HashMap<(String, &'static str), Workspace>;
+/// Bytes of epoch words at the start of the workspace.
+fn words_bytes(ws: usize) -> usize {
+    (4 * (2 * ws + 1)).div_ceil(128) * 128
+}
 
-fn workspaces() -> &'static Mutex<Workspaces> {
-    static W: std::sync::OnceLock<Mutex<Workspaces>> = std::sync::OnceLock::new();
-    W.get_or_init(|| Mutex::new(HashMap::new()))
+/// Workspaces per (group, operator), each locked for the length of a call; the map itself only
+/// for a lookup, so calls on different groups never wait for each other.
+type Workspaces = HashMap<(String, &'static str), Arc<Mutex<Workspace>>>;
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// The workspace of `kind` on `group` for messages of up to `cap` bytes, `bytes(cap)` after
 /// the words; made (or grown) collectively, which every rank does at the same call since the
 /// sizes are the same everywhere.
-fn workspace<'a>(
-    all: &'a mut Workspaces,
+fn workspace(
     group: &Group,
     kind: &'static str,
     cap: usize,
     bytes: impl Fn(usize) -> usize,
     timeout: Duration,
-) -> Result<&'a mut Workspace> {
+) -> Result<Arc<Mutex<Workspace>>> {
+    static W: std::sync::OnceLock<Mutex<Workspaces>> = std::sync::OnceLock::new();
     let key = (group.name().to_string(), kind);
-    if all.get(&key).is_none_or(|w| w.cap < cap) {
-        let cap = cap.max(4096).next_power_of_two();
-        let t = symm::empty(&[words_bytes(group.world_size()) + bytes(cap)], DType::U8, Device::Cpu)?;
-        let handle = symm::rendezvous(&t, group)?;
-        handle.barrier(0, timeout)?;
-        let words = Words::new(handle, 0);
-        all.insert(key.clone(), Workspace { _tensor: t, words, cap, epoch: 0, sent: Vec::new() });
+    let mut all = lock(W.get_or_init(|| Mutex::new(HashMap::new())));
+    if let Some(w) = all.get(&key)
+        && lock(w).cap >= cap
+    {
+        return Ok(w.clone());
     }
-    all.get_mut(&key).ok_or_else(|| Error::InvalidArgument("workspace vanished".into()))
-}
-
-/// Bytes of epoch words at the start of the workspace.
-fn words_bytes(ws: usize) -> usize {
-    (4 * (2 * ws + 1)).div_ceil(128) * 128
+    let cap = cap.max(4096).next_power_of_two();
+    let t = symm::empty(&[words_bytes(group.world_size()) + bytes(cap)], DType::U8, Device::Cpu)?;
+    let handle = symm::rendezvous(&t, group)?;
+    handle.barrier(0, timeout)?;
+    let words = Words::new(handle, 0);
+    let w = Arc::new(Mutex::new(Workspace { _tensor: t, words, cap, epoch: 0, sent: Vec::new() }));
+    all.insert(key, w.clone());
+    Ok(w)
 }
 
 /// Above this, a block goes as one striped write (every flow of the link) that is waited for
@@ -127,8 +132,9 @@ pub(crate) fn all_reduce(tensor: &Tensor, op: ReduceOp, group: &Group, timeout: 
     let n = tensor.nbytes();
     let stride = n.next_multiple_of(16);
     let (me, world) = (group.rank(), group.world_size());
-    let mut all = workspaces().lock().unwrap_or_else(|p| p.into_inner());
-    let w = workspace(&mut all, group, "all_reduce", stride, |cap| 2 * world * cap + 2 * cap, timeout)?;
+    let ws = workspace(group, "all_reduce", stride, |cap| 2 * world * cap + 2 * cap, timeout)?;
+    let mut guard = lock(&ws);
+    let w = &mut *guard;
     let e = w.epoch.wrapping_add(1);
     let hw = w.words.h.clone();
     let p = hw.patience(timeout);
@@ -209,8 +215,9 @@ pub(crate) fn all_to_all(input: &Tensor, out: &Tensor, group: &Group, h: &SymmHa
     let (hosts, lmax) = (h.hosts(), h.max_ranks_per_host());
     // Per parity: the stage (world blocks), the outbox and the inbox (hosts × lmax² blocks each).
     let per = move |cap: usize| world * cap + 2 * hosts * lmax * lmax * cap;
-    let mut all = workspaces().lock().unwrap_or_else(|p| p.into_inner());
-    let w = workspace(&mut all, group, "all_to_all", bs, move |cap| 2 * per(cap), timeout)?;
+    let ws = workspace(group, "all_to_all", bs, move |cap| 2 * per(cap), timeout)?;
+    let mut guard = lock(&ws);
+    let w = &mut *guard;
     let e = w.epoch.wrapping_add(1);
     let hw = w.words.h.clone();
     let p = hw.patience(timeout);

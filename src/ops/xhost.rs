@@ -26,7 +26,7 @@ use std::time::Duration;
 use super::reduce::{self, ReduceOp};
 use crate::error::Result;
 use crate::group::Group;
-use crate::symm::hostsync::{Words, settle};
+use crate::symm::hostsync::{Sent, Words, settle};
 use crate::symm::{self, Device, SymmHandle};
 use crate::tensor::{DType, Tensor};
 use crate::transport::Work;
@@ -44,7 +44,7 @@ struct Workspace {
     /// Bytes per message this workspace holds (per rank).
     cap: usize,
     epoch: u32,
-    sent: Vec<(usize, Work)>,
+    sent: Sent,
 }
 
 /// Bytes of epoch words at the start of the workspace.
@@ -93,28 +93,27 @@ fn workspace(
 const STRIPED: usize = 512 * 1024;
 
 /// Writes `len` bytes at `src` of this rank's buffer to `dst` of `leader`'s, so that a remote
-/// atomic started next lands after them.
-fn send_then_signal(
-    sent: &mut Vec<(usize, Work)>,
+/// atomic started next lands after them; returns the writes still in flight.
+fn send_before_signal(
     h: &SymmHandle,
     leader: usize,
     src: usize,
     dst: usize,
     len: usize,
     timeout: Duration,
-) -> Result<()> {
+) -> Result<Vec<Work>> {
     if len > STRIPED {
         let w = h.start_push(leader, src, len, dst, timeout)?;
-        return w.wait(None).map_err(|e| match h.remote(leader) {
+        w.wait(None).map_err(|e| match h.remote(leader) {
             Some(r) => r.link.error("writing to", &e),
             None => e,
-        });
+        })?;
+        return Ok(Vec::new());
     }
-    for at in (0..len).step_by(IN_ORDER) {
-        let piece = IN_ORDER.min(len - at);
-        sent.push((leader, h.start_push(leader, src + at, piece, dst + at, timeout)?));
-    }
-    Ok(())
+    (0..len)
+        .step_by(IN_ORDER)
+        .map(|at| h.start_push(leader, src + at, IN_ORDER.min(len - at), dst + at, timeout))
+        .collect()
 }
 
 /// Whether a message of `bytes` with at most `ranks_per_host` ranks on a host takes this path.
@@ -161,7 +160,9 @@ pub(crate) fn all_reduce(tensor: &Tensor, op: ReduceOp, group: &Group, timeout: 
         w.epoch = e;
         return Ok(());
     }
-    settle(&hw, &mut w.sent, timeout)?;
+    // The sends of call e-2 read this call's buffers: they must have landed; those of call e-1
+    // may still be in flight.
+    settle(&hw, &mut w.sent, |epoch| epoch != e.wrapping_sub(1), timeout)?;
     for &r in &locals[1..] {
         w.words.wait_for(arrive(r), e, r, &p, timeout)?;
         // SAFETY: rank r's slot is final (ARRIVE e seen with Acquire) and r rewrites it only
@@ -181,9 +182,11 @@ pub(crate) fn all_reduce(tensor: &Tensor, op: ReduceOp, group: &Group, timeout: 
     for l in hw.leaders().into_iter().filter(|&l| l != leader) {
         for &(a, b) in &runs {
             let len = (b - a - 1) * stride + n;
-            send_then_signal(&mut w.sent, &hw, l, inbox(a), inbox(a), len, timeout)?;
+            for work in send_before_signal(&hw, l, inbox(a), inbox(a), len, timeout)? {
+                w.sent.push((l, e, work));
+            }
         }
-        w.sent.push((l, w.words.start_remote(l, from(leader), e, timeout)?));
+        w.sent.push((l, e, w.words.start_remote(l, from(leader), e, timeout)?));
     }
     for l in hw.leaders().into_iter().filter(|&l| l != leader) {
         w.words.wait_for(from(l), e, l, &p, timeout)?;
@@ -242,7 +245,8 @@ pub(crate) fn all_to_all(input: &Tensor, out: &Tensor, group: &Group, h: &SymmHa
         w.words.publish(leader, arrive(me), e);
         w.words.wait_for(release, e, leader, &p, timeout)?;
     } else {
-        settle(&hw, &mut w.sent, timeout)?;
+        // As in the all-reduce: only the sends of call e-2 must have landed.
+        settle(&hw, &mut w.sent, |epoch| epoch != e.wrapping_sub(1), timeout)?;
         for &r in &locals[1..] {
             w.words.wait_for(arrive(r), e, r, &p, timeout)?;
         }
@@ -260,8 +264,10 @@ pub(crate) fn all_to_all(input: &Tensor, out: &Tensor, group: &Group, h: &SymmHa
             }
             let l = theirs[0];
             let (src, dst, len) = (outbox(host, 0, 0), inbox(my_host, 0, 0), lmax * lmax * bs);
-            send_then_signal(&mut w.sent, &hw, l, src, dst, len, timeout)?;
-            w.sent.push((l, w.words.start_remote(l, from(leader), e, timeout)?));
+            for work in send_before_signal(&hw, l, src, dst, len, timeout)? {
+                w.sent.push((l, e, work));
+            }
+            w.sent.push((l, e, w.words.start_remote(l, from(leader), e, timeout)?));
         }
         for host in (0..hosts).filter(|&x| x != my_host) {
             let l = hw.ranks_on(host)[0];

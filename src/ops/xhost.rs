@@ -1,23 +1,27 @@
-//! The small all-reduce across hosts: one one-way message per pair of hosts.
+//! Small and medium collectives across hosts: one one-way message from each rank to each
+//! other host, received by that host's leader (its lowest rank).
 //!
 //! ```text
-//!   per group, a symmetric workspace: [ epoch words | inbox 0 | inbox 1 | result 0 | result 1 ]
-//!   call e (parity p = e % 2), message of n bytes:
-//!     every rank     copies its input into inbox p, slot `rank` (its own buffer), and tells
-//!                    its host's leader (ARRIVE)
-//!     each leader    copies its host's inputs into its own inbox p, writes them into every
-//!                    other leader's inbox p and raises that leader's FROM word to e (a write
-//!                    and a remote atomic on one link, in order, not awaited); waits until its
-//!                    own FROM words reach e; reduces slots 0..ws in rank order into result p
-//!                    and releases its host (RELEASE)
-//!     the others     copy the leader's result p
+//!   per group and operator, a symmetric workspace: [ epoch words | buffers, twice ]
+//!   all-reduce, call e (parity p = e % 2), n bytes:
+//!     every rank   copies its input into slot `rank` of inbox p (its own buffer); writes it
+//!                  into slot `rank` of every other host's leader's inbox p and raises that
+//!                  leader's FROM[rank] word to e (a write and a remote atomic on one flow, so
+//!                  in order, not awaited); tells its own leader (ARRIVE)
+//!     each leader  waits for its host (ARRIVE) and every remote rank (FROM); reduces slots
+//!                  0..ws in rank order (its host's ranks read in their own buffers) into
+//!                  result p; releases its host (RELEASE)
+//!     the others   copy the leader's result p
+//!   all-to-all: the same, with each rank sending the blocks for another host's ranks, and
+//!   every rank copying its blocks from its host's ranks' stages and its leader's inbox
 //! ```
 //!
-//! Buffers alternate, so nothing is overwritten while still read: a leader writes inbox p of
-//! call e+2 only after it has the other leader's FROM of call e+1, which that leader raises
-//! after it finished reducing call e; a host's ranks arrive for call e+2 only after they copied
-//! the result of call e. The reduction is the same kernel in the same rank order as on one
-//! host, so the results are bitwise the same.
+//! Buffers alternate, so nothing is overwritten while still read: a rank writes a leader's
+//! inbox p of call e+2 only after it finished call e+1, which needed (through its own leader)
+//! the FROM words of call e+1 of every rank of that leader's host, which they raise only after
+//! they finished call e, reads of the inbox included. A rank's own slot is rewritten only
+//! after the sends of call e-2 from it have landed. The reduction is the same kernel in the
+//! same rank order as on one host, so the results are bitwise the same.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -142,14 +146,23 @@ pub(crate) fn all_reduce(tensor: &Tensor, op: ReduceOp, group: &Group, timeout: 
     let inbox = |r: usize| base + parity * world * w.cap + r * stride;
     let result = base + 2 * world * w.cap + parity * w.cap;
     let own = |at: usize| (hw.read_ptr(me) + at) as *mut u8;
-    let (arrive, release, from) = (|r: usize| r, world, |l: usize| world + 1 + l);
+    let (arrive, release, from) = (|r: usize| r, world, |r: usize| world + 1 + r);
     let locals = hw.local_ranks();
     let leader = locals[0];
 
+    // The sends of call e-2 read this call's buffers: they must have landed; those of call e-1
+    // may still be in flight.
+    settle(&hw, &mut w.sent, |epoch| epoch != e.wrapping_sub(1), timeout)?;
     // SAFETY: slot `me` of inbox p lies in this rank's own workspace (sized for `cap` >= stride
-    // bytes per slot); nobody reads it before the ARRIVE below, and nobody still reads it from
-    // call e-2 (see the module docs).
+    // bytes per slot); nobody reads it before this rank's ARRIVE and FROM below, nobody still
+    // reads it from call e-2, and its sends of call e-2 have landed (above).
     unsafe { std::ptr::copy_nonoverlapping(tensor.data_ptr().cast_const(), own(inbox(me)), n) };
+    for l in hw.leaders().into_iter().filter(|&l| l != leader) {
+        for work in send_before_signal(&hw, l, inbox(me), inbox(me), n, timeout)? {
+            w.sent.push((l, e, work));
+        }
+        w.sent.push((l, e, w.words.start_remote(l, from(me), e, timeout)?));
+    }
     if me != leader {
         w.words.publish(leader, arrive(me), e);
         w.words.wait_for(release, e, leader, &p, timeout)?;
@@ -160,41 +173,18 @@ pub(crate) fn all_reduce(tensor: &Tensor, op: ReduceOp, group: &Group, timeout: 
         w.epoch = e;
         return Ok(());
     }
-    // The sends of call e-2 read this call's buffers: they must have landed; those of call e-1
-    // may still be in flight.
-    settle(&hw, &mut w.sent, |epoch| epoch != e.wrapping_sub(1), timeout)?;
     for &r in &locals[1..] {
         w.words.wait_for(arrive(r), e, r, &p, timeout)?;
-        // SAFETY: rank r's slot is final (ARRIVE e seen with Acquire) and r rewrites it only
-        // for call e+2, after this leader's RELEASE e+1; both slots hold `n` bytes.
-        unsafe {
-            std::ptr::copy_nonoverlapping((hw.read_ptr(r) + inbox(r)) as *const u8, own(inbox(r)), n);
-        }
     }
-    // This host's inputs, as runs of consecutive ranks, to every other leader; then its epoch.
-    let mut runs: Vec<(usize, usize)> = Vec::new();
-    for &r in &locals {
-        match runs.last_mut() {
-            Some((a, b)) if *b == r => *b = r + 1,
-            _ => runs.push((r, r + 1)),
-        }
+    for r in (0..world).filter(|&r| !hw.is_local(r)) {
+        w.words.wait_for(from(r), e, r, &p, timeout)?;
     }
-    for l in hw.leaders().into_iter().filter(|&l| l != leader) {
-        for &(a, b) in &runs {
-            let len = (b - a - 1) * stride + n;
-            for work in send_before_signal(&hw, l, inbox(a), inbox(a), len, timeout)? {
-                w.sent.push((l, e, work));
-            }
-        }
-        w.sent.push((l, e, w.words.start_remote(l, from(leader), e, timeout)?));
-    }
-    for l in hw.leaders().into_iter().filter(|&l| l != leader) {
-        w.words.wait_for(from(l), e, l, &p, timeout)?;
-    }
-    let srcs: Vec<*const u8> = (0..world).map(|r| own(inbox(r)).cast_const()).collect();
-    // SAFETY: every slot of inbox p holds its rank's input of call e (local copies above, remote
-    // writes landed before the FROM words, seen with Acquire); result p holds `cap` >= n bytes
-    // and nobody reads it until RELEASE e.
+    // A local rank's input is in its own slot, a remote rank's in this leader's.
+    let srcs: Vec<*const u8> =
+        (0..world).map(|r| (hw.read_ptr(if hw.is_local(r) { r } else { me }) + inbox(r)) as *const u8).collect();
+    // SAFETY: every slot read holds its rank's input of call e (local ones published before
+    // ARRIVE, remote ones landed before FROM, both seen with Acquire) and is not rewritten
+    // before call e+2; result p holds `cap` >= n bytes and nobody reads it until RELEASE e.
     unsafe { reduce::reduce(tensor.dtype(), op, &srcs, &[own(result)], tensor.numel(), world)? };
     for &r in &locals[1..] {
         w.words.publish(r, release, e);
@@ -205,19 +195,18 @@ pub(crate) fn all_reduce(tensor: &Tensor, op: ReduceOp, group: &Group, timeout: 
     Ok(())
 }
 
-/// Equal-split all-to-all on a group that spans hosts (`h`: the input's handle), hierarchically:
-/// every rank stages its input in its workspace; each host's leader packs, for every other
-/// host, the blocks its ranks send to that host's ranks into one region and writes it to that
-/// host's leader (then raises its FROM word); each rank then copies its blocks from the stages
-/// of the ranks on its host and from its leader's inbox. One message per pair of hosts; the
-/// buffers alternate as in the all-reduce above, with the same argument.
+/// Equal-split all-to-all on a group that spans hosts (`h`: the input's handle): every rank
+/// stages its input in its workspace and writes, to each other host's leader, the blocks for
+/// that host's ranks (then raises the leader's FROM word); each rank copies its blocks from the
+/// stages of the ranks on its host and from its leader's inbox. One message from each rank to
+/// each other host; the buffers alternate as in the all-reduce, with the same argument.
 pub(crate) fn all_to_all(input: &Tensor, out: &Tensor, group: &Group, h: &SymmHandle, timeout: Duration) -> Result<()> {
     let (me, world) = (group.rank(), group.world_size());
     let b = input.nbytes() / world;
     let bs = b.next_multiple_of(16);
     let (hosts, lmax) = (h.hosts(), h.max_ranks_per_host());
-    // Per parity: the stage (world blocks), the outbox and the inbox (hosts × lmax² blocks each).
-    let per = move |cap: usize| world * cap + 2 * hosts * lmax * lmax * cap;
+    // Per parity: the stage (world blocks) and the inbox ([source host][sender][receiver]).
+    let per = move |cap: usize| world * cap + hosts * lmax * lmax * cap;
     let ws = workspace(group, "all_to_all", bs, move |cap| 2 * per(cap), timeout)?;
     let mut guard = lock(&ws);
     let w = &mut *guard;
@@ -226,67 +215,59 @@ pub(crate) fn all_to_all(input: &Tensor, out: &Tensor, group: &Group, h: &SymmHa
     let p = hw.patience(timeout);
     let base = hw.offset() + words_bytes(world) + (e % 2) as usize * per(w.cap);
     let stage = |d: usize| base + d * bs;
-    let boxes = base + world * w.cap;
-    let outbox = |host: usize, ls: usize, ld: usize| boxes + ((host * lmax + ls) * lmax + ld) * bs;
-    let inbox = |host: usize, ls: usize, ld: usize| outbox(host, ls, ld) + hosts * lmax * lmax * w.cap;
+    let inbox = |host: usize, ls: usize, ld: usize| base + world * w.cap + ((host * lmax + ls) * lmax + ld) * bs;
     let at = |rank: usize, off: usize| (hw.read_ptr(rank) + off) as *mut u8;
     let local_index = |r: usize| hw.ranks_on(hw.host_of(r)).iter().position(|&x| x == r).unwrap_or(0);
-    let (arrive, release, from) = (|r: usize| r, world, |l: usize| world + 1 + l);
+    let (arrive, release, from) = (|r: usize| r, world, |r: usize| world + 1 + r);
     let locals = hw.local_ranks();
-    let (leader, my_host) = (locals[0], hw.host_of(me));
+    let (leader, my_host, ls) = (locals[0], hw.host_of(me), local_index(me));
 
-    // SAFETY (for the copies into this rank's stage p): it holds world blocks of bs >= b bytes,
-    // nobody reads it before this rank's ARRIVE, and nobody still reads it from call e-2.
+    // As in the all-reduce: only the sends of call e-2 must have landed.
+    settle(&hw, &mut w.sent, |epoch| epoch != e.wrapping_sub(1), timeout)?;
     for d in 0..world {
-        // SAFETY: see above; the input is contiguous, world blocks of b bytes.
+        // SAFETY: this rank's stage p holds world blocks of bs >= b bytes; nobody reads it
+        // before this rank's ARRIVE and FROM words, nobody still reads it from call e-2, and its
+        // sends of call e-2 have landed; the input is contiguous, world blocks of b bytes.
         unsafe { std::ptr::copy_nonoverlapping(input.data_ptr().add(d * b).cast_const(), at(me, stage(d)), b) };
+    }
+    for host in (0..hosts).filter(|&x| x != my_host) {
+        let theirs = hw.ranks_on(host);
+        let l = theirs[0];
+        // Runs of consecutive ranks of that host: their blocks are consecutive in the stage and
+        // in the inbox row of this rank.
+        let mut ld = 0;
+        while ld < theirs.len() {
+            let mut end = ld + 1;
+            while end < theirs.len() && theirs[end] == theirs[end - 1] + 1 {
+                end += 1;
+            }
+            let len = (end - ld - 1) * bs + b;
+            for work in send_before_signal(&hw, l, stage(theirs[ld]), inbox(my_host, ls, ld), len, timeout)? {
+                w.sent.push((l, e, work));
+            }
+            ld = end;
+        }
+        w.sent.push((l, e, w.words.start_remote(l, from(me), e, timeout)?));
     }
     if me != leader {
         w.words.publish(leader, arrive(me), e);
         w.words.wait_for(release, e, leader, &p, timeout)?;
     } else {
-        // As in the all-reduce: only the sends of call e-2 must have landed.
-        settle(&hw, &mut w.sent, |epoch| epoch != e.wrapping_sub(1), timeout)?;
         for &r in &locals[1..] {
             w.words.wait_for(arrive(r), e, r, &p, timeout)?;
         }
-        for host in (0..hosts).filter(|&x| x != my_host) {
-            let theirs = hw.ranks_on(host);
-            for (ls, &s) in locals.iter().enumerate() {
-                for (ld, &d) in theirs.iter().enumerate() {
-                    // SAFETY: rank s's stage p is complete (its ARRIVE seen with Acquire) and
-                    // not rewritten before call e+2; this leader's outbox p is rewritten only
-                    // after the sends of call e settled (above, at call e+2).
-                    unsafe {
-                        std::ptr::copy_nonoverlapping(at(s, stage(d)).cast_const(), at(me, outbox(host, ls, ld)), b)
-                    };
-                }
-            }
-            let l = theirs[0];
-            let (src, dst, len) = (outbox(host, 0, 0), inbox(my_host, 0, 0), lmax * lmax * bs);
-            for work in send_before_signal(&hw, l, src, dst, len, timeout)? {
-                w.sent.push((l, e, work));
-            }
-            w.sent.push((l, e, w.words.start_remote(l, from(leader), e, timeout)?));
-        }
-        for host in (0..hosts).filter(|&x| x != my_host) {
-            let l = hw.ranks_on(host)[0];
-            w.words.wait_for(from(l), e, l, &p, timeout)?;
+        for r in (0..world).filter(|&r| !hw.is_local(r)) {
+            w.words.wait_for(from(r), e, r, &p, timeout)?;
         }
         for &r in &locals[1..] {
             w.words.publish(r, release, e);
         }
     }
-    let ld = local_index(me);
     for s in 0..world {
-        let src = if hw.host_of(s) == my_host {
-            at(s, stage(me))
-        } else {
-            at(leader, inbox(hw.host_of(s), local_index(s), ld))
-        };
+        let src = if hw.is_local(s) { at(s, stage(me)) } else { at(leader, inbox(hw.host_of(s), local_index(s), ls)) };
         // SAFETY: a local rank's stage p is complete (it arrived before the leader released this
-        // host); the leader's inbox region from s's host landed before that host's FROM word
-        // rose, which the leader saw before releasing; out holds world blocks of b bytes.
+        // host); a remote rank's blocks landed in the leader's inbox before its FROM word rose,
+        // which the leader saw before releasing; out holds world blocks of b bytes.
         unsafe { std::ptr::copy_nonoverlapping(src.cast_const(), out.data_ptr().add(s * b), b) };
     }
     w.epoch = e;

@@ -267,6 +267,10 @@ fn one_sided(j: &Job) {
             assert_eq!(data.to_vec::<i32>().unwrap(), from_next, "nvshmem_get");
         }
         hd.barrier(0, T).unwrap();
+        // A get into a rank's own buffer leaves that buffer reachable by its peers.
+        let four = Tensor::zeros(&[4], DType::I32).unwrap();
+        symm::nvshmem_get_out(&four, &hd, 0, 4, prev).unwrap();
+        hd.barrier(0, T).unwrap();
         // put_signal / wait_signal with a heap source.
         if sender {
             let src = Tensor::from_slice(&[n], &(0..n).map(|i| (i * 3 + me) as i32).collect::<Vec<_>>()).unwrap();

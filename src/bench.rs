@@ -458,38 +458,56 @@ pub struct SignalBenchOptions {
 /// The environment variable through which a launched benchmark rank returns its results.
 const BENCH_OUT_ENV: &str = "SYMMEM_BENCH_OUT";
 
+/// Launches `ranks` ranks of `exe args`, split evenly over `hosts` played hosts
+/// ([`crate::launch::run_hosts`]), and hands `emit` every row the ranks report (through a file
+/// named by [`BENCH_OUT_ENV`], removed afterwards).
+fn launch_bench(
+    exe: &std::path::Path,
+    args: Vec<std::ffi::OsString>,
+    ranks: usize,
+    hosts: usize,
+    timeout: Duration,
+    emit: &mut dyn FnMut(BenchResult),
+) -> Result<()> {
+    static JOBS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let hosts = hosts.max(1);
+    if !ranks.is_multiple_of(hosts) {
+        return Err(Error::InvalidArgument(format!("{ranks} ranks do not split evenly over {hosts} hosts")));
+    }
+    let job = JOBS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let dir = std::env::temp_dir().join(format!("symmem-bench-{}-{job}", std::process::id()));
+    std::fs::create_dir_all(&dir).map_err(|e| Error::io(format!("create {}", dir.display()), e))?;
+    let out = dir.join("rows.jsonl");
+    let mut launch = crate::launch::LaunchOptions::local(ranks / hosts, exe, args);
+    launch.env.push((BENCH_OUT_ENV.into(), out.clone().into()));
+    launch.timeout = Some(timeout);
+    let result = crate::launch::run_hosts(&launch, hosts).and_then(|outcome| {
+        if outcome != crate::launch::Outcome::Success {
+            return Err(Error::InvalidArgument(format!("benchmark job of {ranks} ranks failed: {outcome}")));
+        }
+        let text = std::fs::read_to_string(&out).map_err(|e| Error::io(format!("read {}", out.display()), e))?;
+        for line in text.lines() {
+            emit(serde_json::from_str(line).map_err(|e| Error::InvalidArgument(format!("bad result {line:?}: {e}")))?);
+        }
+        Ok(())
+    });
+    let _ = std::fs::remove_dir_all(&dir);
+    result
+}
+
 /// Signal ping-pong and barrier latency across launched ranks, next to the floor: a plain
 /// atomic-flag ping-pong between two processes pinned to different cores.
 pub fn signal(options: &SignalBenchOptions, mut emit: impl FnMut(BenchResult)) -> Result<()> {
-    let dir = std::env::temp_dir().join(format!("symmem-bench-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).map_err(|e| Error::io(format!("create {}", dir.display()), e))?;
-    let result = (|| {
-        let iters = options.iters.to_string();
-        let mut jobs: Vec<(usize, Vec<&str>)> = vec![(2, vec!["__bench-flag-rank", "--iters", &iters])];
-        for &n in &options.ranks {
-            jobs.push((n, vec!["__bench-signal-rank", "--iters", &iters]));
-        }
-        for (i, (n, args)) in jobs.iter().enumerate() {
-            let out = dir.join(format!("{i}.jsonl"));
-            let mut launch =
-                crate::launch::LaunchOptions::local(*n, options.exe.clone(), args.iter().map(Into::into).collect());
-            launch.env.push((BENCH_OUT_ENV.into(), out.clone().into()));
-            launch.timeout = Some(Duration::from_secs(300));
-            let outcome = crate::launch::run(&launch)?;
-            if outcome != crate::launch::Outcome::Success {
-                return Err(Error::InvalidArgument(format!("benchmark job of {n} ranks failed: {outcome}")));
-            }
-            let text = std::fs::read_to_string(&out).map_err(|e| Error::io(format!("read {}", out.display()), e))?;
-            for line in text.lines() {
-                let row: BenchResult = serde_json::from_str(line)
-                    .map_err(|e| Error::InvalidArgument(format!("benchmark rank wrote {line:?}: {e}")))?;
-                emit(row);
-            }
-        }
-        Ok(())
-    })();
-    let _ = std::fs::remove_dir_all(&dir);
-    result
+    let iters = options.iters.to_string();
+    let mut jobs: Vec<(usize, Vec<&str>)> = vec![(2, vec!["__bench-flag-rank", "--iters", &iters])];
+    for &n in &options.ranks {
+        jobs.push((n, vec!["__bench-signal-rank", "--iters", &iters]));
+    }
+    for (n, args) in jobs {
+        let args = args.into_iter().map(Into::into).collect();
+        launch_bench(&options.exe, args, n, 1, Duration::from_secs(300), &mut emit)?;
+    }
+    Ok(())
 }
 
 fn report(rows: &[BenchResult]) -> Result<()> {
@@ -629,9 +647,6 @@ pub struct TransportBenchOptions {
 /// Latency and bandwidth of one-sided writes and reads between two launched processes, next to
 /// a plain TCP stream between the same two processes.
 pub fn transport(options: &TransportBenchOptions, mut emit: impl FnMut(BenchResult)) -> Result<()> {
-    let dir = std::env::temp_dir().join(format!("symmem-bench-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).map_err(|e| Error::io(format!("create {}", dir.display()), e))?;
-    let out = dir.join("transport.jsonl");
     let sizes = options.sizes.iter().map(usize::to_string).collect::<Vec<_>>().join(",");
     let args: Vec<std::ffi::OsString> = vec![
         "__bench-transport-rank".into(),
@@ -642,21 +657,7 @@ pub fn transport(options: &TransportBenchOptions, mut emit: impl FnMut(BenchResu
         "--sizes".into(),
         sizes.into(),
     ];
-    let mut launch = crate::launch::LaunchOptions::local(2, options.exe.clone(), args);
-    launch.env.push((BENCH_OUT_ENV.into(), out.clone().into()));
-    launch.timeout = Some(Duration::from_secs(600));
-    let result = crate::launch::run(&launch).and_then(|outcome| {
-        if outcome != crate::launch::Outcome::Success {
-            return Err(Error::InvalidArgument(format!("benchmark job failed: {outcome}")));
-        }
-        let text = std::fs::read_to_string(&out).map_err(|e| Error::io(format!("read {}", out.display()), e))?;
-        for line in text.lines() {
-            emit(serde_json::from_str(line).map_err(|e| Error::InvalidArgument(format!("bad result {line:?}: {e}")))?);
-        }
-        Ok(())
-    });
-    let _ = std::fs::remove_dir_all(&dir);
-    result
+    launch_bench(&options.exe, args, 2, 1, Duration::from_secs(600), &mut emit)
 }
 
 /// Operations per size: enough to take a measurable time, bounded at both ends.
@@ -940,9 +941,6 @@ fn bus_factor(op: &str, n: usize) -> f64 {
 
 /// Latency and bandwidth of a collective across launched ranks.
 pub fn collective(options: &OpBenchOptions, mut emit: impl FnMut(BenchResult)) -> Result<()> {
-    let dir = std::env::temp_dir().join(format!("symmem-bench-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).map_err(|e| Error::io(format!("create {}", dir.display()), e))?;
-    let out = dir.join("op.jsonl");
     let sizes = options.sizes.iter().map(usize::to_string).collect::<Vec<_>>().join(",");
     let args: Vec<std::ffi::OsString> = vec![
         "__bench-op-rank".into(),
@@ -959,25 +957,7 @@ pub fn collective(options: &OpBenchOptions, mut emit: impl FnMut(BenchResult)) -
         "--sizes".into(),
         sizes.into(),
     ];
-    let hosts = options.hosts.max(1);
-    if !options.ranks.is_multiple_of(hosts) {
-        return Err(Error::InvalidArgument(format!("{} ranks do not split evenly over {hosts} hosts", options.ranks)));
-    }
-    let mut launch = crate::launch::LaunchOptions::local(options.ranks / hosts, options.exe.clone(), args);
-    launch.env.push((BENCH_OUT_ENV.into(), out.clone().into()));
-    launch.timeout = Some(Duration::from_secs(1200));
-    let result = crate::launch::run_hosts(&launch, hosts).and_then(|outcome| {
-        if outcome != crate::launch::Outcome::Success {
-            return Err(Error::InvalidArgument(format!("benchmark job failed: {outcome}")));
-        }
-        let text = std::fs::read_to_string(&out).map_err(|e| Error::io(format!("read {}", out.display()), e))?;
-        for line in text.lines() {
-            emit(serde_json::from_str(line).map_err(|e| Error::InvalidArgument(format!("bad result {line:?}: {e}")))?);
-        }
-        Ok(())
-    });
-    let _ = std::fs::remove_dir_all(&dir);
-    result
+    launch_bench(&options.exe, args, options.ranks, options.hosts, Duration::from_secs(1200), &mut emit)
 }
 
 /// Parses `float32`, `f32`, `bf16`, ... into a dtype.

@@ -241,7 +241,7 @@ impl PyHandle {
     /// The ranks on this host, this one included.
     #[getter]
     fn local_ranks(&self) -> Vec<usize> {
-        self.0.local_ranks()
+        self.0.local_ranks().to_vec()
     }
 
     /// Rank `rank`'s buffer as `sizes` elements of `dtype` from element `storage_offset`.

@@ -449,17 +449,12 @@ pub fn all_reduce_algo_across_hosts(bytes: usize, ranks_per_host: usize) -> &'st
 /// ([`all_reduce_algo_across_hosts`]), hosts exchange their inputs in one message each up to a
 /// few hundred KiB, two-shot above; results are bitwise those of one host.
 pub fn all_reduce(tensor: &Tensor, op: ReduceOp, group: &Group) -> Result<()> {
-    let cross_host_small =
-        || symm::rendezvous(tensor, group).is_ok_and(|h| !h.all_local() && xhost::fits(&h, tensor.nbytes()));
-    if all_reduce_algo(tensor.nbytes(), group.world_size()) == "two_shot" && !cross_host_small() {
-        return two_shot_all_reduce_(tensor, op, group);
-    }
     const OP: &str = "all_reduce";
     if tensor.dtype() == DType::Bool {
         return Err(bad(OP, "bool tensors cannot be reduced"));
     }
-    // The checks of `symmetric`, without a rendezvous: the small path reduces through the
-    // group's own workspace.
+    // The checks of `symmetric` but its alignment ones: the small paths copy through their own
+    // workspaces, so any size goes.
     if !symm::is_symm_mem_tensor(tensor) {
         return Err(bad(OP, "input must be allocated with symm::empty (a symmetric tensor)"));
     }
@@ -469,12 +464,17 @@ pub fn all_reduce(tensor: &Tensor, op: ReduceOp, group: &Group) -> Result<()> {
     if tensor.numel() == 0 {
         return Ok(());
     }
-    let h = symmetric(OP, tensor, group)?;
+    let bytes = tensor.nbytes();
+    let h = symm::rendezvous(tensor, group)?;
     if !h.all_local() {
-        // Across hosts: a host's inputs travel in one message to every other host.
-        if xhost::fits(&h, tensor.nbytes()) {
+        // Across hosts: up to a few hundred KiB, each host's inputs travel to every other host
+        // in one trip.
+        if xhost::fits(&h, bytes) {
             return xhost::all_reduce(tensor, op, group, timeout());
         }
+        return two_shot_all_reduce_(tensor, op, group);
+    }
+    if all_reduce_algo(bytes, group.world_size()) == "two_shot" {
         return two_shot_all_reduce_(tensor, op, group);
     }
     small::all_reduce(tensor, op, group, timeout())

@@ -132,16 +132,28 @@ pub(crate) fn fits(h: &SymmHandle, bytes: usize) -> bool {
     fits_size(bytes, h.max_ranks_per_host())
 }
 
-/// Up to this many bytes per rank, a host's leader aggregates its host's sends (fewer messages);
-/// above, every rank sends its own (no copies through the leader, every rank's link busy).
+/// Up to this many bytes per rank, a host's leader aggregates its host's sends (one message per
+/// pair of hosts); above, every rank sends its own (no copies through the leader, every rank's
+/// link busy). Both ways use the same workspace: FROM words count the sender's epochs either
+/// way, and a leader is a rank.
 const GATHERED_MAX: usize = 16 * 1024;
+
+/// Runs of consecutive ranks in `ranks` (sorted), as (index of the first, index past the last).
+fn runs(ranks: &[usize]) -> Vec<(usize, usize)> {
+    let mut out: Vec<(usize, usize)> = Vec::new();
+    for (i, &r) in ranks.iter().enumerate() {
+        match out.last_mut() {
+            Some((_, end)) if ranks[*end - 1] + 1 == r => *end = i + 1,
+            _ => out.push((i, i + 1)),
+        }
+    }
+    out
+}
 
 /// In-place all-reduce of a small message on a group that spans hosts (see the module docs).
 pub(crate) fn all_reduce(tensor: &Tensor, op: ReduceOp, group: &Group, timeout: Duration) -> Result<()> {
-    if tensor.nbytes() <= GATHERED_MAX {
-        return all_reduce_gathered(tensor, op, group, timeout);
-    }
     let n = tensor.nbytes();
+    let gathered = n <= GATHERED_MAX;
     let stride = n.next_multiple_of(16);
     let (me, world) = (group.rank(), group.world_size());
     let ws = workspace(group, "all_reduce", stride, |cap| 2 * world * cap + 2 * cap, timeout)?;
@@ -158,6 +170,7 @@ pub(crate) fn all_reduce(tensor: &Tensor, op: ReduceOp, group: &Group, timeout: 
     let (arrive, release, from) = (|r: usize| r, world, |r: usize| world + 1 + r);
     let locals = hw.local_ranks();
     let leader = locals[0];
+    let other_leaders: Vec<usize> = hw.leaders().filter(|&l| l != leader).collect();
 
     // The sends of call e-2 read this call's buffers: they must have landed; those of call e-1
     // may still be in flight.
@@ -166,11 +179,13 @@ pub(crate) fn all_reduce(tensor: &Tensor, op: ReduceOp, group: &Group, timeout: 
     // bytes per slot); nobody reads it before this rank's ARRIVE and FROM below, nobody still
     // reads it from call e-2, and its sends of call e-2 have landed (above).
     unsafe { std::ptr::copy_nonoverlapping(tensor.data_ptr().cast_const(), own(inbox(me)), n) };
-    for l in hw.leaders().into_iter().filter(|&l| l != leader) {
-        for work in send_before_signal(&hw, l, inbox(me), inbox(me), n, timeout)? {
-            w.sent.push((l, e, work));
+    if !gathered {
+        for &l in &other_leaders {
+            for work in send_before_signal(&hw, l, inbox(me), inbox(me), n, timeout)? {
+                w.sent.push((l, e, work));
+            }
+            w.sent.push((l, e, w.words.start_remote(l, from(me), e, timeout)?));
         }
-        w.sent.push((l, e, w.words.start_remote(l, from(me), e, timeout)?));
     }
     if me != leader {
         w.words.publish(leader, arrive(me), e);
@@ -185,15 +200,35 @@ pub(crate) fn all_reduce(tensor: &Tensor, op: ReduceOp, group: &Group, timeout: 
     for &r in &locals[1..] {
         w.words.wait_for(arrive(r), e, r, &p, timeout)?;
     }
-    for r in (0..world).filter(|&r| !hw.is_local(r)) {
+    if gathered {
+        // The host's inputs, as runs of consecutive ranks, to every other leader in one go.
+        for &r in &locals[1..] {
+            // SAFETY: rank r's slot is final (ARRIVE e seen with Acquire) and r rewrites it only
+            // for call e+2, after this leader's RELEASE e+1; this leader's copy of it is sent
+            // from and rewritten only after the sends of call e-2 landed (settled above).
+            unsafe { std::ptr::copy_nonoverlapping((hw.read_ptr(r) + inbox(r)) as *const u8, own(inbox(r)), n) };
+        }
+        for &l in &other_leaders {
+            for (a, b) in runs(locals) {
+                let (first, len) = (locals[a], (b - a - 1) * stride + n);
+                for work in send_before_signal(&hw, l, inbox(first), inbox(first), len, timeout)? {
+                    w.sent.push((l, e, work));
+                }
+            }
+            w.sent.push((l, e, w.words.start_remote(l, from(leader), e, timeout)?));
+        }
+    }
+    let senders: Vec<usize> = if gathered { other_leaders } else { (0..world).filter(|&r| !hw.is_local(r)).collect() };
+    for r in senders {
         w.words.wait_for(from(r), e, r, &p, timeout)?;
     }
     // A local rank's input is in its own slot, a remote rank's in this leader's.
     let srcs: Vec<*const u8> =
         (0..world).map(|r| (hw.read_ptr(if hw.is_local(r) { r } else { me }) + inbox(r)) as *const u8).collect();
     // SAFETY: every slot read holds its rank's input of call e (local ones published before
-    // ARRIVE, remote ones landed before FROM, both seen with Acquire) and is not rewritten
-    // before call e+2; result p holds `cap` >= n bytes and nobody reads it until RELEASE e.
+    // ARRIVE, remote ones landed before their FROM word, both seen with Acquire) and is not
+    // rewritten before call e+2; result p holds `cap` >= n bytes and nobody reads it until
+    // RELEASE e.
     unsafe { reduce::reduce(tensor.dtype(), op, &srcs, &[own(result)], tensor.numel(), world)? };
     for &r in &locals[1..] {
         w.words.publish(r, release, e);
@@ -206,19 +241,20 @@ pub(crate) fn all_reduce(tensor: &Tensor, op: ReduceOp, group: &Group, timeout: 
 
 /// Equal-split all-to-all on a group that spans hosts (`h`: the input's handle): every rank
 /// stages its input in its workspace and writes, to each other host's leader, the blocks for
-/// that host's ranks (then raises the leader's FROM word); each rank copies its blocks from the
-/// stages of the ranks on its host and from its leader's inbox. One message from each rank to
-/// each other host; the buffers alternate as in the all-reduce, with the same argument.
+/// that host's ranks (then raises the leader's FROM word); up to [`GATHERED_MAX`] per rank the
+/// leader packs its host's blocks for another host into one message instead. Each rank copies
+/// its blocks from the stages of the ranks on its host and from its leader's inbox. The
+/// buffers alternate as in the all-reduce, with the same argument.
 pub(crate) fn all_to_all(input: &Tensor, out: &Tensor, group: &Group, h: &SymmHandle, timeout: Duration) -> Result<()> {
-    if input.nbytes() <= GATHERED_MAX {
-        return all_to_all_gathered(input, out, group, h, timeout);
-    }
     let (me, world) = (group.rank(), group.world_size());
+    let gathered = input.nbytes() <= GATHERED_MAX;
     let b = input.nbytes() / world;
     let bs = b.next_multiple_of(16);
     let (hosts, lmax) = (h.hosts(), h.max_ranks_per_host());
-    // Per parity: the stage (world blocks) and the inbox ([source host][sender][receiver]).
-    let per = move |cap: usize| world * cap + hosts * lmax * lmax * cap;
+    // Per parity: the stage (world blocks), the inbox and the leader's outbox, both laid out
+    // [host][sender][receiver] (the inbox by source host, the outbox by destination host).
+    let boxes = move |cap: usize| hosts * lmax * lmax * cap;
+    let per = move |cap: usize| world * cap + 2 * boxes(cap);
     let ws = workspace(group, "all_to_all", bs, move |cap| 2 * per(cap), timeout)?;
     let mut guard = lock(&ws);
     let w = &mut *guard;
@@ -228,11 +264,13 @@ pub(crate) fn all_to_all(input: &Tensor, out: &Tensor, group: &Group, h: &SymmHa
     let base = hw.offset() + words_bytes(world) + (e % 2) as usize * per(w.cap);
     let stage = |d: usize| base + d * bs;
     let inbox = |host: usize, ls: usize, ld: usize| base + world * w.cap + ((host * lmax + ls) * lmax + ld) * bs;
+    let outbox = |host: usize, ls: usize, ld: usize| inbox(host, ls, ld) + boxes(w.cap);
     let at = |rank: usize, off: usize| (hw.read_ptr(rank) + off) as *mut u8;
     let local_index = |r: usize| hw.ranks_on(hw.host_of(r)).iter().position(|&x| x == r).unwrap_or(0);
     let (arrive, release, from) = (|r: usize| r, world, |r: usize| world + 1 + r);
     let locals = hw.local_ranks();
     let (leader, my_host, ls) = (locals[0], hw.host_of(me), local_index(me));
+    let other_hosts: Vec<usize> = (0..hosts).filter(|&x| x != my_host).collect();
 
     // As in the all-reduce: only the sends of call e-2 must have landed.
     settle(&hw, &mut w.sent, |epoch| epoch != e.wrapping_sub(1), timeout)?;
@@ -242,24 +280,20 @@ pub(crate) fn all_to_all(input: &Tensor, out: &Tensor, group: &Group, h: &SymmHa
         // sends of call e-2 have landed; the input is contiguous, world blocks of b bytes.
         unsafe { std::ptr::copy_nonoverlapping(input.data_ptr().add(d * b).cast_const(), at(me, stage(d)), b) };
     }
-    for host in (0..hosts).filter(|&x| x != my_host) {
-        let theirs = hw.ranks_on(host);
-        let l = theirs[0];
-        // Runs of consecutive ranks of that host: their blocks are consecutive in the stage and
-        // in the inbox row of this rank.
-        let mut ld = 0;
-        while ld < theirs.len() {
-            let mut end = ld + 1;
-            while end < theirs.len() && theirs[end] == theirs[end - 1] + 1 {
-                end += 1;
+    if !gathered {
+        for &host in &other_hosts {
+            let theirs = hw.ranks_on(host);
+            let l = theirs[0];
+            // Blocks for a run of consecutive ranks of that host are consecutive both in the
+            // stage and in this rank's row of the inbox.
+            for (a, end) in runs(theirs) {
+                let len = (end - a - 1) * bs + b;
+                for work in send_before_signal(&hw, l, stage(theirs[a]), inbox(my_host, ls, a), len, timeout)? {
+                    w.sent.push((l, e, work));
+                }
             }
-            let len = (end - ld - 1) * bs + b;
-            for work in send_before_signal(&hw, l, stage(theirs[ld]), inbox(my_host, ls, ld), len, timeout)? {
-                w.sent.push((l, e, work));
-            }
-            ld = end;
+            w.sent.push((l, e, w.words.start_remote(l, from(me), e, timeout)?));
         }
-        w.sent.push((l, e, w.words.start_remote(l, from(me), e, timeout)?));
     }
     if me != leader {
         w.words.publish(leader, arrive(me), e);
@@ -268,7 +302,33 @@ pub(crate) fn all_to_all(input: &Tensor, out: &Tensor, group: &Group, h: &SymmHa
         for &r in &locals[1..] {
             w.words.wait_for(arrive(r), e, r, &p, timeout)?;
         }
-        for r in (0..world).filter(|&r| !hw.is_local(r)) {
+        if gathered {
+            for &host in &other_hosts {
+                let theirs = hw.ranks_on(host);
+                for (ls, &s) in locals.iter().enumerate() {
+                    for (ld, &d) in theirs.iter().enumerate() {
+                        // SAFETY: rank s's stage p is complete (its ARRIVE seen with Acquire)
+                        // and not rewritten before call e+2; this leader's outbox p is
+                        // rewritten only after the sends of call e-2 landed (settled above).
+                        unsafe {
+                            std::ptr::copy_nonoverlapping(at(s, stage(d)).cast_const(), at(me, outbox(host, ls, ld)), b)
+                        };
+                    }
+                }
+                let l = theirs[0];
+                let (src, dst, len) = (outbox(host, 0, 0), inbox(my_host, 0, 0), lmax * lmax * bs);
+                for work in send_before_signal(&hw, l, src, dst, len, timeout)? {
+                    w.sent.push((l, e, work));
+                }
+                w.sent.push((l, e, w.words.start_remote(l, from(leader), e, timeout)?));
+            }
+        }
+        let senders: Vec<usize> = if gathered {
+            other_hosts.iter().map(|&host| hw.ranks_on(host)[0]).collect()
+        } else {
+            (0..world).filter(|&r| !hw.is_local(r)).collect()
+        };
+        for r in senders {
             w.words.wait_for(from(r), e, r, &p, timeout)?;
         }
         for &r in &locals[1..] {
@@ -278,175 +338,8 @@ pub(crate) fn all_to_all(input: &Tensor, out: &Tensor, group: &Group, h: &SymmHa
     for s in 0..world {
         let src = if hw.is_local(s) { at(s, stage(me)) } else { at(leader, inbox(hw.host_of(s), local_index(s), ls)) };
         // SAFETY: a local rank's stage p is complete (it arrived before the leader released this
-        // host); a remote rank's blocks landed in the leader's inbox before its FROM word rose,
+        // host); a remote rank's blocks landed in the leader's inbox before their FROM word rose,
         // which the leader saw before releasing; out holds world blocks of b bytes.
-        unsafe { std::ptr::copy_nonoverlapping(src.cast_const(), out.data_ptr().add(s * b), b) };
-    }
-    w.epoch = e;
-    Ok(())
-}
-
-/// [`all_reduce`] for tiny messages: each host's leader gathers its host's inputs and sends
-/// them to every other leader in one message (the sends of a host's ranks are aggregated, so a
-/// leader receives one message per other host rather than one per remote rank).
-fn all_reduce_gathered(tensor: &Tensor, op: ReduceOp, group: &Group, timeout: Duration) -> Result<()> {
-    let n = tensor.nbytes();
-    let stride = n.next_multiple_of(16);
-    let (me, world) = (group.rank(), group.world_size());
-    let ws = workspace(group, "all_reduce_gathered", stride, |cap| 2 * world * cap + 2 * cap, timeout)?;
-    let mut guard = lock(&ws);
-    let w = &mut *guard;
-    let e = w.epoch.wrapping_add(1);
-    let hw = w.words.h.clone();
-    let p = hw.patience(timeout);
-    let parity = (e % 2) as usize;
-    let base = hw.offset() + words_bytes(world);
-    let inbox = |r: usize| base + parity * world * w.cap + r * stride;
-    let result = base + 2 * world * w.cap + parity * w.cap;
-    let own = |at: usize| (hw.read_ptr(me) + at) as *mut u8;
-    let (arrive, release, from) = (|r: usize| r, world, |l: usize| world + 1 + l);
-    let locals = hw.local_ranks();
-    let leader = locals[0];
-
-    // SAFETY: slot `me` of inbox p lies in this rank's own workspace (sized for `cap` >= stride
-    // bytes per slot); nobody reads it before the ARRIVE below, and nobody still reads it from
-    // call e-2 (see the module docs).
-    unsafe { std::ptr::copy_nonoverlapping(tensor.data_ptr().cast_const(), own(inbox(me)), n) };
-    if me != leader {
-        w.words.publish(leader, arrive(me), e);
-        w.words.wait_for(release, e, leader, &p, timeout)?;
-        let res = (hw.read_ptr(leader) + result) as *const u8;
-        // SAFETY: the leader's result p is final (RELEASE e seen with Acquire) and is not
-        // rewritten before this rank arrives for call e+2.
-        unsafe { std::ptr::copy_nonoverlapping(res, tensor.data_ptr(), n) };
-        w.epoch = e;
-        return Ok(());
-    }
-    // The sends of call e-2 read this call's buffers: they must have landed; those of call e-1
-    // may still be in flight.
-    settle(&hw, &mut w.sent, |epoch| epoch != e.wrapping_sub(1), timeout)?;
-    for &r in &locals[1..] {
-        w.words.wait_for(arrive(r), e, r, &p, timeout)?;
-        // SAFETY: rank r's slot is final (ARRIVE e seen with Acquire) and r rewrites it only
-        // for call e+2, after this leader's RELEASE e+1; both slots hold `n` bytes.
-        unsafe {
-            std::ptr::copy_nonoverlapping((hw.read_ptr(r) + inbox(r)) as *const u8, own(inbox(r)), n);
-        }
-    }
-    // This host's inputs, as runs of consecutive ranks, to every other leader; then its epoch.
-    let mut runs: Vec<(usize, usize)> = Vec::new();
-    for &r in &locals {
-        match runs.last_mut() {
-            Some((a, b)) if *b == r => *b = r + 1,
-            _ => runs.push((r, r + 1)),
-        }
-    }
-    for l in hw.leaders().into_iter().filter(|&l| l != leader) {
-        for &(a, b) in &runs {
-            let len = (b - a - 1) * stride + n;
-            for work in send_before_signal(&hw, l, inbox(a), inbox(a), len, timeout)? {
-                w.sent.push((l, e, work));
-            }
-        }
-        w.sent.push((l, e, w.words.start_remote(l, from(leader), e, timeout)?));
-    }
-    for l in hw.leaders().into_iter().filter(|&l| l != leader) {
-        w.words.wait_for(from(l), e, l, &p, timeout)?;
-    }
-    let srcs: Vec<*const u8> = (0..world).map(|r| own(inbox(r)).cast_const()).collect();
-    // SAFETY: every slot of inbox p holds its rank's input of call e (local copies above, remote
-    // writes landed before the FROM words, seen with Acquire); result p holds `cap` >= n bytes
-    // and nobody reads it until RELEASE e.
-    unsafe { reduce::reduce(tensor.dtype(), op, &srcs, &[own(result)], tensor.numel(), world)? };
-    for &r in &locals[1..] {
-        w.words.publish(r, release, e);
-    }
-    // SAFETY: as above; the tensor holds n bytes.
-    unsafe { std::ptr::copy_nonoverlapping(own(result).cast_const(), tensor.data_ptr(), n) };
-    w.epoch = e;
-    Ok(())
-}
-
-/// [`all_to_all`] for tiny messages: each host's leader packs, for every other host, the blocks
-/// its ranks send to that host's ranks into one region and writes it to that host's leader
-/// (one message per pair of hosts); each rank copies its blocks from the stages of the ranks on
-/// its host and from its leader's inbox.
-fn all_to_all_gathered(input: &Tensor, out: &Tensor, group: &Group, h: &SymmHandle, timeout: Duration) -> Result<()> {
-    let (me, world) = (group.rank(), group.world_size());
-    let b = input.nbytes() / world;
-    let bs = b.next_multiple_of(16);
-    let (hosts, lmax) = (h.hosts(), h.max_ranks_per_host());
-    // Per parity: the stage (world blocks), the outbox and the inbox (hosts × lmax² blocks each).
-    let per = move |cap: usize| world * cap + 2 * hosts * lmax * lmax * cap;
-    let ws = workspace(group, "all_to_all_gathered", bs, move |cap| 2 * per(cap), timeout)?;
-    let mut guard = lock(&ws);
-    let w = &mut *guard;
-    let e = w.epoch.wrapping_add(1);
-    let hw = w.words.h.clone();
-    let p = hw.patience(timeout);
-    let base = hw.offset() + words_bytes(world) + (e % 2) as usize * per(w.cap);
-    let stage = |d: usize| base + d * bs;
-    let boxes = base + world * w.cap;
-    let outbox = |host: usize, ls: usize, ld: usize| boxes + ((host * lmax + ls) * lmax + ld) * bs;
-    let inbox = |host: usize, ls: usize, ld: usize| outbox(host, ls, ld) + hosts * lmax * lmax * w.cap;
-    let at = |rank: usize, off: usize| (hw.read_ptr(rank) + off) as *mut u8;
-    let local_index = |r: usize| hw.ranks_on(hw.host_of(r)).iter().position(|&x| x == r).unwrap_or(0);
-    let (arrive, release, from) = (|r: usize| r, world, |l: usize| world + 1 + l);
-    let locals = hw.local_ranks();
-    let (leader, my_host) = (locals[0], hw.host_of(me));
-
-    // SAFETY (for the copies into this rank's stage p): it holds world blocks of bs >= b bytes,
-    // nobody reads it before this rank's ARRIVE, and nobody still reads it from call e-2.
-    for d in 0..world {
-        // SAFETY: see above; the input is contiguous, world blocks of b bytes.
-        unsafe { std::ptr::copy_nonoverlapping(input.data_ptr().add(d * b).cast_const(), at(me, stage(d)), b) };
-    }
-    if me != leader {
-        w.words.publish(leader, arrive(me), e);
-        w.words.wait_for(release, e, leader, &p, timeout)?;
-    } else {
-        // As in the all-reduce: only the sends of call e-2 must have landed.
-        settle(&hw, &mut w.sent, |epoch| epoch != e.wrapping_sub(1), timeout)?;
-        for &r in &locals[1..] {
-            w.words.wait_for(arrive(r), e, r, &p, timeout)?;
-        }
-        for host in (0..hosts).filter(|&x| x != my_host) {
-            let theirs = hw.ranks_on(host);
-            for (ls, &s) in locals.iter().enumerate() {
-                for (ld, &d) in theirs.iter().enumerate() {
-                    // SAFETY: rank s's stage p is complete (its ARRIVE seen with Acquire) and
-                    // not rewritten before call e+2; this leader's outbox p is rewritten only
-                    // after the sends of call e settled (above, at call e+2).
-                    unsafe {
-                        std::ptr::copy_nonoverlapping(at(s, stage(d)).cast_const(), at(me, outbox(host, ls, ld)), b)
-                    };
-                }
-            }
-            let l = theirs[0];
-            let (src, dst, len) = (outbox(host, 0, 0), inbox(my_host, 0, 0), lmax * lmax * bs);
-            for work in send_before_signal(&hw, l, src, dst, len, timeout)? {
-                w.sent.push((l, e, work));
-            }
-            w.sent.push((l, e, w.words.start_remote(l, from(leader), e, timeout)?));
-        }
-        for host in (0..hosts).filter(|&x| x != my_host) {
-            let l = hw.ranks_on(host)[0];
-            w.words.wait_for(from(l), e, l, &p, timeout)?;
-        }
-        for &r in &locals[1..] {
-            w.words.publish(r, release, e);
-        }
-    }
-    let ld = local_index(me);
-    for s in 0..world {
-        let src = if hw.host_of(s) == my_host {
-            at(s, stage(me))
-        } else {
-            at(leader, inbox(hw.host_of(s), local_index(s), ld))
-        };
-        // SAFETY: a local rank's stage p is complete (it arrived before the leader released this
-        // host); the leader's inbox region from s's host landed before that host's FROM word
-        // rose, which the leader saw before releasing; out holds world blocks of b bytes.
         unsafe { std::ptr::copy_nonoverlapping(src.cast_const(), out.data_ptr().add(s * b), b) };
     }
     w.epoch = e;

@@ -22,7 +22,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use super::signal::Patience;
+use super::signal::{Patience, Spinner};
 use super::{SymmHandle, lock};
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
@@ -75,22 +75,14 @@ impl Words {
     /// is watched when it is on another host).
     pub(crate) fn wait_for(&self, i: usize, e: u32, from: usize, p: &Patience, timeout: Duration) -> Result<()> {
         let w = self.word(self.h.rank(), i);
-        let start = Instant::now();
-        let mut spins = 0u32;
+        let mut spinner = Spinner::new();
         loop {
             // Acquire: pairs with the Release store of `publish` or of the remote atomic.
             let v = w.load(Ordering::Acquire);
             if reached(v, e) {
                 return Ok(());
             }
-            spins += 1;
-            let waited = start.elapsed();
-            if spins < 64 || waited < p.spin {
-                std::hint::spin_loop();
-                continue;
-            }
-            if waited < p.spin + p.yield_for {
-                std::thread::yield_now();
+            if spinner.keep_spinning(p, w) {
                 continue;
             }
             let now = Instant::now();
@@ -202,7 +194,7 @@ impl HostSync {
         }
         // Earlier sends carry no buffer: only their failures matter, and nothing waits for them.
         settle(h, &mut st.sent, |_| false, timeout).map_err(what)?;
-        let others: Vec<usize> = h.leaders().into_iter().filter(|&l| l != me).collect();
+        let others: Vec<usize> = h.leaders().filter(|&l| l != me).collect();
         for &l in &others {
             let sent = w.start_remote(l, ws + 1 + me, e, timeout).map_err(what)?;
             st.sent.push((l, e, sent));

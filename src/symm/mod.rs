@@ -267,6 +267,8 @@ struct PeerSet {
     peers: Vec<Peer>,
     /// The host of every rank, numbered in order of first appearance.
     host_of: Vec<usize>,
+    /// The ranks of every host, in order (a host's first is its leader).
+    ranks_of_host: Vec<Vec<usize>>,
     /// The group's barrier across hosts (none on one host, or for that barrier's own words).
     sync: std::sync::OnceLock<Arc<hostsync::HostSync>>,
     /// This rank's signal pad and data buffer as registered on each link, by peer.
@@ -499,7 +501,8 @@ fn exchange(alloc: &Allocation, tensor: &Tensor, offset: usize, group: &Group) -
             })
         })
         .collect();
-    let leader = (0..ws).find(|&r| host_of[r] == host_of[rank]).unwrap_or(rank);
+    // The first rank of a host is its leader.
+    let leader = host_of.iter().position(|&h| h == host_of[rank]).unwrap_or(rank);
     let mut mirrors: HashMap<usize, Arc<Mirror>> = HashMap::new();
     let mut mirror_offers = Vec::new();
     if leader == rank && failure.is_empty() {
@@ -566,7 +569,22 @@ fn exchange(alloc: &Allocation, tensor: &Tensor, offset: usize, group: &Group) -
         peers.push(Peer::Remote(Box::new(Remote::new(links[&r].clone(), pad, data, mirror))));
     }
     let lock = globals().locks.entry(name.clone()).or_default().clone();
-    Ok(PeerSet { rank, world_size: ws, group: name, own, peers, host_of, sync: Default::default(), exposed, lock })
+    let mut ranks_of_host = vec![Vec::new(); distinct.len()];
+    for (r, &h) in host_of.iter().enumerate() {
+        ranks_of_host[h].push(r);
+    }
+    Ok(PeerSet {
+        rank,
+        world_size: ws,
+        group: name,
+        own,
+        peers,
+        host_of,
+        ranks_of_host,
+        sync: Default::default(),
+        exposed,
+        lock,
+    })
 }
 
 /// What a rank offers a peer on another host: descriptors of its pad and data buffer.
@@ -898,7 +916,11 @@ impl SymmHandle {
         if !self.all_local() {
             return match self.peers.sync.get() {
                 Some(sync) => sync.barrier(&p, timeout),
-                None => self.host_barrier(channel, &p, timeout),
+                // Only the barrier's own words have none, and nothing calls their barrier.
+                None => Err(Error::InvalidArgument(format!(
+                    "SymmetricMemory::barrier: group {:?} spans hosts but this allocation has no host barrier",
+                    self.peers.group
+                ))),
             };
         }
         let (me, ws) = (self.rank(), self.world_size());
@@ -911,14 +933,13 @@ impl SymmHandle {
     }
 
     /// The ranks on this host, this one included, in order.
-    pub fn local_ranks(&self) -> Vec<usize> {
-        let mine = self.peers.host_of[self.rank()];
-        (0..self.world_size()).filter(|&r| self.peers.host_of[r] == mine).collect()
+    pub fn local_ranks(&self) -> &[usize] {
+        self.ranks_on(self.host_of(self.rank()))
     }
 
     /// How many hosts the group spans.
     pub fn hosts(&self) -> usize {
-        self.peers.host_of.iter().max().map_or(1, |m| m + 1)
+        self.peers.ranks_of_host.len()
     }
 
     /// The host of `rank`, as an index (hosts are numbered in order of their lowest rank).
@@ -927,43 +948,18 @@ impl SymmHandle {
     }
 
     /// The ranks on host `host`, in order.
-    pub fn ranks_on(&self, host: usize) -> Vec<usize> {
-        (0..self.world_size()).filter(|&r| self.peers.host_of[r] == host).collect()
+    pub fn ranks_on(&self, host: usize) -> &[usize] {
+        &self.peers.ranks_of_host[host]
     }
 
     /// The most ranks any one host of the group has.
     pub fn max_ranks_per_host(&self) -> usize {
-        let h = &self.peers.host_of;
-        h.iter().map(|x| h.iter().filter(|y| *y == x).count()).max().unwrap_or(1)
+        self.peers.ranks_of_host.iter().map(Vec::len).max().unwrap_or(1)
     }
 
     /// Every host's leader (its lowest rank), in order.
-    pub fn leaders(&self) -> Vec<usize> {
-        let h = &self.peers.host_of;
-        (0..self.world_size()).filter(|&r| !h[..r].contains(&h[r])).collect()
-    }
-
-    /// A barrier across hosts in three steps, so that only one rank per host signals across
-    /// hosts: the ranks of a host signal their leader; the leaders signal each other; each
-    /// leader releases its host's ranks. Every slot is used once each way, so pads stay
-    /// balanced.
-    fn host_barrier(&self, channel: usize, p: &Patience, timeout: Duration) -> Result<()> {
-        let me = self.rank();
-        let locals = self.local_ranks();
-        let leader = locals[0];
-        if me != leader {
-            self.put_all(&[leader], channel, p, "barrier", timeout)?;
-            return self.wait(leader, channel, p, "barrier", timeout);
-        }
-        for &r in &locals[1..] {
-            self.wait(r, channel, p, "barrier", timeout)?;
-        }
-        let others: Vec<usize> = self.leaders().into_iter().filter(|&l| l != me).collect();
-        self.put_all(&others, channel, p, "barrier", timeout)?;
-        for &l in &others {
-            self.wait(l, channel, p, "barrier", timeout)?;
-        }
-        self.put_all(&locals[1..], channel, p, "barrier", timeout)
+    pub fn leaders(&self) -> impl Iterator<Item = usize> + '_ {
+        self.peers.ranks_of_host.iter().map(|ranks| ranks[0])
     }
 
     /// A barrier among the ranks of this host only.
@@ -971,7 +967,7 @@ impl SymmHandle {
         let _g = lock(&self.peers.lock);
         let p = self.patience(timeout);
         let me = self.rank();
-        let others: Vec<usize> = self.local_ranks().into_iter().filter(|&r| r != me).collect();
+        let others: Vec<usize> = self.local_ranks().iter().copied().filter(|&r| r != me).collect();
         self.put_all(&others, channel, &p, "barrier", timeout)?;
         for &r in &others {
             self.wait(r, channel, &p, "barrier", timeout)?;

@@ -81,20 +81,21 @@ pub(crate) enum Failure {
 /// Longest single futex sleep, so a sleeper rechecks its deadline regularly.
 const MAX_NAP: Duration = Duration::from_millis(100);
 
-struct Spinner {
+/// Busy-waiting by a [`Patience`]: spin, then yield the core, then say it is time to sleep.
+pub(crate) struct Spinner {
     start: Instant,
     spins: u32,
     yielding: bool,
 }
 
 impl Spinner {
-    fn new() -> Spinner {
+    pub(crate) fn new() -> Spinner {
         Spinner { start: Instant::now(), spins: 0, yielding: false }
     }
 
     /// Whether to keep busy-waiting (spinning or yielding) rather than sleep; yields the core
     /// itself once past the spinning phase.
-    fn keep_spinning<W: SlotWord>(&mut self, p: &Patience, slot: &W) -> bool {
+    pub(crate) fn keep_spinning<W: SlotWord>(&mut self, p: &Patience, slot: &W) -> bool {
         self.spins += 1;
         // Reading the clock costs ~20 ns; while spinning, do it every 64 spins.
         if self.spins < 64 || !self.spins.is_multiple_of(64) && !self.yielding {

@@ -270,15 +270,20 @@ impl fmt::Debug for Tensor {
     }
 }
 
-fn contiguous_strides(shape: &[usize]) -> Vec<usize> {
-    let mut strides = vec![1; shape.len()];
+/// Row-major strides of `shape`. Saturating: only a shape with a zero dimension can have
+/// strides that do not fit (its numel does), and an empty view never uses them.
+pub(crate) fn contiguous_strides(shape: &[usize]) -> Vec<usize> {
+    let mut strides = vec![1usize; shape.len()];
     for i in (0..shape.len().saturating_sub(1)).rev() {
-        strides[i] = strides[i + 1] * shape[i + 1];
+        strides[i] = strides[i + 1].saturating_mul(shape[i + 1]);
     }
     strides
 }
 
 fn numel_of(shape: &[usize]) -> Result<usize> {
+    if shape.contains(&0) {
+        return Ok(0);
+    }
     shape
         .iter()
         .try_fold(1usize, |n, &d| n.checked_mul(d))
@@ -358,6 +363,12 @@ impl Tensor {
         offset: usize,
         dtype: DType,
     ) -> Result<Tensor> {
+        // Every element count and byte count of a tensor fits isize, as Rust's allocations do:
+        // `numel`, `nbytes` and pointer offsets computed from them later never overflow.
+        numel_of(shape)?
+            .checked_mul(dtype.size())
+            .filter(|&b| b <= isize::MAX as usize)
+            .ok_or_else(|| Error::InvalidArgument(format!("shape {shape:?} of {dtype} is too large")))?;
         let t = Tensor { storage, shape: shape.to_vec(), strides: strides.to_vec(), offset, dtype };
         let end = t.extent_bytes()?;
         if end > t.storage.len() {
@@ -370,17 +381,26 @@ impl Tensor {
     }
 
     /// One past the last byte this view touches, from the start of the storage.
+    /// Every step is checked: shapes, strides and offsets come from callers (and, through the
+    /// language bindings, from users), and a wrapped extent would pass the bounds check.
     fn extent_bytes(&self) -> Result<usize> {
+        let overflow = || {
+            Error::InvalidArgument(format!(
+                "a view of shape {:?} with strides {:?} at element offset {} of {} overflows the address space",
+                self.shape, self.strides, self.offset, self.dtype
+            ))
+        };
+        let es = self.dtype.size();
         if self.shape.contains(&0) {
-            return Ok(self.offset * self.dtype.size());
+            return self.offset.checked_mul(es).ok_or_else(overflow);
         }
-        let last = self
-            .shape
+        self.shape
             .iter()
             .zip(&self.strides)
             .try_fold(self.offset, |acc, (&d, &s)| (d - 1).checked_mul(s).and_then(|x| acc.checked_add(x)))
-            .ok_or_else(|| Error::InvalidArgument("tensor view overflows".into()))?;
-        (last + 1).checked_mul(self.dtype.size()).ok_or_else(|| Error::InvalidArgument("tensor view overflows".into()))
+            .and_then(|last| last.checked_add(1))
+            .and_then(|n| n.checked_mul(es))
+            .ok_or_else(overflow)
     }
 
     /// The shape.
@@ -420,7 +440,7 @@ impl Tensor {
             if d != 1 && s != expected {
                 return false;
             }
-            expected *= d;
+            expected = expected.saturating_mul(d);
         }
         true
     }

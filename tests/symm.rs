@@ -249,7 +249,7 @@ fn rank_missing() {
 
 #[test]
 fn a_missing_rank_is_named() {
-    assert_job(3, "rank_missing", &[("SYMMEM_STORE_TIMEOUT", "1")]);
+    assert_job(3, "rank_missing", &[("SYMMEM_OP_TIMEOUT", "1")]);
 }
 
 #[test]

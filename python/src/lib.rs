@@ -75,14 +75,31 @@ impl PyTransport {
         self.0.unregister_memory(&memory.0).map_err(err)
     }
 
+    /// Starts a write; the GIL is released while it is submitted (a submit may wait for room
+    /// in a socket, at most the timeout).
     #[pyo3(signature = (local, remote, timeout = None))]
-    fn start_write(&self, local: &PyView, remote: &PyRemoteBuffer, timeout: Option<f64>) -> PyResult<PyWork> {
-        Ok(PyWork(self.0.start_write(&local.0, &remote.0, seconds(timeout)?).map_err(err)?))
+    fn start_write(
+        &self,
+        py: Python<'_>,
+        local: &PyView,
+        remote: &PyRemoteBuffer,
+        timeout: Option<f64>,
+    ) -> PyResult<PyWork> {
+        let t = seconds(timeout)?;
+        Ok(PyWork(py.detach(|| self.0.start_write(&local.0, &remote.0, t)).map_err(err)?))
     }
 
+    /// Starts a read; the GIL is released while it is submitted.
     #[pyo3(signature = (local, remote, timeout = None))]
-    fn start_read(&self, local: &PyMutableView, remote: &PyRemoteBuffer, timeout: Option<f64>) -> PyResult<PyWork> {
-        Ok(PyWork(self.0.start_read(&local.0, &remote.0, seconds(timeout)?).map_err(err)?))
+    fn start_read(
+        &self,
+        py: Python<'_>,
+        local: &PyMutableView,
+        remote: &PyRemoteBuffer,
+        timeout: Option<f64>,
+    ) -> PyResult<PyWork> {
+        let t = seconds(timeout)?;
+        Ok(PyWork(py.detach(|| self.0.start_read(&local.0, &remote.0, t)).map_err(err)?))
     }
 
     #[pyo3(signature = (timeout = None))]
@@ -158,9 +175,10 @@ impl PyRemoteBuffer {
         PyBytes::new(py, &self.0.serialize())
     }
 
+    /// Parses a descriptor strictly; the GIL is released while it parses.
     #[staticmethod]
-    fn deserialize(data: Vec<u8>) -> PyResult<Self> {
-        Ok(PyRemoteBuffer(RemoteBuffer::deserialize(&data).map_err(err)?))
+    fn deserialize(py: Python<'_>, data: Vec<u8>) -> PyResult<Self> {
+        Ok(PyRemoteBuffer(py.detach(|| RemoteBuffer::deserialize(&data)).map_err(err)?))
     }
 
     fn slice(&self, offset: u64, length: u64) -> PyResult<Self> {

@@ -28,8 +28,9 @@ fn op(name: &str) -> PyResult<ReduceOp> {
     ReduceOp::parse(name).map_err(err)
 }
 
+/// A wait's timeout: the caller's, else `SYMMEM_OP_TIMEOUT` (what every operator waits).
 fn timeout(t: Option<f64>) -> PyResult<Duration> {
-    Ok(seconds(t)?.unwrap_or(symm::DEFAULT_TIMEOUT))
+    Ok(seconds(t)?.unwrap_or_else(ops::op_timeout))
 }
 
 /// Memory that Rust owns or maps (a symmetric allocation, a peer's buffer, an operator's
@@ -253,6 +254,12 @@ impl PyHandle {
         storage_offset: usize,
     ) -> PyResult<PyBuffer> {
         Ok(PyBuffer(self.0.get_buffer(rank, &sizes, dtype(dtype_name)?, storage_offset).map_err(err)?))
+    }
+
+    /// Peer `peer`'s copy of the rendezvoused tensor: `sizes` elements of `dtype` from this
+    /// handle's offset in the allocation.
+    fn get_remote_tensor(&self, peer: usize, sizes: Vec<usize>, dtype_name: &str) -> PyResult<PyBuffer> {
+        Ok(PyBuffer(self.0.get_remote_tensor(peer, &sizes, dtype(dtype_name)?).map_err(err)?))
     }
 
     /// Rank `rank`'s signal pad (uint32 words).

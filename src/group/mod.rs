@@ -173,6 +173,8 @@ pub struct Group {
     /// Whether rendezvous exchanges go through rank 0 ([`Group::set_gather_through_root`]).
     through_root: AtomicBool,
     splits: Mutex<HashMap<Vec<usize>, u64>>,
+    /// Keys of this rank's last exchange that other ranks may still read (see `exchanged`).
+    stale: Mutex<Vec<String>>,
     /// The store server, when this rank hosts it; it lives as long as the group.
     _server: Option<Arc<StoreServer>>,
 }
@@ -239,6 +241,7 @@ impl Group {
             gathers: AtomicU64::new(0),
             through_root: AtomicBool::new(gather_by_default(world_size)),
             splits: Mutex::new(HashMap::new()),
+            stale: Mutex::new(Vec::new()),
             _server: None,
         }
     }
@@ -363,13 +366,13 @@ impl Group {
     /// Every rank contributes `value`; every rank gets all values, indexed by rank, through the
     /// group's exchange: the store ([`Group::all_gather_bytes`], one set and one multi-get per
     /// rank) or, when [`Group::set_gather_through_root`] is on, a gather to rank 0 and a
-    /// broadcast of one blob ([`Group::all_gather_bytes_through_root`]). Symmetric-memory
-    /// rendezvous uses this.
-    pub fn exchange_bytes(&self, tag: &str, value: &[u8]) -> Result<Vec<Vec<u8>>> {
+    /// broadcast of one blob ([`Group::all_gather_bytes_through_root`]). Waits at most `timeout`
+    /// for the other ranks. Symmetric-memory rendezvous uses this.
+    pub fn exchange_bytes(&self, tag: &str, value: &[u8], timeout: Duration) -> Result<Vec<Vec<u8>>> {
         if self.through_root.load(Ordering::Relaxed) {
-            self.all_gather_bytes_through_root(tag, value)
+            self.rooted_gather(tag, value, timeout)
         } else {
-            self.all_gather_bytes(tag, value)
+            self.gather(tag, value, timeout)
         }
     }
 
@@ -390,12 +393,17 @@ impl Group {
     /// one multi-get and publishes them as one blob, which every other rank reads with one get.
     /// Same result and ordering rules as [`Group::all_gather_bytes`].
     pub fn all_gather_bytes_through_root(&self, tag: &str, value: &[u8]) -> Result<Vec<Vec<u8>>> {
+        self.rooted_gather(tag, value, self.store.timeout())
+    }
+
+    fn rooted_gather(&self, tag: &str, value: &[u8], timeout: Duration) -> Result<Vec<Vec<u8>>> {
         let seq = self.gathers.fetch_add(1, Ordering::Relaxed);
         let prefix = format!("rooted/{seq}/{tag}");
         let all = format!("{prefix}/all");
         if self.rank != 0 {
-            self.store.set(&format!("{prefix}/{}", self.rank), value)?;
-            let blob = self.store.get(&all).map_err(|e| match e {
+            let mine = format!("{prefix}/{}", self.rank);
+            self.store.set(&mine, value)?;
+            let blob = self.store.get_timeout(&all, timeout).map_err(|e| match e {
                 Error::Timeout { after, .. } => {
                     let missing: Vec<usize> = (1..self.world_size)
                         .filter(|r| !self.store.check(&[&format!("{prefix}/{r}")]).unwrap_or(false))
@@ -411,6 +419,9 @@ impl Group {
                 }
                 e => e,
             })?;
+            // Rank 0 read this rank's value before it published the blob.
+            self.store.delete(&mine)?;
+            self.exchanged(Vec::new())?;
             return crate::wire::symm::unpack_gathered(&blob, self.world_size)
                 .map_err(|e| Error::Rendezvous(format!("all-gather {tag:?} of group {:?}: {e}", self.name)));
         }
@@ -419,7 +430,7 @@ impl Group {
         let mut values = Vec::with_capacity(self.world_size);
         values.push(value.to_vec());
         if !refs.is_empty() {
-            values.extend(self.store.multi_get(&refs).map_err(|e| match e {
+            values.extend(self.store.multi_get_timeout(&refs, timeout).map_err(|e| match e {
                 Error::Timeout { after, .. } => {
                     let missing: Vec<usize> =
                         (1..self.world_size).filter(|&r| !self.store.check(&[refs[r - 1]]).unwrap_or(false)).collect();
@@ -431,19 +442,29 @@ impl Group {
                 e => e,
             })?);
         }
-        self.store.set(&all, &crate::wire::symm::pack_gathered(&values))?;
+        // Every rank has finished the last exchange (each contributed to this one). The blob
+        // is read by every other rank, and goes once the next exchange shows they have.
+        self.exchanged(vec![all.clone()])?;
+        if self.world_size > 1 {
+            self.store.set(&all, &crate::wire::symm::pack_gathered(&values))?;
+        }
         Ok(values)
     }
 
     /// Every rank contributes `value`; every rank gets all values, indexed by rank. `tag` names
     /// the exchange in errors; calls must happen in the same order on every rank.
     pub fn all_gather_bytes(&self, tag: &str, value: &[u8]) -> Result<Vec<Vec<u8>>> {
+        self.gather(tag, value, self.store.timeout())
+    }
+
+    fn gather(&self, tag: &str, value: &[u8], timeout: Duration) -> Result<Vec<Vec<u8>>> {
         let seq = self.gathers.fetch_add(1, Ordering::Relaxed);
         let prefix = format!("gather/{seq}/{tag}");
-        self.store.set(&format!("{prefix}/{}", self.rank), value)?;
+        let mine = format!("{prefix}/{}", self.rank);
+        self.store.set(&mine, value)?;
         let keys: Vec<String> = (0..self.world_size).map(|r| format!("{prefix}/{r}")).collect();
         let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
-        self.store.multi_get(&refs).map_err(|e| match e {
+        let values = self.store.multi_get_timeout(&refs, timeout).map_err(|e| match e {
             Error::Timeout { after, .. } => {
                 let missing: Vec<usize> =
                     (0..self.world_size).filter(|&r| !self.store.check(&[refs[r]]).unwrap_or(false)).collect();
@@ -453,7 +474,23 @@ impl Group {
                 )
             }
             e => e,
-        })
+        })?;
+        self.exchanged(vec![mine])?;
+        Ok(values)
+    }
+
+    /// Called when an exchange has completed: every rank has then finished the exchange before
+    /// it (each contributes to this one only after reading all of the last), so the keys this
+    /// rank left for that one are read by everyone and can go. `keys` are this exchange's, left
+    /// for the next call to delete. The store holds at most one exchange's keys per group.
+    fn exchanged(&self, keys: Vec<String>) -> Result<()> {
+        let mut stale = self.stale.lock().unwrap_or_else(|p| p.into_inner());
+        let old = std::mem::take(&mut *stale);
+        for k in &old {
+            self.store.delete(k)?;
+        }
+        stale.extend(keys);
+        Ok(())
     }
 }
 
@@ -512,7 +549,14 @@ mod tests {
     }
 
     fn run_ranks<T: Send + 'static>(n: usize, f: impl Fn(Group) -> T + Send + Sync + 'static) -> Vec<T> {
-        let store: Arc<dyn Store> = Arc::new(MemoryStore::new());
+        run_ranks_on(n, Arc::new(MemoryStore::new()), f)
+    }
+
+    fn run_ranks_on<T: Send + 'static>(
+        n: usize,
+        store: Arc<dyn Store>,
+        f: impl Fn(Group) -> T + Send + Sync + 'static,
+    ) -> Vec<T> {
         let f = Arc::new(f);
         let handles: Vec<_> = (0..n)
             .map(|r| {
@@ -550,12 +594,13 @@ mod tests {
             let mut seen = Vec::new();
             for round in 0..10u32 {
                 let mine = vec![g.rank() as u8; (round as usize * 7 + g.rank()) % 13];
-                assert_eq!(g.exchange_bytes("round", &mine).unwrap(), g.all_gather_bytes("round", &mine).unwrap());
-                seen.push(g.exchange_bytes("again", &mine).unwrap());
+                let t = Duration::from_secs(10);
+                assert_eq!(g.exchange_bytes("round", &mine, t).unwrap(), g.all_gather_bytes("round", &mine).unwrap());
+                seen.push(g.exchange_bytes("again", &mine, t).unwrap());
             }
             if let Some(sub) = sub {
                 assert!(sub.gather_through_root(), "sub-groups inherit the choice");
-                let all = sub.exchange_bytes("sub", &[sub.rank() as u8]).unwrap();
+                let all = sub.exchange_bytes("sub", &[sub.rank() as u8], Duration::from_secs(10)).unwrap();
                 assert_eq!(all, vec![vec![0], vec![1], vec![2]]);
             }
             seen
@@ -589,6 +634,24 @@ mod tests {
             g.barrier(Duration::from_secs(1)).unwrap();
         }
         assert!(store.num_keys().unwrap() <= 3, "{} keys left", store.num_keys().unwrap());
+    }
+
+    #[test]
+    fn exchanges_leave_at_most_one_exchange_of_keys() {
+        let store: Arc<dyn Store> = Arc::new(MemoryStore::new());
+        let s = store.clone();
+        let t = Duration::from_secs(10);
+        run_ranks_on(3, s, move |g| {
+            for round in 0..300u32 {
+                g.set_gather_through_root(round % 3 == 0);
+                let all = g.exchange_bytes("x", &[g.rank() as u8], t).unwrap();
+                assert_eq!(all, vec![vec![0], vec![1], vec![2]]);
+            }
+            g.barrier(t).unwrap();
+        });
+        // The last exchange's keys (3 at most) and the last barrier's (5 at most).
+        let left = store.num_keys().unwrap();
+        assert!(left <= 8, "{left} keys left after 300 exchanges");
     }
 
     #[test]

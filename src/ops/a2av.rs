@@ -13,15 +13,34 @@ use crate::group::Group;
 use crate::symm::SymmHandle;
 use crate::tensor::{DType, Tensor};
 
-fn exclusive_scan(v: &[i64]) -> Vec<i64> {
-    let mut acc = 0;
+/// The exclusive prefix sums of `v`, or `None` if a sum overflows. Splits come from peers'
+/// memory, so every sum over them is checked: a wrapped sum would pass the bounds checks and
+/// send the copies outside their buffers.
+fn exclusive_scan(v: &[i64]) -> Option<Vec<i64>> {
+    let mut acc = 0i64;
     v.iter()
         .map(|&x| {
             let s = acc;
-            acc += x;
-            s
+            acc = acc.checked_add(x)?;
+            Some(s)
         })
         .collect()
+}
+
+/// The sum of `v`, or `None` if it overflows.
+fn sum(v: &[i64]) -> Option<i64> {
+    v.iter().try_fold(0i64, |acc, &x| acc.checked_add(x))
+}
+
+/// Whether every split is non-negative and they add up to at most `rows` (checked).
+fn splits_fit(v: &[i64], rows: i64) -> bool {
+    v.iter().all(|&x| x >= 0) && sum(v).is_some_and(|s| s <= rows)
+}
+
+/// The number of rows of `t` as an i64 (tensor sizes fit in isize, so this cannot fail for a
+/// tensor that exists; saturate rather than panic anyway).
+fn rows_of(t: &Tensor) -> i64 {
+    i64::try_from(t.shape()[0]).unwrap_or(i64::MAX)
 }
 
 /// `count` i64 values at element `at` of `rank`'s copy of the symmetric tensor behind `h`.
@@ -119,20 +138,22 @@ pub fn all_to_all_vdev(
         let mut src_off = vec![0i64; ws];
         for p in 0..ws {
             let theirs = peer_i64(&hs, p, 0, ws);
-            if theirs.iter().any(|&x| x < 0) || theirs.iter().sum::<i64>() > input.shape()[0] as i64 {
+            let scan = exclusive_scan(&theirs).filter(|_| splits_fit(&theirs, rows_of(input)));
+            let Some(scan) = scan else {
                 return Err(bad(
                     OP,
                     format!("rank {p}'s splits {theirs:?} are negative or exceed its {} rows", input.shape()[0]),
                 ));
-            }
+            };
             out_splits[p] = theirs[me];
-            src_off[p] = exclusive_scan(&theirs)[me];
+            src_off[p] = scan[me];
         }
-        let out_off = exclusive_scan(&out_splits);
-        let total: i64 = out_splits.iter().sum();
-        if total > out.shape()[0] as i64 {
-            return Err(bad(OP, format!("{total} rows arrive but out has {}", out.shape()[0])));
-        }
+        // Each split is at most its sender's row count, so neither sum can overflow; checked
+        // all the same.
+        let total = sum(&out_splits).filter(|&t| t <= rows_of(out));
+        let (Some(_), Some(out_off)) = (total, exclusive_scan(&out_splits)) else {
+            return Err(bad(OP, format!("{:?} rows arrive but out has {}", sum(&out_splits), out.shape()[0])));
+        };
         fetch_rows(&h, (0..ws).map(|p| (p, src_off[p], out_splits[p])), row)?;
         for k in 0..ws {
             let p = (me + k) % ws;
@@ -158,9 +179,9 @@ pub fn all_to_all_vdev_2d(
 ) -> Result<()> {
     const OP: &str = "all_to_all_vdev_2d";
     let ws = group.world_size();
-    let align = major_align.unwrap_or(1) as i64;
+    let align = i64::try_from(major_align.unwrap_or(1)).unwrap_or(0);
     if align <= 0 {
-        return Err(bad(OP, "major_align must be positive"));
+        return Err(bad(OP, format!("major_align must be positive and fit in int64, got {major_align:?}")));
     }
     let row = check_rows(OP, input, out)?;
     let n = in_splits.numel();
@@ -182,29 +203,38 @@ pub fn all_to_all_vdev_2d(
         let mut src_off = vec![0i64; n];
         for src in 0..ws {
             let theirs = peer_i64(&hs, src, 0, n);
-            if theirs.iter().any(|&x| x < 0) || theirs.iter().sum::<i64>() > input.shape()[0] as i64 {
-                return Err(bad(OP, "sum of splits is larger than input dim, or a split is negative"));
-            }
-            let scan = exclusive_scan(&theirs);
+            let scan = exclusive_scan(&theirs).filter(|_| splits_fit(&theirs, rows_of(input)));
+            let Some(scan) = scan else {
+                return Err(bad(
+                    OP,
+                    format!("rank {src}'s splits: their sum is larger than input dim, or a split is negative"),
+                ));
+            };
             for e in 0..ne {
                 out_splits[e * ws + src] = theirs[me * ne + e];
                 src_off[e * ws + src] = scan[me * ne + e];
             }
         }
         let mut offsets = vec![0i64; n];
-        let mut start = 0i64;
+        let mut start = Some(0i64);
         for e in 0..ne {
             let tile = &out_splits[e * ws..(e + 1) * ws];
-            let mut at = start;
-            for (src, &len) in tile.iter().enumerate() {
-                offsets[e * ws + src] = at;
-                at += len;
+            let (Some(s), Some(scan)) = (start, exclusive_scan(tile)) else { break };
+            for (src, off) in scan.iter().enumerate() {
+                offsets[e * ws + src] = s.saturating_add(*off);
             }
-            let l: i64 = tile.iter().sum();
-            start += ((l + align - 1) / align * align).max(align);
+            // The segment, padded up to a multiple of `align` (an empty one takes `align`).
+            let padded = sum(tile).and_then(|l| l.checked_add(align - 1)).map(|l| (l / align * align).max(align));
+            start = padded.and_then(|p| s.checked_add(p));
         }
-        if start > out.shape()[0] as i64 {
-            return Err(bad(OP, format!("{start} rows (with padding) arrive but out has {}", out.shape()[0])));
+        if start.is_none_or(|s| s > rows_of(out)) {
+            return Err(bad(
+                OP,
+                format!(
+                    "{start:?} rows (with padding) arrive but out has {} (None: the sum overflows)",
+                    out.shape()[0]
+                ),
+            ));
         }
         fetch_rows(&h, (0..n).map(|j| (j % ws, src_off[j], out_splits[j])), row)?;
         for k in 0..n {
@@ -252,7 +282,7 @@ pub fn all_to_all_vdev_2d_offset(
             for e in 0..ne {
                 let i = e * ws + me;
                 let (len, off) = (splits[i], offs[i]);
-                if len < 0 || off < 0 || off + len > input.shape()[0] as i64 {
+                if len < 0 || off < 0 || off.checked_add(len).is_none_or(|end| end > rows_of(input)) {
                     return Err(bad(
                         OP,
                         format!("rank {src}'s chunk for expert {e} ({len} rows at {off}) is outside its input"),
@@ -262,11 +292,10 @@ pub fn all_to_all_vdev_2d_offset(
                 src_off[src * ne + e] = off;
             }
         }
-        let offsets = exclusive_scan(&out_splits);
-        let total: i64 = out_splits.iter().sum();
-        if total > out.shape()[0] as i64 {
-            return Err(bad(OP, format!("{total} rows arrive but out has {}", out.shape()[0])));
-        }
+        let total = sum(&out_splits).filter(|&t| t <= rows_of(out));
+        let (Some(_), Some(offsets)) = (total, exclusive_scan(&out_splits)) else {
+            return Err(bad(OP, format!("{:?} rows arrive but out has {}", sum(&out_splits), out.shape()[0])));
+        };
         fetch_rows(&h, (0..n).map(|j| (j / ne, src_off[j], out_splits[j])), row)?;
         for k in 0..n {
             let j = (me * ne + k) % n;

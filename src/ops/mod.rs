@@ -46,8 +46,10 @@ fn timeout() -> Duration {
     op_timeout()
 }
 
-/// The bound on every operator's waits: `SYMMEM_OP_TIMEOUT` seconds, 60 by default.
-pub(crate) fn op_timeout() -> Duration {
+/// The bound on every operator's waits, and the default of every symmetric-memory wait given
+/// no timeout of its own (handle barriers and signals, rendezvous): `SYMMEM_OP_TIMEOUT`
+/// seconds, 60 by default.
+pub fn op_timeout() -> Duration {
     static T: std::sync::OnceLock<Duration> = std::sync::OnceLock::new();
     *T.get_or_init(|| {
         std::env::var(TIMEOUT_ENV)

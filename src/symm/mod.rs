@@ -412,7 +412,8 @@ fn exchange(alloc: &Allocation, tensor: &Tensor, offset: usize, group: &Group) -
         dtype: tensor.dtype().code(),
         offset: offset as u64,
     };
-    let raw = group.exchange_bytes(&format!("symm/{step}"), &me.encode()).map_err(|e| match e {
+    let timeout = crate::ops::op_timeout();
+    let raw = group.exchange_bytes(&format!("symm/{step}"), &me.encode(), timeout).map_err(|e| match e {
         Error::Timeout { what, after } => Error::timeout(format!("symmetric rendezvous step {step}: {what}"), after),
         e => e,
     })?;
@@ -440,6 +441,7 @@ fn exchange(alloc: &Allocation, tensor: &Tensor, offset: usize, group: &Group) -
     }
     let hosts: Vec<String> = records.iter().map(|r| r.host.clone()).collect();
     let remote: Vec<usize> = (0..ws).filter(|&r| hosts[r] != hosts[rank]).collect();
+    let mut connected_now = false;
     let links = if remote.is_empty() {
         Arc::new(Links::new())
     } else {
@@ -449,6 +451,7 @@ fn exchange(alloc: &Allocation, tensor: &Tensor, offset: usize, group: &Group) -
             _ => {
                 let l = Arc::new(remote::connect(group, step, &remote, &hosts)?);
                 globals().links.insert(name.clone(), l.clone());
+                connected_now = true;
                 l
             }
         }
@@ -524,7 +527,7 @@ fn exchange(alloc: &Allocation, tensor: &Tensor, offset: usize, group: &Group) -
     // mirrors ride along.
     let confirm = Confirm { failure, offers, mirrors: mirror_offers };
     let raw = serde_json::to_vec(&confirm).map_err(|e| Error::Rendezvous(format!("encoding the confirmation: {e}")))?;
-    let verdicts = group.exchange_bytes(&format!("symm/{step}/mapped"), &raw)?;
+    let verdicts = group.exchange_bytes(&format!("symm/{step}/mapped"), &raw, timeout)?;
     let verdicts = verdicts
         .iter()
         .enumerate()
@@ -532,6 +535,11 @@ fn exchange(alloc: &Allocation, tensor: &Tensor, offset: usize, group: &Group) -
             serde_json::from_slice::<Confirm>(v).map_err(|e| Error::Rendezvous(format!("rank {r}'s confirmation: {e}")))
         })
         .collect::<Result<Vec<_>>>()?;
+    if connected_now {
+        // Every peer has connected its link (it confirmed after that), so the URLs this rank
+        // published for them have been read.
+        remote::forget(group, step, &remote)?;
+    }
     if let Some(v) = verdicts.iter().find(|v| !v.failure.is_empty()) {
         return Err(Error::Rendezvous(v.failure.clone()));
     }
@@ -842,16 +850,22 @@ impl SymmHandle {
     pub fn get_buffer(&self, rank: usize, sizes: &[usize], dtype: DType, storage_offset: usize) -> Result<Tensor> {
         self.check_rank(rank)?;
         let seg = self.local(rank).ok_or_else(|| self.not_addressable("get_buffer", rank))?;
-        let numel: usize = sizes.iter().product();
-        let start = storage_offset * dtype.size();
-        let end = start + numel * dtype.size();
-        if end > seg.data_size() {
+        // Checked: sizes and offsets come from the caller, and a wrapped end would pass.
+        let es = dtype.size();
+        let end = sizes
+            .iter()
+            .try_fold(1usize, |n, &d| n.checked_mul(d))
+            .and_then(|numel| numel.checked_mul(es))
+            .and_then(|bytes| storage_offset.checked_mul(es)?.checked_add(bytes));
+        if end.is_none_or(|end| end > seg.data_size()) {
+            let asked = end.map_or_else(|| "more than fit in memory".to_string(), |e| format!("{e} bytes"));
             return Err(Error::InvalidArgument(format!(
-                "SymmetricMemory::get_buffer: the requested size ({end} bytes) exceeds the allocated size ({} bytes)",
+                "SymmetricMemory::get_buffer: the requested size ({asked}: sizes {sizes:?} of {dtype} at element \
+                 offset {storage_offset}) exceeds the allocated size ({} bytes)",
                 seg.data_size()
             )));
         }
-        let strides = contiguous(sizes);
+        let strides = crate::tensor::contiguous_strides(sizes);
         Tensor::view_of(seg.clone(), sizes, &strides, storage_offset, dtype)
     }
 
@@ -1069,17 +1083,6 @@ impl SymmHandle {
     }
 }
 
-fn contiguous(sizes: &[usize]) -> Vec<usize> {
-    let mut s = vec![1; sizes.len()];
-    for i in (0..sizes.len().saturating_sub(1)).rev() {
-        s[i] = s[i + 1] * sizes[i + 1];
-    }
-    s
-}
-
-/// The default timeout of module-level signal operations.
-pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
-
 /// Copies `dst.numel()` elements from `peer`'s allocation behind `hdl`, starting `offset`
 /// elements (of `dst`'s dtype) after the handle's offset, into `dst`. One-sided: `peer` takes
 /// no part, on this host or another.
@@ -1203,13 +1206,14 @@ pub fn put_signal(src: &Tensor, hdl: &SymmHandle, peer: usize) -> Result<()> {
     // PyTorch, the caller must not overwrite data the peer has not read: signals say "data is
     // here", not "data was consumed".
     let _g = lock(&hdl.peers.lock);
-    hdl.put_all(&[peer], 0, &hdl.patience(DEFAULT_TIMEOUT), "put_signal", DEFAULT_TIMEOUT)
+    let t = crate::ops::op_timeout();
+    hdl.put_all(&[peer], 0, &hdl.patience(t), "put_signal", t)
 }
 
-/// Waits (up to [`DEFAULT_TIMEOUT`]) for a signal from `peer` on channel 0, as raised by
+/// Waits (up to [`crate::ops::op_timeout`]) for a signal from `peer` on channel 0, as raised by
 /// [`put_signal`].
 pub fn wait_signal(hdl: &SymmHandle, peer: usize) -> Result<()> {
-    hdl.wait_signal(peer, 0, DEFAULT_TIMEOUT)
+    hdl.wait_signal(peer, 0, crate::ops::op_timeout())
 }
 
 /// The one handle of a symmetric tensor: the group it was rendezvoused on, at its offset.

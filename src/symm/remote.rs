@@ -94,6 +94,16 @@ pub(crate) fn connect(group: &Group, step: u64, remote: &[usize], hosts: &[Strin
     Ok(links)
 }
 
+/// Deletes the link URLs this rank published at rendezvous `step`, once every peer has
+/// connected.
+pub(crate) fn forget(group: &Group, step: u64, remote: &[usize]) -> Result<()> {
+    let me = group.rank();
+    for &peer in remote {
+        group.store().delete(&format!("symm-net/{step}/{me}/{peer}"))?;
+    }
+    Ok(())
+}
+
 /// A host's copy of one remote rank's data buffer: shared memory made by the host's leader
 /// (its lowest rank) and mapped by every rank of the host, so that what one rank fetches
 /// every rank of the host can read (same offsets as the remote buffer).

@@ -8,34 +8,56 @@
 
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 
-use rustix::fs::{FallocateFlags, MemfdFlags};
+use rustix::fs::{FallocateFlags, MemfdFlags, Mode, SealFlags};
 use rustix::mm::{MapFlags, ProtFlags};
 
 use crate::error::{Error, Result};
 
-/// Creates an anonymous shared-memory file of `len` bytes, all zero.
-pub(crate) fn create(name: &str, len: usize) -> Result<OwnedFd> {
-    let fd = rustix::fs::memfd_create(name, MemfdFlags::CLOEXEC)
+/// The seals every shared-memory file of symmem carries, and that a peer's must carry before
+/// it is mapped: its size is fixed for good. A mapping of a file that shrinks faults with
+/// SIGBUS on the pages cut off, so a peer that could truncate its file could kill every
+/// process mapping it; sealed, `ftruncate` fails instead (`F_SEAL_SEAL`: nobody adds or
+/// removes seals later).
+const SEALS: SealFlags = SealFlags::SHRINK.union(SealFlags::GROW).union(SealFlags::SEAL);
+
+/// A new memory file, readable and writable by this user only (memfds start at mode 0777).
+fn memfd(name: &str) -> Result<OwnedFd> {
+    let fd = rustix::fs::memfd_create(name, MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING)
         .map_err(|e| Error::io(format!("memfd_create {name:?}"), e.into()))?;
+    rustix::fs::fchmod(&fd, Mode::RUSR | Mode::WUSR)
+        .map_err(|e| Error::io(format!("fchmod memfd {name:?} to 0600"), e.into()))?;
+    Ok(fd)
+}
+
+fn seal(fd: &OwnedFd, name: &str) -> Result<()> {
+    rustix::fs::fcntl_add_seals(fd, SEALS).map_err(|e| Error::io(format!("seal memfd {name:?}"), e.into()))
+}
+
+/// Creates an anonymous shared-memory file of `len` bytes, all zero, mode 0600, its size sealed.
+pub(crate) fn create(name: &str, len: usize) -> Result<OwnedFd> {
+    let fd = memfd(name)?;
     rustix::fs::fallocate(&fd, FallocateFlags::empty(), 0, len as u64).map_err(|e| {
         Error::io(format!("fallocate memfd {name:?} to {len} bytes (is /dev/shm or memory full?)"), e.into())
     })?;
+    seal(&fd, name)?;
     Ok(fd)
 }
 
 /// Creates an anonymous shared-memory file of `len` bytes, all zero, whose pages are allocated
 /// only when first written (for mirrors that are filled piecemeal; a failed allocation then
-/// fails the write that needed it, which the transport reports).
+/// fails the write that needed it, which the transport reports). Mode 0600, size sealed.
 pub(crate) fn create_sparse(name: &str, len: usize) -> Result<OwnedFd> {
-    let fd = rustix::fs::memfd_create(name, MemfdFlags::CLOEXEC)
-        .map_err(|e| Error::io(format!("memfd_create {name:?}"), e.into()))?;
+    let fd = memfd(name)?;
     rustix::fs::ftruncate(&fd, len as u64)
         .map_err(|e| Error::io(format!("size memfd {name:?} to {len} bytes"), e.into()))?;
+    seal(&fd, name)?;
     Ok(fd)
 }
 
 /// Opens another process's shared-memory file through `/proc/<pid>/fd/<fd>`. The kernel allows
-/// it when this process may inspect that one (same user, no ptrace restriction).
+/// it when this process may inspect that one (same user, no ptrace restriction). The file must
+/// be sealed against shrinking (see [`SEALS`]), or mapping it would let its owner kill this
+/// process with SIGBUS.
 pub(crate) fn open_peer(pid: u32, fd: i32) -> Result<OwnedFd> {
     open_peer_with(pid, fd, true)
 }
@@ -48,7 +70,15 @@ pub(crate) fn open_peer_with(pid: u32, fd: i32, write: bool) -> Result<OwnedFd> 
         .write(write)
         .open(&path)
         .map_err(|e| Error::io(format!("open peer shared memory {path}"), e))?;
-    Ok(file.into())
+    let fd = OwnedFd::from(file);
+    let seals = rustix::fs::fcntl_get_seals(&fd).unwrap_or(SealFlags::empty());
+    if !seals.contains(SealFlags::SHRINK) {
+        return Err(Error::InvalidArgument(format!(
+            "peer shared memory {path} is not sealed against shrinking (seals {seals:?}); refusing to map it, since \
+             its owner could then kill this process with SIGBUS"
+        )));
+    }
+    Ok(fd)
 }
 
 /// The size of a memory file, for checking what a peer shared.
@@ -120,3 +150,21 @@ impl Drop for Mapping {
 
 /// The page size mappings are aligned to.
 pub(crate) const PAGE: u64 = 4096;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn files_are_sealed_and_unsealed_peers_refused() {
+        let fd = create("symmem-test", 4096).unwrap();
+        assert!(rustix::fs::fcntl_get_seals(&fd).unwrap().contains(SEALS));
+        assert!(rustix::fs::ftruncate(&fd, 0).is_err(), "a sealed file cannot shrink");
+        assert!(open_peer(std::process::id(), raw(&fd)).is_ok());
+        // A file without the seals, as a careless or hostile peer might offer.
+        let bare = rustix::fs::memfd_create("symmem-bare", MemfdFlags::CLOEXEC).unwrap();
+        rustix::fs::ftruncate(&bare, 4096).unwrap();
+        let e = open_peer(std::process::id(), raw(&bare)).unwrap_err().to_string();
+        assert!(e.contains("not sealed against shrinking"), "{e}");
+    }
+}

@@ -35,7 +35,9 @@ use crate::sys::cma::{self, CmaError};
 use crate::sys::shm::{self, Mapping, PAGE};
 use crate::tensor::{DType, Storage, Tensor};
 
-const MAGIC: u64 = u64::from_le_bytes(*b"SYMSHM01");
+const MAGIC: u64 = u64::from_le_bytes(*b"SYMSHM02");
+/// Header word counting the owner's withdrawals, so a peer knows when to drop mappings.
+const RETIRED: usize = 5;
 const CAPACITY: usize = 4096;
 const HEADER: usize = 128;
 const ENTRY: usize = 64;
@@ -219,6 +221,9 @@ impl OwnTable {
             let g = self.table.entry_word(slot, 0);
             // Odd: dead (a tombstone for probing). Release: pairs with the reader's re-check.
             g.store(g.load(Ordering::Relaxed) + 1, Ordering::Release);
+            // Release: pairs with the Acquire load in `Peer::prune`, which then sees the
+            // tombstone above.
+            self.table.word(RETIRED).fetch_add(1, Ordering::Release);
         }
     }
 
@@ -245,9 +250,27 @@ struct Peer {
     /// Mappings of shared registrations, by (id, generation), with the registered range's
     /// offset inside the mapping.
     maps: Mutex<HashMap<(u64, u64), Arc<PeerRange>>>,
+    /// The owner's withdrawal count when `maps` was last pruned.
+    pruned_at: AtomicU64,
 }
 
 impl Peer {
+    /// Drops the mappings of registrations the owner has withdrawn since the last look, so
+    /// that their memory is freed with the owner's: one load when nothing was withdrawn.
+    /// Called on every transfer, and by the reaper thread for peers left idle.
+    fn prune(&self) {
+        // Acquire: pairs with the Release increment in `OwnTable::retire`.
+        let retired = self.table.word(RETIRED).load(Ordering::Acquire);
+        if retired == self.pruned_at.load(Ordering::Relaxed) {
+            return;
+        }
+        let mut maps = self.maps.lock().unwrap_or_else(|p| p.into_inner());
+        // A transfer in flight keeps its own Arc of the mapping; dropping ours is safe.
+        maps.retain(|&(id, generation), _| self.table.find(id).is_some_and(|e| e.generation == generation));
+        // Relaxed: only this counter's owner-side value matters, read again next time.
+        self.pruned_at.store(retired, Ordering::Relaxed);
+    }
+
     fn check_alive(&self) -> bool {
         if !self.alive.load(Ordering::Acquire) {
             return false;
@@ -447,8 +470,11 @@ impl Backend for ShmBackend {
             checked: AtomicU64::new(0),
             epoch: Instant::now(),
             maps: Mutex::new(HashMap::new()),
+            pruned_at: AtomicU64::new(0),
         };
-        *self.peer.lock().unwrap_or_else(|p| p.into_inner()) = Some(Arc::new(peer));
+        let peer = Arc::new(peer);
+        reaper::watch(&peer);
+        *self.peer.lock().unwrap_or_else(|p| p.into_inner()) = Some(peer);
         Ok(())
     }
 
@@ -490,11 +516,60 @@ impl Backend for ShmBackend {
     }
 }
 
+/// Drops idle peers' stale mappings: one thread for the whole process, alive while some shm
+/// transport is connected, looking every [`reaper::EVERY`]. Transfers prune their own peer
+/// first; this covers a peer whose owner withdraws memory while this side sends nothing.
+mod reaper {
+    use std::sync::{Arc, Mutex, Weak};
+    use std::time::Duration;
+
+    use super::Peer;
+
+    /// How often idle peers are pruned.
+    pub(super) const EVERY: Duration = Duration::from_millis(100);
+
+    static PEERS: Mutex<Vec<Weak<Peer>>> = Mutex::new(Vec::new());
+
+    /// Adds `peer` to the reaper's list, starting the reaper if it is not running.
+    pub(super) fn watch(peer: &Arc<Peer>) {
+        let mut peers = PEERS.lock().unwrap_or_else(|p| p.into_inner());
+        let start = peers.is_empty();
+        peers.push(Arc::downgrade(peer));
+        if start {
+            let spawned = std::thread::Builder::new().name("symmem-shm-reaper".into()).spawn(run);
+            if let Err(e) = spawned {
+                // Transfers still prune their own peer; only idle peers keep stale mappings.
+                tracing::warn!("cannot start the shm mapping reaper: {e}");
+                peers.clear();
+            }
+        }
+    }
+
+    fn run() {
+        loop {
+            std::thread::sleep(EVERY);
+            let live: Vec<Arc<Peer>> = {
+                let mut peers = PEERS.lock().unwrap_or_else(|p| p.into_inner());
+                peers.retain(|w| w.strong_count() > 0);
+                if peers.is_empty() {
+                    // The next `watch` starts a new reaper (it sees the empty list).
+                    return;
+                }
+                peers.iter().filter_map(Weak::upgrade).collect()
+            };
+            for p in live {
+                p.prune();
+            }
+        }
+    }
+}
+
 /// Checks the request against the peer's table and moves the bytes.
 fn transfer(peer: &Peer, req: &Request) -> std::result::Result<(), String> {
     if !peer.check_alive() {
         return Err(format!("connection to the peer lost: process {} has exited", peer.pid));
     }
+    peer.prune();
     let write = match req.direction {
         Direction::Write => true,
         Direction::Read => false,

@@ -63,6 +63,9 @@ pub enum DescriptorError {
     /// A field has the wrong type or a negative value.
     #[error("invalid descriptor field {0:?}")]
     InvalidField(String),
+    /// Longer than [`MAX_LEN`].
+    #[error("descriptor of {0} bytes exceeds the limit of {MAX_LEN} bytes")]
+    TooLong(usize),
 }
 
 /// A JSON value that remembers every key of every object, duplicates included.
@@ -123,10 +126,14 @@ impl<'de> de::Deserialize<'de> for Json {
     }
 }
 
+/// The first key that appears twice in one object, depth first. Linear in the number of keys
+/// (a set per object): a descriptor is untrusted input, and a quadratic scan of a few
+/// megabytes of keys would hold the caller for minutes.
 fn first_duplicate(j: &Json) -> Option<String> {
     let Json::Obj(entries) = j else { return None };
-    for (i, (k, v)) in entries.iter().enumerate() {
-        if entries[..i].iter().any(|(other, _)| other == k) {
+    let mut seen = std::collections::HashSet::with_capacity(entries.len());
+    for (k, v) in entries {
+        if !seen.insert(k.as_str()) {
             return Some(k.clone());
         }
         if let Some(d) = first_duplicate(v) {
@@ -136,7 +143,15 @@ fn first_duplicate(j: &Json) -> Option<String> {
     None
 }
 
+/// The longest descriptor accepted. Descriptors carry a handful of fields (PyTorch's backends
+/// and symmem's are under 1 KiB); anything near this is not one. PyTorch sets no limit; this
+/// one bounds what a peer's bytes can make a receiver parse.
+pub const MAX_LEN: usize = 1 << 20;
+
 fn parse(data: &[u8]) -> Result<Vec<(String, Json)>, DescriptorError> {
+    if data.len() > MAX_LEN {
+        return Err(DescriptorError::TooLong(data.len()));
+    }
     let text = std::str::from_utf8(data).map_err(|_| DescriptorError::Malformed)?;
     let json: Json = serde_json::from_str(text).map_err(|_| DescriptorError::Malformed)?;
     if let Some(k) = first_duplicate(&json) {

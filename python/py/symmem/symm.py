@@ -210,8 +210,10 @@ class SymmetricMemory:
         return _wrap(self._h.get_buffer(rank, sizes, _dtype_name(dtype), storage_offset), dtype, tuple(sizes))
 
     def get_remote_tensor(self, peer, sizes, dtype):
-        """Peer ``peer``'s copy of this allocation, from the handle's offset."""
-        return self.get_buffer(peer, sizes, dtype, 0)
+        """Peer ``peer``'s copy of the rendezvoused tensor: ``sizes`` elements from the handle's
+        offset in the allocation (for ``rendezvous(y[256:])``, the peer's ``y[256:]``)."""
+        sizes = [sizes] if isinstance(sizes, int) else list(sizes)
+        return _wrap(self._h.get_remote_tensor(peer, sizes, _dtype_name(dtype)), dtype, tuple(sizes))
 
     def get_signal_pad(self, rank):
         """Rank ``rank``'s signal pad as uint32 words (NumPy) or int32 (torch, bit pattern)."""

@@ -7,6 +7,11 @@
 //! own children are stopped with them; and each rank is killed by the kernel if the launcher
 //! itself dies, even by `kill -9`.
 //!
+//! The launcher signals only process groups it still owns. It learns that a rank ended from a
+//! pidfd and reads its status without reaping it (`waitid(P_PIDFD, WNOWAIT)`): until the end of
+//! the job every rank is alive or a zombie, so its pid, which names its process group, cannot
+//! be reused by an unrelated process. The ranks are reaped only after the last signal.
+//!
 //! Across hosts (`nnodes > 1`) the launchers meet in the store: a launcher whose rank fails
 //! raises an abort key that makes every other launcher stop its ranks, and node 0 keeps the
 //! store up until every node's ranks have finished.
@@ -107,10 +112,14 @@ pub enum Termination {
 
 impl Termination {
     fn of(status: ExitStatus) -> Termination {
-        match (status.code(), status.signal()) {
+        Termination::from_parts(status.code(), status.signal())
+    }
+
+    fn from_parts(code: Option<i32>, signal: Option<i32>) -> Termination {
+        match (code, signal) {
             (Some(c), _) => Termination::Exit(c),
             (None, Some(s)) => Termination::Signal(s),
-            // An ExitStatus is either an exit or a signal on Unix.
+            // A process ends either by an exit or by a signal on Unix.
             (None, None) => Termination::Exit(1),
         }
     }
@@ -274,6 +283,7 @@ async fn run_async(o: &LaunchOptions) -> Result<Outcome> {
 
     let out = Arc::new(std::sync::Mutex::new(()));
     let mut pids = Vec::new();
+    let mut children = Vec::new();
     let mut waits = FuturesUnordered::new();
     let mut printers = Vec::new();
     for local in 0..o.nproc_per_node {
@@ -313,8 +323,17 @@ async fn run_async(o: &LaunchOptions) -> Result<Outcome> {
                 return Err(Error::io(format!("start rank {rank}: {:?}", o.program), e));
             }
         };
-        // A spawned child has a pid until it is reaped, which happens only below.
+        // A spawned child has a pid until it is reaped, which happens only at the end.
         let pid = child.id().unwrap_or(0);
+        // Opened before anything can reap the child, so it names this process.
+        let ended = match crate::sys::ChildExit::watch(pid) {
+            Ok(e) => e,
+            Err(e) => {
+                stop(&pids, Signal::KILL);
+                let _ = child.start_kill();
+                return Err(Error::io(format!("pidfd_open rank {rank} (pid {pid}); Linux 5.3 or later is needed"), e));
+            }
+        };
         pids.push(pid);
         if let Some(stdout) = child.stdout.take() {
             printers.push(tokio::spawn(forward(stdout, rank, false, out.clone())));
@@ -322,7 +341,8 @@ async fn run_async(o: &LaunchOptions) -> Result<Outcome> {
         if let Some(stderr) = child.stderr.take() {
             printers.push(tokio::spawn(forward(stderr, rank, true, out.clone())));
         }
-        waits.push(async move { (rank, child.wait().await) });
+        children.push(child);
+        waits.push(async move { (rank, ended.status().await.map(|(code, sig)| Termination::from_parts(code, sig))) });
     }
 
     let mut sigint = signal(SignalKind::interrupt()).map_err(|e| Error::io("install SIGINT handler", e))?;
@@ -357,8 +377,11 @@ async fn run_async(o: &LaunchOptions) -> Result<Outcome> {
             Some((rank, status)) = waits.next() => {
                 remaining -= 1;
                 let how = match status {
-                    Ok(s) => Termination::of(s),
-                    Err(e) => return Err(Error::io(format!("wait for rank {rank}"), e)),
+                    Ok(how) => how,
+                    Err(e) => {
+                        stop(&pids, Signal::KILL);
+                        return Err(Error::io(format!("wait for rank {rank}"), e));
+                    }
                 };
                 if how != Termination::Exit(0) && outcome.is_none() {
                     outcome = Some(Outcome::RankFailed { rank, how });
@@ -395,8 +418,13 @@ async fn run_async(o: &LaunchOptions) -> Result<Outcome> {
             }
         }
     }
-    // Whatever the ranks left running in their process groups goes with them.
+    // Whatever the ranks left running in their process groups goes with them. Every rank is a
+    // zombie now, still holding its pid and so its group's id: this is the last signal, and
+    // the ranks are reaped after it.
     stop(&pids, Signal::KILL);
+    for mut c in children {
+        let _ = c.wait().await;
+    }
     for p in printers {
         // A grandchild that escaped its group could hold a pipe open; do not wait for it.
         let _ = tokio::time::timeout(Duration::from_secs(1), p).await;
@@ -429,6 +457,8 @@ async fn run_async(o: &LaunchOptions) -> Result<Outcome> {
     Ok(outcome)
 }
 
+/// Signals the process group of every rank; every pid is still this launcher's (alive or a
+/// zombie, see the module docs).
 fn stop(pids: &[u32], signal: Signal) {
     for &pid in pids {
         crate::sys::signal_group(pid, signal);

@@ -339,3 +339,72 @@ fn withdrawn_shm_registrations_are_unmapped_by_their_peer() {
     a.close(None).unwrap();
     b.close(None).unwrap();
 }
+
+/// Whether process `pid` exists (a zombie counts).
+fn exists(pid: u32) -> bool {
+    std::path::Path::new(&format!("/proc/{pid}")).exists()
+}
+
+/// Tries to start `setsid sleep 60` as process `pid` (through ns_last_pid, as CRIU restores
+/// pids): the leader of a process group whose id is `pid`. None if `pid` stays taken.
+fn impostor(pid: u32) -> Option<std::process::Child> {
+    for _ in 0..200 {
+        if std::fs::write("/proc/sys/kernel/ns_last_pid", (pid - 1).to_string()).is_err() {
+            return None;
+        }
+        let mut c = Command::new("setsid").args(["sleep", "60"]).spawn().ok()?;
+        if c.id() == pid {
+            return Some(c);
+        }
+        let _ = c.kill();
+        let _ = c.wait();
+    }
+    None
+}
+
+// Item 10: at exit the launcher signalled the process group of every rank, including ranks it
+// had reaped long before, so an unrelated process that reused the pid was killed.
+#[test]
+fn the_launcher_never_signals_a_process_group_it_no_longer_owns() {
+    use std::io::BufRead;
+    if std::fs::OpenOptions::new().write(true).open("/proc/sys/kernel/ns_last_pid").is_err() {
+        eprintln!(
+            "SKIPPED: cannot write /proc/sys/kernel/ns_last_pid (not root), so a pid cannot be reused on purpose"
+        );
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let go = dir.path().join("go");
+    // Rank 0 ends at once; rank 1 fails once told to, making the launcher stop the job.
+    let script = format!(
+        "if [ $RANK = 0 ]; then echo group $PPID; exit 0; fi; \
+         for i in $(seq 300); do [ -e {go} ] && exit 3; sleep 0.1; done; exit 4",
+        go = go.display()
+    );
+    let mut launcher = Command::new(BIN)
+        .args(["run", "-n", "2", "--timeout", "60", "--", "sh", "-c", &script])
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = std::io::BufReader::new(launcher.stdout.take().unwrap()).lines();
+    // The guard of rank 0 (its $PPID) leads rank 0's process group.
+    let group: u32 = loop {
+        let line = lines.next().expect("rank 0 reports its group").unwrap();
+        if let Some(g) = line.strip_prefix("[0] group ") {
+            break g.trim().parse().unwrap();
+        }
+    };
+    // Rank 0 has ended by now; its launcher may have reaped it.
+    std::thread::sleep(Duration::from_millis(500));
+    let mut squatter = impostor(group);
+    std::fs::write(&go, b"").unwrap();
+    let status = launcher.wait().unwrap();
+    assert_eq!(status.code(), Some(3), "rank 1's failure ends the job");
+    if let Some(s) = &mut squatter {
+        let alive = s.try_wait().unwrap().is_none();
+        let _ = s.kill();
+        let _ = s.wait();
+        assert!(alive, "the launcher killed an unrelated process that reused rank 0's pid {group}");
+    }
+    assert!(!exists(group), "rank 0's guard {group} outlived the launcher");
+}

@@ -35,6 +35,45 @@ pub(crate) fn signal_group(pid: u32, signal: Signal) {
     }
 }
 
+/// The end of a child process, watched through a pidfd without reaping it: a launcher that
+/// signals its children's process groups keeps their pids (and so the groups' ids) from being
+/// reused until it reaps them itself.
+pub(crate) struct ChildExit {
+    pidfd: tokio::io::unix::AsyncFd<std::os::fd::OwnedFd>,
+}
+
+impl ChildExit {
+    /// Watches child `pid`, which must not have been reaped yet (then the pidfd names it).
+    /// Needs a tokio runtime with I/O enabled, and Linux 5.3 or later.
+    pub(crate) fn watch(pid: u32) -> std::io::Result<ChildExit> {
+        let pid = i32::try_from(pid).ok().and_then(Pid::from_raw).ok_or_else(|| std::io::Error::other("no pid"))?;
+        let fd = rustix::process::pidfd_open(pid, rustix::process::PidfdFlags::NONBLOCK)?;
+        // SAFETY: the AsyncFd owns the OwnedFd, which stays open and names the same pidfd
+        // until the AsyncFd drops it; nothing else can close or replace it.
+        let pidfd = unsafe { tokio::io::unix::AsyncFd::register_with_interest(fd, tokio::io::Interest::READABLE) }
+            .map_err(|e| e.into_parts().1)?;
+        Ok(ChildExit { pidfd })
+    }
+
+    /// Waits until the child has ended; returns its exit code or the signal that killed it,
+    /// leaving it a zombie for its parent to reap.
+    pub(crate) async fn status(&self) -> std::io::Result<(Option<i32>, Option<i32>)> {
+        use rustix::process::{WaitId, WaitIdOptions, waitid};
+        loop {
+            // A pidfd polls readable once its process has exited.
+            let mut ready = self.pidfd.readable().await?;
+            let how = waitid(
+                WaitId::PidFd(std::os::fd::AsFd::as_fd(self.pidfd.get_ref())),
+                WaitIdOptions::EXITED | WaitIdOptions::NOWAIT | WaitIdOptions::NOHANG,
+            )?;
+            match how {
+                Some(s) => return Ok((s.exit_status(), s.terminating_signal())),
+                None => ready.clear_ready(),
+            }
+        }
+    }
+}
+
 /// Raises the soft limit on open files to the hard limit, for servers and benchmarks that hold
 /// thousands of connections. Returns the new soft limit.
 pub(crate) fn raise_fd_limit() -> u64 {

@@ -138,12 +138,21 @@ struct StoreArgs {
     /// Talk to a running store instead of serving one.
     #[command(subcommand)]
     client: Option<StoreClientCommand>,
-    /// Address to listen on.
-    #[arg(long, default_value = "0.0.0.0")]
-    host: String,
+    /// Address to listen on [default: every interface; 127.0.0.1 with --no-auth].
+    #[arg(long)]
+    host: Option<String>,
     /// Port to listen on (0: pick one and print it).
     #[arg(long, default_value_t = 29500)]
     port: u16,
+    /// Read the shared secret from this file (mode 0600) [default: SYMMEM_STORE_SECRET, else
+    /// this user's key, ~/.config/symmem/secret, made on first use].
+    #[arg(long, conflicts_with = "no_auth")]
+    secret_file: Option<std::path::PathBuf>,
+    /// Serve without a secret, for PyTorch clients on other hosts (they cannot authenticate):
+    /// anyone who reaches the port can then read and change every key. Other users' processes
+    /// on this host are refused all the same.
+    #[arg(long)]
+    no_auth: bool,
 }
 
 /// One store operation from a shell script; keys are named as PyTorch's client names them.
@@ -350,9 +359,15 @@ enum BenchCommand {
 }
 
 fn main() -> ExitCode {
+    use std::io::IsTerminal;
+    // Logs go through a thread of their own and are dropped, not waited for, when stderr is not
+    // drained: a log line never stalls a server (the store) or a launcher. Colour only on a
+    // terminal.
+    let (writer, _flush_on_exit) = tracing_appender::non_blocking(std::io::stderr());
     tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::try_from_env("SYMMEM_LOG").unwrap_or_else(|_| "warn".into()))
-        .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
+        .with_writer(writer)
         .init();
     let cli = Cli::parse();
     match dispatch(cli.command) {
@@ -750,7 +765,7 @@ fn store_client(cmd: StoreClientCommand) -> Result<ExitCode> {
     let connect = |at: &StoreAt| -> Result<(symmem::TcpStore, Duration)> {
         let timeout =
             Duration::try_from_secs_f64(at.timeout).context("--timeout must be a non-negative number of seconds")?;
-        let options = symmem::store::ClientOptions { timeout, secret: Secret::from_env() };
+        let options = symmem::store::ClientOptions { timeout, secret: Secret::for_client() };
         Ok((symmem::TcpStore::connect(&at.addr, options)?, timeout))
     };
     match cmd {
@@ -786,9 +801,14 @@ fn store(args: StoreArgs) -> Result<ExitCode> {
     if let Some(cmd) = args.client {
         return store_client(cmd);
     }
-    let secret = Secret::from_env();
-    let authed = secret.is_some();
-    let addr = format!("{}:{}", args.host, args.port);
+    let (secret, source) = if args.no_auth {
+        (None, None)
+    } else {
+        let (s, from) = Secret::resolve(args.secret_file.as_deref())?;
+        (Some(s), Some(from))
+    };
+    let host = args.host.unwrap_or_else(|| if args.no_auth { "127.0.0.1" } else { "0.0.0.0" }.into());
+    let addr = format!("{host}:{}", args.port);
     // Signal handlers first: once the address is printed, a SIGTERM must stop the server
     // cleanly, not kill it.
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
@@ -798,15 +818,18 @@ fn store(args: StoreArgs) -> Result<ExitCode> {
         (signal(SignalKind::terminate())?, signal(SignalKind::interrupt())?)
     };
     let server = StoreServer::start(&addr, ServerOptions { secret, ..Default::default() })?;
-    say!(
-        "symmem store listening on {} ({})",
-        server.local_addr(),
-        if authed {
-            "shared-secret authentication on"
-        } else {
-            "no authentication; set SYMMEM_STORE_SECRET to require it"
-        }
-    );
+    match source {
+        Some(from) => say!(
+            "symmem store listening on {} (clients prove they hold the secret in {from}; this user's processes on \
+             this host need not)",
+            server.local_addr()
+        ),
+        None => say!(
+            "symmem store listening on {} WITHOUT AUTHENTICATION: any process that reaches this port can read and \
+             change every key (other users' processes on this host are refused)",
+            server.local_addr()
+        ),
+    }
     rt.block_on(async {
         tokio::select! {
             _ = int.recv() => {}

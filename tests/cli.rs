@@ -260,17 +260,33 @@ impl Drop for KillOnDrop {
 
 #[test]
 fn standalone_store_serves_clients() {
+    // The store's secret is this user's key, made on first use: in a scratch config directory.
+    let config = tempfile::tempdir().unwrap();
     let mut guard = KillOnDrop(
-        Command::new(BIN).args(["store", "--host", "127.0.0.1", "--port", "0"]).stdout(Stdio::piped()).spawn().unwrap(),
+        Command::new(BIN)
+            .args(["store", "--host", "127.0.0.1", "--port", "0"])
+            .env("XDG_CONFIG_HOME", config.path())
+            .env_remove("SYMMEM_STORE_SECRET")
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap(),
     );
     let server = &mut guard.0;
     let mut line = String::new();
     std::io::BufRead::read_line(&mut std::io::BufReader::new(server.stdout.take().unwrap()), &mut line).unwrap();
     let addr = line.split_whitespace().nth(4).unwrap().to_string();
+    assert!(line.contains("this user's key"), "{line}");
+    let key = config.path().join("symmem/secret");
+    use std::os::unix::fs::PermissionsExt;
+    assert_eq!(std::fs::metadata(&key).unwrap().permissions().mode() & 0o777, 0o600);
+    // This user's processes on this host need no secret; others present the key.
     let store = symmem::TcpStore::connect(&addr, Default::default()).unwrap();
     use symmem::Store;
     store.set("k", b"v").unwrap();
     assert_eq!(store.get("k").unwrap(), b"v");
+    let secret = symmem::store::Secret::from_file(&key).unwrap();
+    let options = symmem::store::ClientOptions { secret: Some(secret), ..Default::default() };
+    assert_eq!(symmem::TcpStore::connect(&addr, options).unwrap().get("k").unwrap(), b"v");
     Command::new("kill").args(["-TERM", &server.id().to_string()]).status().unwrap();
     assert!(server.wait().unwrap().success());
 }

@@ -193,8 +193,27 @@ fn a_thousand_simultaneous_clients() {
     }
 }
 
+/// A store with a secret that trusts nobody without it, not even this user on this host (the
+/// clients here are all this process's).
 fn secret_server(secret: &str) -> StoreServer {
-    StoreServer::start("127.0.0.1:0", ServerOptions { secret: Secret::new(secret), ..Default::default() }).unwrap()
+    let options = ServerOptions { secret: Secret::new(secret), trust_local_user: false, ..Default::default() };
+    StoreServer::start("127.0.0.1:0", options).unwrap()
+}
+
+#[test]
+fn this_user_on_this_host_needs_no_secret() {
+    // The default: processes of the store's user on its host are known by their sockets'
+    // credentials (PyTorch's clients, which cannot authenticate, work under `symmem run`).
+    let s =
+        StoreServer::start("127.0.0.1:0", ServerOptions { secret: Secret::new("k"), ..Default::default() }).unwrap();
+    let addr = s.local_addr().to_string();
+    let plain = TcpStore::connect(&addr, quick()).unwrap();
+    plain.set("a", b"1").unwrap();
+    // A client holding the secret authenticates anyway, and a wrong secret is still refused.
+    let holder = TcpStore::connect(&addr, ClientOptions { secret: Secret::new("k"), ..quick() }).unwrap();
+    assert_eq!(holder.get("a").unwrap(), b"1");
+    let wrong = TcpStore::connect(&addr, ClientOptions { secret: Secret::new("not k"), ..quick() });
+    assert!(matches!(wrong, Err(Error::Auth { .. })), "{wrong:?}");
 }
 
 #[test]

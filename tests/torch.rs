@@ -243,11 +243,24 @@ fn rust_ranks_run_under_torchrun() {
 }
 
 #[test]
-fn an_authenticated_store_refuses_torch_clients_and_keeps_serving() {
+fn an_authenticated_store_serves_torch_clients_of_its_user_on_its_host() {
     let py = need_torch!();
     let server =
         StoreServer::start("127.0.0.1:0", ServerOptions { secret: Secret::new("s3cret"), ..Default::default() })
             .unwrap();
+    let port = server.local_addr().port().to_string();
+    let out = Command::new(&py).arg(script("refused.py")).args(["127.0.0.1", &port]).output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("ACCEPTED"), "{text}\n{}", String::from_utf8_lossy(&out.stderr));
+}
+
+#[test]
+fn an_authenticated_store_refuses_torch_clients_and_keeps_serving() {
+    let py = need_torch!();
+    // Trusting nobody without the secret, not even this user on this host (the default
+    // trusts PyTorch clients of the store's user; see the next test).
+    let options = ServerOptions { secret: Secret::new("s3cret"), trust_local_user: false, ..Default::default() };
+    let server = StoreServer::start("127.0.0.1:0", options).unwrap();
     let port = server.local_addr().port().to_string();
     let t = std::time::Instant::now();
     let out = Command::new(&py).arg(script("refused.py")).args(["127.0.0.1", &port]).output().unwrap();

@@ -408,3 +408,295 @@ fn the_launcher_never_signals_a_process_group_it_no_longer_owns() {
     }
     assert!(!exists(group), "rank 0's guard {group} outlived the launcher");
 }
+
+/// A `symmem store` in a child process, killed on drop.
+struct ChildStore {
+    child: std::process::Child,
+    addr: String,
+}
+
+impl ChildStore {
+    /// Starts `symmem store --port 0 ARGS` (run by `wrap`, e.g. `sh -c 'ulimit ..; exec'`) and
+    /// reads the address it prints; its stderr goes to `stderr`.
+    fn start(args: &[&str], env: &[(&str, &str)], stderr: std::process::Stdio) -> ChildStore {
+        use std::io::BufRead;
+        let mut child = Command::new(BIN)
+            .args(["store", "--port", "0"])
+            .args(args)
+            .envs(env.iter().copied())
+            .stdout(std::process::Stdio::piped())
+            .stderr(stderr)
+            .spawn()
+            .unwrap();
+        let mut line = String::new();
+        std::io::BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
+        let addr = line.split_whitespace().nth(4).unwrap_or_else(|| panic!("no address in {line:?}")).to_string();
+        ChildStore { child, addr }
+    }
+
+    /// The server's resident memory, in MiB.
+    fn rss_mib(&self) -> u64 {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", self.child.id())).unwrap();
+        let kib: u64 = status
+            .lines()
+            .find_map(|l| l.strip_prefix("VmRSS:"))
+            .and_then(|v| v.split_whitespace().next())
+            .and_then(|v| v.parse().ok())
+            .unwrap();
+        kib / 1024
+    }
+
+    fn client(&self) -> symmem::TcpStore {
+        let options = symmem::store::ClientOptions { timeout: Duration::from_secs(5), secret: None };
+        symmem::TcpStore::connect(&self.addr, options).unwrap()
+    }
+}
+
+impl Drop for ChildStore {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A raw connection to a store that has passed VALIDATE.
+fn raw_store(addr: &str) -> std::net::TcpStream {
+    use std::io::Write;
+    let mut c = std::net::TcpStream::connect(addr).unwrap();
+    c.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    c.write_all(&[0x00]).unwrap();
+    c.write_all(&symmem::wire::store::VALIDATION_MAGIC.to_le_bytes()).unwrap();
+    c
+}
+
+fn encode(r: &symmem::wire::store::Request) -> Vec<u8> {
+    let mut b = Vec::new();
+    r.encode(&mut b);
+    b
+}
+
+/// Whether the server closed `c` (reads end, or the connection was reset).
+fn closed(c: &mut std::net::TcpStream) -> bool {
+    use std::io::Read;
+    let mut buf = vec![0u8; 1 << 16];
+    loop {
+        match c.read(&mut buf) {
+            Ok(0) => return true,
+            Ok(_) => continue,
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => return true,
+            Err(_) => return false,
+        }
+    }
+}
+
+// Item 2: after one 8 MiB SET, a 12 KB MULTI_GET naming it 1,000 times, or 300 pipelined GETs,
+// made the server build gigabytes of replies (and abort); APPEND grew values past 8 MiB.
+#[test]
+fn small_requests_cannot_make_the_store_build_large_replies() {
+    use std::io::Write;
+    use symmem::Store;
+    use symmem::wire::store::Request;
+    let s = ChildStore::start(&["--no-auth"], &[], std::process::Stdio::null());
+    let c = s.client();
+    c.set("big", &vec![7u8; 8 << 20]).unwrap();
+    let base = s.rss_mib();
+
+    // MULTI_GET of the big key 1,000 times: refused before anything is built.
+    let mut raw = raw_store(&s.addr);
+    raw.write_all(&encode(&Request::MultiGet { keys: vec![b"/big".to_vec(); 1000] })).unwrap();
+    assert!(closed(&mut raw), "an 8 GB MULTI_GET reply must be refused");
+    assert!(s.rss_mib() < base + 64, "RSS {} MiB after the MULTI_GET (was {base})", s.rss_mib());
+
+    // 300 pipelined GETs whose replies are never read: the server stalls that connection only.
+    let mut greedy = raw_store(&s.addr);
+    let mut gets = Vec::new();
+    for _ in 0..300 {
+        gets.extend(encode(&Request::Get { key: b"/big".to_vec() }));
+    }
+    greedy.write_all(&gets).unwrap();
+    std::thread::sleep(Duration::from_millis(500));
+    assert!(s.rss_mib() < base + 64, "RSS {} MiB with 300 unread GET replies (was {base})", s.rss_mib());
+    let t = Instant::now();
+    assert_eq!(c.get("big").unwrap().len(), 8 << 20, "other clients are served");
+    assert!(t.elapsed() < Duration::from_secs(2));
+    // The greedy client gets every byte it asked for when it reads.
+    let mut first = vec![0u8; 8 + (8 << 20)];
+    std::io::Read::read_exact(&mut greedy, &mut first).unwrap();
+    assert_eq!(u64::from_le_bytes(first[..8].try_into().unwrap()), 8 << 20);
+    assert!(first[8..].iter().all(|&b| b == 7));
+    drop(greedy);
+
+    // APPEND is held to the 8 MiB value limit.
+    c.append("grown", &vec![1u8; 8 << 20]).unwrap();
+    // APPEND has no reply: the refusal is the connection's close, seen by the next request.
+    let _ = c.append("grown", &[1u8; 16]);
+    assert!(c.num_keys().is_err(), "an APPEND past 8 MiB must be refused");
+    let c = s.client();
+    assert_eq!(c.get("grown").unwrap().len(), 8 << 20);
+    assert!(s.rss_mib() < base + 64, "RSS {} MiB after the appends (was {base})", s.rss_mib());
+}
+
+// Item 7: the store logged one line per refused connection on its only thread, so a stderr
+// nobody drains stalled it.
+#[test]
+fn an_undrained_log_never_stalls_the_store() {
+    use std::io::Write;
+    // stderr is a pipe this test never reads (64 KiB fill it).
+    let s = ChildStore::start(&["--no-auth"], &[("SYMMEM_LOG", "warn")], std::process::Stdio::piped());
+    for _ in 0..3000 {
+        let mut c = std::net::TcpStream::connect(&s.addr).unwrap();
+        // An unknown query type: refused, and once logged.
+        let _ = c.write_all(&[0x63; 4]);
+    }
+    let t = Instant::now();
+    let c = s.client();
+    c.ping().unwrap();
+    assert!(t.elapsed() < Duration::from_secs(3), "the store answered after {:?}", t.elapsed());
+}
+
+// Item 9: connections that never complete the handshake held the store's descriptors without
+// limit (1,010 of them locked every client out under a soft limit of 1024), and slow requests
+// were held forever.
+#[test]
+fn idle_and_slow_connections_cannot_lock_the_store() {
+    use std::io::Write;
+    // A soft limit of 1024 open files, as many machines start processes with.
+    let store = {
+        use std::io::BufRead;
+        let mut child = Command::new("sh")
+            .args(["-c", &format!("ulimit -Sn 1024 && exec {BIN} store --no-auth --port 0")])
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap();
+        let mut line = String::new();
+        std::io::BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
+        ChildStore { addr: line.split_whitespace().nth(4).unwrap().to_string(), child }
+    };
+    let idle: Vec<std::net::TcpStream> =
+        (0..1100).map(|_| std::net::TcpStream::connect(&store.addr).unwrap()).collect();
+    std::thread::sleep(Duration::from_millis(300));
+    let t = Instant::now();
+    store.client().ping().unwrap();
+    assert!(t.elapsed() < Duration::from_secs(3), "a client waited {:?} behind 1,100 idle ones", t.elapsed());
+    drop(idle);
+
+    // In-process, with short timeouts: no handshake, or a request that never ends, is closed.
+    let options = symmem::store::ServerOptions {
+        handshake_timeout: Duration::from_millis(300),
+        request_timeout: Duration::from_millis(300),
+        ..Default::default()
+    };
+    let server = symmem::store::StoreServer::start("127.0.0.1:0", options).unwrap();
+    let addr = server.local_addr().to_string();
+    let mut silent = std::net::TcpStream::connect(&addr).unwrap();
+    silent.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let t = Instant::now();
+    assert!(closed(&mut silent) && t.elapsed() < Duration::from_secs(3), "a silent connection is closed");
+    let mut slow = raw_store(&addr);
+    slow.write_all(&[symmem::wire::store::QueryType::Set as u8, 3, 0]).unwrap(); // a SET's first bytes
+    let t = Instant::now();
+    assert!(closed(&mut slow) && t.elapsed() < Duration::from_secs(3), "a request that never ends is closed");
+    // A client that idles between whole requests is not.
+    let patient = symmem::TcpStore::connect(&addr, Default::default()).unwrap();
+    std::thread::sleep(Duration::from_millis(800));
+    use symmem::Store;
+    patient.set("still", b"here").unwrap();
+}
+
+/// Runs rank-style program `test` of this binary as user `nobody` (through `setpriv`), with
+/// `env`; `None` (and a SKIPPED notice) where that is impossible (not root, no setpriv).
+fn as_nobody(test: &str, env: &[(&str, &str)]) -> Option<std::process::Output> {
+    let root = rustix::process::geteuid().is_root();
+    let setpriv = Command::new("setpriv").arg("--version").output().is_ok_and(|o| o.status.success());
+    if !root || !setpriv {
+        eprintln!("SKIPPED {test}: running as another user needs root and setpriv");
+        return None;
+    }
+    let out = Command::new("setpriv")
+        .args(["--reuid=nobody", "--regid=nogroup", "--clear-groups", "--"])
+        .arg(std::env::current_exe().unwrap())
+        .args(["--exact", test, "--include-ignored", "--nocapture", "--test-threads=1"])
+        .env_clear()
+        .env("HOME", "/tmp")
+        .env("PATH", "/usr/bin:/bin")
+        .env("SYMMEM_ATTACKER", "1")
+        .envs(env.iter().copied())
+        .output()
+        .unwrap();
+    Some(out)
+}
+
+/// The CPU time process `pid` has used.
+fn cpu_time(pid: u32) -> Duration {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+    let fields: Vec<&str> = stat.rsplit(')').next().unwrap().split_whitespace().collect();
+    let ticks: u64 = fields[11].parse::<u64>().unwrap() + fields[12].parse::<u64>().unwrap();
+    Duration::from_millis(ticks * 1000 / 100)
+}
+
+#[test]
+#[ignore = "an attacker program; run as nobody by the store tests"]
+fn attacker_streams_before_authenticating() {
+    use std::io::Write;
+    if std::env::var("SYMMEM_ATTACKER").is_err() {
+        return;
+    }
+    let addr = std::env::var("STORE").unwrap();
+    let mut c = raw_store(&addr);
+    // A MULTI_SET announcing 131,072 pairs, then 256 MiB of them, without authenticating.
+    let mut head = vec![symmem::wire::store::QueryType::MultiSet as u8];
+    head.extend_from_slice(&131_072u64.to_le_bytes());
+    // Pairs of a 1-byte key and an 8 MiB value: a message no server can decode before it is
+    // whole, which it never becomes.
+    let mut pair = Vec::with_capacity(17 + (8 << 20));
+    pair.extend_from_slice(&1u64.to_le_bytes());
+    pair.push(b'k');
+    pair.extend_from_slice(&(8u64 << 20).to_le_bytes());
+    pair.resize(17 + (8 << 20), 0);
+    let mut sent = 0usize;
+    if c.write_all(&head).is_ok() {
+        'stream: while sent < 256 << 20 {
+            let mut at = 0;
+            while at < pair.len() {
+                match c.write(&pair[at..]) {
+                    Ok(n) => at += n,
+                    Err(_) => break 'stream,
+                }
+            }
+            sent += pair.len();
+        }
+    }
+    println!("sent {sent}");
+}
+
+// Item 3: an authenticating store buffered and re-parsed whatever a connection sent before its
+// handshake (two such connections: RSS 5 MB -> 530 MB, 15 s of CPU).
+#[test]
+fn the_store_reads_nothing_but_the_handshake_before_authentication() {
+    let s = ChildStore::start(
+        &["--host", "127.0.0.1"],
+        &[("SYMMEM_STORE_SECRET", "a job secret")],
+        std::process::Stdio::null(),
+    );
+    let (rss, cpu) = (s.rss_mib(), cpu_time(s.child.id()));
+    let attackers: Vec<_> = (0..2)
+        .map(|_| {
+            let addr = s.addr.clone();
+            std::thread::spawn(move || as_nobody("attacker_streams_before_authenticating", &[("STORE", &addr)]))
+        })
+        .collect();
+    for a in attackers {
+        let Some(out) = a.join().unwrap() else { return };
+        let text = String::from_utf8_lossy(&out.stdout);
+        let sent: usize = text
+            .lines()
+            .find_map(|l| l.split("sent ").nth(1))
+            .and_then(|n| n.trim().parse().ok())
+            .unwrap_or_else(|| panic!("attacker output: {text}\n{}", String::from_utf8_lossy(&out.stderr)));
+        assert!(sent < 32 << 20, "the store took {sent} bytes before authentication");
+    }
+    assert!(s.rss_mib() < rss + 16, "RSS {} MiB (was {rss})", s.rss_mib());
+    assert!(cpu_time(s.child.id()) < cpu + Duration::from_secs(1), "CPU {:?}", cpu_time(s.child.id()) - cpu);
+    s.client().ping().unwrap();
+}

@@ -14,13 +14,21 @@
 //! the secret itself never crosses the wire. Until the proof is accepted the server answers
 //! nothing else: a client without the secret can read or write no key.
 
+use std::path::{Path, PathBuf};
+
 use hmac::{Hmac, KeyInit, Mac};
 use sha2::Sha256;
 
+use crate::error::{Error, Result};
 use crate::wire::store::{NONCE_LEN, PROOF_LEN};
 
 /// The environment variable that holds the store's shared secret.
 pub const SECRET_ENV: &str = "SYMMEM_STORE_SECRET";
+
+/// The environment variable that holds the job's secret for symmem's own connections between
+/// ranks (transport links), for jobs whose store cannot carry one (PyTorch's, under torchrun).
+/// Defaults to [`SECRET_ENV`].
+pub const JOB_SECRET_ENV: &str = "SYMMEM_JOB_SECRET";
 
 /// A shared secret. Its `Debug` form never shows the bytes.
 #[derive(Clone, PartialEq, Eq)]
@@ -36,6 +44,86 @@ impl Secret {
     /// The secret in `SYMMEM_STORE_SECRET`, if that is set and not empty.
     pub fn from_env() -> Option<Secret> {
         std::env::var_os(SECRET_ENV).and_then(|v| Secret::new(v.into_encoded_bytes()))
+    }
+
+    /// The job's secret for links between ranks: `SYMMEM_JOB_SECRET`, else
+    /// `SYMMEM_STORE_SECRET`, if either is set and not empty.
+    pub fn job_from_env() -> Option<Secret> {
+        std::env::var_os(JOB_SECRET_ENV).and_then(|v| Secret::new(v.into_encoded_bytes())).or_else(Secret::from_env)
+    }
+
+    /// 32 fresh random bytes, as 64 hexadecimal characters (so it travels in environment
+    /// variables and files unchanged).
+    pub fn random() -> Result<Secret> {
+        let bytes = nonce().map_err(|e| Error::io("draw a random secret", e))?;
+        Ok(Secret(bytes.iter().map(|b| format!("{b:02x}")).collect::<String>().into_bytes()))
+    }
+
+    /// The secret in a file: its contents without surrounding whitespace. Refused when the file
+    /// is readable or writable by anyone but its owner (as ssh refuses such keys), or empty.
+    pub fn from_file(path: &Path) -> Result<Secret> {
+        use std::os::unix::fs::MetadataExt;
+        let meta = std::fs::metadata(path).map_err(|e| Error::io(format!("read secret file {}", path.display()), e))?;
+        if meta.mode() & 0o077 != 0 {
+            return Err(Error::InvalidArgument(format!(
+                "secret file {} has mode {:o}: it must be readable by its owner only (chmod 600)",
+                path.display(),
+                meta.mode() & 0o777
+            )));
+        }
+        let text = std::fs::read(path).map_err(|e| Error::io(format!("read secret file {}", path.display()), e))?;
+        Secret::new(text.trim_ascii().to_vec())
+            .ok_or_else(|| Error::InvalidArgument(format!("secret file {} is empty", path.display())))
+    }
+
+    /// Where this user's key lives: `$XDG_CONFIG_HOME/symmem/secret`, by default
+    /// `~/.config/symmem/secret`.
+    pub fn user_key_path() -> Result<PathBuf> {
+        let config = std::env::var_os("XDG_CONFIG_HOME")
+            .filter(|v| !v.is_empty())
+            .map(PathBuf::from)
+            .or_else(|| std::env::var_os("HOME").filter(|v| !v.is_empty()).map(|h| PathBuf::from(h).join(".config")))
+            .ok_or_else(|| Error::Env {
+                var: "HOME",
+                reason: "not set, so there is no place for the user's key".into(),
+            })?;
+        Ok(config.join("symmem").join("secret"))
+    }
+
+    /// This user's key ([`Secret::user_key_path`]), made on first use (mode 0600, in a 0700
+    /// directory), like Erlang's cookie: the hosts of a job that share a home directory share
+    /// it with no setting at all. Returns the key and where it is.
+    pub fn user_key() -> Result<(Secret, PathBuf)> {
+        use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
+        let path = Secret::user_key_path()?;
+        if !path.exists() {
+            let dir = path.parent().unwrap_or(Path::new("."));
+            std::fs::DirBuilder::new()
+                .recursive(true)
+                .mode(0o700)
+                .create(dir)
+                .map_err(|e| Error::io(format!("create {}", dir.display()), e))?;
+            // Written under a private name, then linked into place: two launchers racing on a
+            // shared home directory both end up reading the one that won.
+            let tmp = dir.join(format!(".secret.{}.{}", std::process::id(), u64::from_le_bytes(nonce_8())));
+            let mut f = std::fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .mode(0o600)
+                .open(&tmp)
+                .map_err(|e| Error::io(format!("create {}", tmp.display()), e))?;
+            let key = Secret::random()?;
+            std::io::Write::write_all(&mut f, &key.0).map_err(|e| Error::io(format!("write {}", tmp.display()), e))?;
+            drop(f);
+            let linked = std::fs::hard_link(&tmp, &path);
+            let _ = std::fs::remove_file(&tmp);
+            match linked {
+                Ok(()) => tracing::info!("created the user's symmem key at {}", path.display()),
+                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+                Err(e) => return Err(Error::io(format!("create {}", path.display()), e)),
+            }
+        }
+        Ok((Secret::from_file(&path)?, path))
     }
 
     /// The secret as an environment-variable value, to hand to a launched rank.
@@ -90,6 +178,62 @@ impl Role {
     }
 }
 
+fn nonce_8() -> [u8; 8] {
+    let mut n = [0u8; 8];
+    // A unique-enough file name; a failure leaves zeros, and create_new then catches a clash.
+    let _ = getrandom::fill(&mut n);
+    n
+}
+
+/// Where a secret came from, for messages (never the secret itself).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum SecretSource {
+    /// `SYMMEM_STORE_SECRET`.
+    Env,
+    /// A file named on the command line.
+    File(PathBuf),
+    /// This user's key ([`Secret::user_key`]).
+    UserKey(PathBuf),
+    /// Drawn at random for one job.
+    Random,
+}
+
+impl std::fmt::Display for SecretSource {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            SecretSource::Env => write!(f, "{SECRET_ENV}"),
+            SecretSource::File(p) => write!(f, "the file {}", p.display()),
+            SecretSource::UserKey(p) => write!(f, "this user's key {}", p.display()),
+            SecretSource::Random => f.write_str("a random secret for this job"),
+        }
+    }
+}
+
+impl Secret {
+    /// The secret of a store or a job spanning hosts: the file given, else
+    /// `SYMMEM_STORE_SECRET`, else this user's key (made on first use). Every host of a job
+    /// must resolve the same one: a shared home directory does it with no setting.
+    pub fn resolve(file: Option<&Path>) -> Result<(Secret, SecretSource)> {
+        if let Some(p) = file {
+            return Ok((Secret::from_file(p)?, SecretSource::File(p.to_path_buf())));
+        }
+        if let Some(s) = Secret::from_env() {
+            return Ok((s, SecretSource::Env));
+        }
+        let (s, p) = Secret::user_key()?;
+        Ok((s, SecretSource::UserKey(p)))
+    }
+
+    /// What a client presents by default: `SYMMEM_STORE_SECRET`, else this user's key if it
+    /// exists (never made by a client), else nothing.
+    pub fn for_client() -> Option<Secret> {
+        Secret::from_env().or_else(|| {
+            let path = Secret::user_key_path().ok()?;
+            path.exists().then(|| Secret::from_file(&path).ok()).flatten()
+        })
+    }
+}
+
 /// 32 fresh random bytes.
 pub(crate) fn nonce() -> std::io::Result<[u8; NONCE_LEN]> {
     let mut n = [0u8; NONCE_LEN];
@@ -112,5 +256,20 @@ mod tests {
         assert!(!Secret::new("other").unwrap().verify(Role::Client, &c, &n, &p));
         assert!(Secret::new("").is_none());
         assert_eq!(format!("{s:?}"), "Secret(..)");
+    }
+
+    #[test]
+    fn secret_files_must_be_private_and_the_user_key_is_made_once() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let f = dir.path().join("s");
+        std::fs::write(&f, "  hunter2\n").unwrap();
+        std::fs::set_permissions(&f, std::fs::Permissions::from_mode(0o644)).unwrap();
+        let e = Secret::from_file(&f).unwrap_err().to_string();
+        assert!(e.contains("chmod 600"), "{e}");
+        std::fs::set_permissions(&f, std::fs::Permissions::from_mode(0o600)).unwrap();
+        assert!(Secret::from_file(&f).unwrap() == Secret::new("hunter2").unwrap());
+        assert_ne!(Secret::random().unwrap().0, Secret::random().unwrap().0);
+        assert_eq!(Secret::random().unwrap().0.len(), 64);
     }
 }

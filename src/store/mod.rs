@@ -11,7 +11,7 @@ mod state;
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
-pub use auth::{SECRET_ENV, Secret};
+pub use auth::{JOB_SECRET_ENV, SECRET_ENV, Secret, SecretSource};
 pub use client::{
     AsyncStoreClient, BlockingConn, ClientOptions, Conn, DEFAULT_TIMEOUT, StoreClient, TIMEOUT_ENV, TcpStore, TokioConn,
 };
@@ -155,7 +155,7 @@ impl MemoryStore {
 
 impl Store for MemoryStore {
     fn set(&self, key: &str, value: &[u8]) -> Result<()> {
-        self.mutate(|s| s.set(key.as_bytes().to_vec(), value.to_vec(), &mut Vec::new()));
+        self.mutate(|s| s.set(key.as_bytes().to_vec(), value.to_vec().into(), &mut Vec::new()));
         Ok(())
     }
 
@@ -169,7 +169,9 @@ impl Store for MemoryStore {
     }
 
     fn compare_set(&self, key: &str, expected: &[u8], desired: &[u8]) -> Result<Vec<u8>> {
-        Ok(self.mutate(|s| s.compare_set(key.as_bytes().to_vec(), expected, desired.to_vec(), &mut Vec::new())))
+        Ok(self
+            .mutate(|s| s.compare_set(key.as_bytes().to_vec(), expected, desired.to_vec().into(), &mut Vec::new()))
+            .to_vec())
     }
 
     fn wait_timeout(&self, keys: &[&str], timeout: Duration) -> Result<()> {
@@ -198,15 +200,15 @@ impl Store for MemoryStore {
     fn multi_set(&self, pairs: &[(&str, &[u8])]) -> Result<()> {
         self.mutate(|s| {
             for (k, v) in pairs {
-                s.set(k.as_bytes().to_vec(), v.to_vec(), &mut Vec::new());
+                s.set(k.as_bytes().to_vec(), v.to_vec().into(), &mut Vec::new());
             }
         });
         Ok(())
     }
 
     fn append(&self, key: &str, value: &[u8]) -> Result<()> {
-        self.mutate(|s| s.append(key.as_bytes().to_vec(), value, &mut Vec::new()));
-        Ok(())
+        self.mutate(|s| s.append(key.as_bytes().to_vec(), value, &mut Vec::new()))
+            .map_err(|e| Error::InvalidArgument(format!("append to store key {key:?}: {e}")))
     }
 
     fn timeout(&self) -> Duration {

@@ -6,17 +6,43 @@
 //! missing key answers an empty value, COMPARE_SET and QUEUE_PUSH wake waiters, ADD stores ASCII
 //! decimal. Replies may go to other connections than the one that sent the request: a SET wakes
 //! every connection whose WAIT it completes.
+//!
+//! Bounded: values are shared, never copied into replies (a reply holds the stored bytes by
+//! reference count), so pipelined GETs of one large value cost no memory per reply; a request
+//! whose reply would exceed [`Limits::max_reply`] is refused before anything is built; APPEND
+//! cannot grow a value past [`Limits::max_value_len`]. Deliberate differences from torch, which
+//! bounds neither.
 
 use std::collections::{HashMap, VecDeque};
 
+use bytes::Bytes;
+
 use crate::store::auth::{self, Role, Secret};
-use crate::wire::store::{self as wire, QueryType, Request, reply};
+use crate::wire::store::{self as wire, Limits, QueryType, Request, reply};
 
 /// Identifies one client connection of a server.
 pub(crate) type ConnId = u64;
 
+/// One reply's bytes, in pieces: small headers, and stored values shared rather than copied.
+pub(crate) type Chunks = Vec<Bytes>;
+
 /// Replies produced by one request: `(connection, bytes)` in the order they must be sent.
-pub(crate) type Outbox = Vec<(ConnId, Vec<u8>)>;
+pub(crate) type Outbox = Vec<(ConnId, Chunks)>;
+
+/// A small reply, in one piece.
+fn small(bytes: Vec<u8>) -> Chunks {
+    vec![Bytes::from(bytes)]
+}
+
+/// A `bytes` reply: its length, then the value itself (shared).
+fn value(v: &Bytes) -> Chunks {
+    vec![Bytes::copy_from_slice(&(v.len() as u64).to_le_bytes()), v.clone()]
+}
+
+/// The logical length of a reply.
+pub(crate) fn reply_len(c: &Chunks) -> usize {
+    c.iter().map(Bytes::len).sum()
+}
 
 /// Why the server closes a connection. The client only sees the close, as torch's servers never
 /// send error messages; the server logs this.
@@ -44,6 +70,10 @@ pub(crate) enum Refusal {
     Overflow { key: String },
     #[error("cannot draw a random nonce: {0}")]
     Random(std::io::Error),
+    #[error("{what} reply of {len} bytes would exceed the limit of {max} bytes")]
+    ReplyTooLong { what: QueryType, len: u64, max: u64 },
+    #[error("APPEND to key {key:?} would make a value of {len} bytes, beyond the limit of {max} bytes")]
+    AppendTooLong { key: String, len: u64, max: u64 },
 }
 
 fn printable(key: &[u8]) -> String {
@@ -61,91 +91,118 @@ struct Pending {
 }
 
 /// The key-value map, the queues and the waiters of one store.
-#[derive(Default)]
 pub(crate) struct State {
-    kv: HashMap<Vec<u8>, Vec<u8>>,
-    queues: HashMap<Vec<u8>, VecDeque<Vec<u8>>>,
+    kv: HashMap<Vec<u8>, Bytes>,
+    queues: HashMap<Vec<u8>, VecDeque<Bytes>>,
     /// For each key, the `(connection, wait id)` pairs waiting for it.
     waiting: HashMap<Vec<u8>, Vec<(ConnId, u64)>>,
     waits: HashMap<ConnId, Pending>,
     next_wait: u64,
+    limits: Limits,
+}
+
+impl Default for State {
+    fn default() -> Self {
+        State::new(Limits::SERVER)
+    }
 }
 
 impl State {
+    /// An empty store enforcing `limits` on values and replies.
+    pub(crate) fn new(limits: Limits) -> State {
+        State {
+            kv: HashMap::new(),
+            queues: HashMap::new(),
+            waiting: HashMap::new(),
+            waits: HashMap::new(),
+            next_wait: 0,
+            limits,
+        }
+    }
+
+    /// Refuses a `what` reply of `len` bytes beyond the reply limit.
+    fn bound_reply(&self, what: QueryType, len: u64) -> Result<(), Refusal> {
+        if len > self.limits.max_reply {
+            return Err(Refusal::ReplyTooLong { what, len, max: self.limits.max_reply });
+        }
+        Ok(())
+    }
+
     /// Applies one request from `conn` (which has passed the handshake) and queues its replies.
     pub(crate) fn handle(&mut self, conn: ConnId, req: Request, out: &mut Outbox) -> Result<(), Refusal> {
         match req {
-            Request::Set { key, value } => self.set(key, value, out),
+            Request::Set { key, value } => self.set(key, value.into(), out),
             Request::CompareSet { key, expected, desired } => {
-                let now = self.compare_set(key, &expected, desired, out);
-                out.push((conn, reply::bytes(&now)));
+                let now = self.compare_set(key, &expected, desired.into(), out);
+                out.push((conn, value(&now)));
             }
             Request::Get { key } => {
-                let value = self.kv.get(&key).map(Vec::as_slice).unwrap_or_default();
-                out.push((conn, reply::bytes(value)));
+                let v = self.kv.get(&key).cloned().unwrap_or_default();
+                out.push((conn, value(&v)));
             }
             Request::Add { key, delta } => {
                 let v = self.add(key, delta, out)?;
-                out.push((conn, reply::i64(v)));
+                out.push((conn, small(reply::i64(v))));
             }
             Request::Check { keys } => {
                 let ready = keys.iter().all(|k| self.present(k));
-                out.push((conn, reply::u8(if ready { wire::READY } else { wire::NOT_READY })));
+                out.push((conn, small(reply::u8(if ready { wire::READY } else { wire::NOT_READY }))));
             }
             Request::Wait { keys } => self.wait(conn, keys, out),
-            Request::GetNumKeys => out.push((conn, reply::i64(self.kv.len() as i64))),
+            Request::GetNumKeys => out.push((conn, small(reply::i64(self.kv.len() as i64)))),
             Request::DeleteKey { key } => {
                 let n = i64::from(self.kv.remove(&key).is_some());
-                out.push((conn, reply::i64(n)));
+                out.push((conn, small(reply::i64(n))));
             }
-            Request::Append { key, value } => self.append(key, &value, out),
+            Request::Append { key, value } => self.append(key, &value, out)?,
             Request::MultiGet { keys } => {
-                let mut bytes = Vec::new();
-                for k in &keys {
-                    wire::put_bytes(&mut bytes, self.kv.get(k).map(Vec::as_slice).unwrap_or_default());
-                }
-                out.push((conn, bytes));
+                let values: Vec<Bytes> = keys.iter().map(|k| self.kv.get(k).cloned().unwrap_or_default()).collect();
+                let len = values.iter().map(|v| 8 + v.len() as u64).sum();
+                self.bound_reply(QueryType::MultiGet, len)?;
+                out.push((conn, values.iter().flat_map(value).collect()));
             }
             Request::MultiSet { pairs } => {
                 for (k, v) in pairs {
-                    self.set(k, v, out);
+                    self.set(k, v.into(), out);
                 }
             }
             Request::CancelWait => {
                 self.cancel(conn);
-                out.push((conn, reply::u8(wire::WAIT_CANCELED)));
+                out.push((conn, small(reply::u8(wire::WAIT_CANCELED))));
             }
-            Request::Ping { nonce } => out.push((conn, reply::u32(nonce))),
+            Request::Ping { nonce } => out.push((conn, small(reply::u32(nonce)))),
             Request::QueuePush { key, value } => {
-                self.queues.entry(key.clone()).or_default().push_back(value);
+                self.queues.entry(key.clone()).or_default().push_back(value.into());
                 self.wake_one(&key, out);
             }
             Request::QueuePop { key } => {
                 let queue = self.queues.get_mut(&key);
                 let len = queue.as_ref().map_or(0, |q| q.len());
-                let mut bytes = reply::i64(len as i64);
+                let mut chunks = small(reply::i64(len as i64));
                 if let Some(front) = queue.and_then(VecDeque::pop_front) {
-                    wire::put_bytes(&mut bytes, &front);
+                    chunks.extend(value(&front));
                 }
-                out.push((conn, bytes));
+                out.push((conn, chunks));
             }
             Request::QueueLen { key } => {
                 let len = self.queues.get(&key).map_or(0, VecDeque::len);
-                out.push((conn, reply::i64(len as i64)));
+                out.push((conn, small(reply::i64(len as i64))));
             }
             Request::ListKeys => {
+                let len = 8 + self.kv.keys().map(|k| 8 + k.len() as u64).sum::<u64>();
+                self.bound_reply(QueryType::ListKeys, len)?;
                 let mut bytes = reply::i64(self.kv.len() as i64);
                 for k in self.kv.keys() {
                     wire::put_bytes(&mut bytes, k);
                 }
-                out.push((conn, bytes));
+                out.push((conn, small(bytes)));
             }
             Request::Barrier { key, world_size } => {
                 // The arrival count does not wake anyone; only the last arrival does (torch).
                 let count = self.bump(&key, 1)?;
-                self.kv.insert(key.clone(), count.to_string().into_bytes());
+                self.kv.insert(key.clone(), count.to_string().into());
                 if count >= world_size {
-                    out.push((conn, reply::u8(wire::STOP_WAITING)));
+                    out.push((conn, small(reply::u8(wire::STOP_WAITING))));
                     self.touch(&key, out);
                 } else {
                     self.park(conn, vec![key], 1);
@@ -169,7 +226,7 @@ impl State {
     }
 
     pub(crate) fn value(&self, key: &[u8]) -> Option<&[u8]> {
-        self.kv.get(key).map(Vec::as_slice)
+        self.kv.get(key).map(|v| &v[..])
     }
 
     pub(crate) fn len(&self) -> usize {
@@ -180,20 +237,30 @@ impl State {
         self.kv.remove(key).is_some()
     }
 
-    pub(crate) fn set(&mut self, key: Vec<u8>, value: Vec<u8>, out: &mut Outbox) {
+    pub(crate) fn set(&mut self, key: Vec<u8>, value: Bytes, out: &mut Outbox) {
         self.touch(&key, out);
         self.kv.insert(key, value);
     }
 
-    pub(crate) fn append(&mut self, key: Vec<u8>, value: &[u8], out: &mut Outbox) {
-        self.touch(&key, out);
-        self.kv.entry(key).or_default().extend_from_slice(value);
+    /// Appends `value` to the value at `key`; refused if the result would exceed the value
+    /// limit (torch lets APPEND grow a value without bound).
+    pub(crate) fn append(&mut self, key: Vec<u8>, value: &[u8], out: &mut Outbox) -> Result<(), Refusal> {
+        let old = self.kv.get(&key).map_or(&[][..], |v| &v[..]);
+        let len = old.len() as u64 + value.len() as u64;
+        if len > self.limits.max_value_len {
+            return Err(Refusal::AppendTooLong { key: printable(&key), len, max: self.limits.max_value_len });
+        }
+        let mut new = Vec::with_capacity(len as usize);
+        new.extend_from_slice(old);
+        new.extend_from_slice(value);
+        self.set(key, new.into(), out);
+        Ok(())
     }
 
     /// torch's ADD: absent counts as 0; the value is stored as ASCII decimal.
     pub(crate) fn add(&mut self, key: Vec<u8>, delta: i64, out: &mut Outbox) -> Result<i64, Refusal> {
         let new = self.bump(&key, delta)?;
-        self.set(key, new.to_string().into_bytes(), out);
+        self.set(key, new.to_string().into(), out);
         Ok(new)
     }
 
@@ -211,14 +278,14 @@ impl State {
 
     /// torch's COMPARE_SET, including its reply of `expected` for an absent key with a non-empty
     /// `expected` (§3: the reply "lies"). Returns the reply value.
-    pub(crate) fn compare_set(&mut self, key: Vec<u8>, expected: &[u8], desired: Vec<u8>, out: &mut Outbox) -> Vec<u8> {
+    pub(crate) fn compare_set(&mut self, key: Vec<u8>, expected: &[u8], desired: Bytes, out: &mut Outbox) -> Bytes {
         match self.kv.get(&key) {
             None if expected.is_empty() => {
                 self.set(key, desired.clone(), out);
                 desired
             }
-            None => expected.to_vec(),
-            Some(current) if current.as_slice() == expected => {
+            None => Bytes::copy_from_slice(expected),
+            Some(current) if &current[..] == expected => {
                 self.set(key, desired.clone(), out);
                 desired
             }
@@ -230,7 +297,7 @@ impl State {
         self.cancel(conn);
         let missing: Vec<Vec<u8>> = keys.into_iter().filter(|k| !self.present(k)).collect();
         if missing.is_empty() {
-            out.push((conn, reply::u8(wire::STOP_WAITING)));
+            out.push((conn, small(reply::u8(wire::STOP_WAITING))));
             return;
         }
         let remaining = missing.len();
@@ -285,7 +352,7 @@ impl State {
         p.remaining -= 1;
         if p.remaining == 0 {
             self.cancel(conn);
-            out.push((conn, reply::u8(wire::STOP_WAITING)));
+            out.push((conn, small(reply::u8(wire::STOP_WAITING))));
         }
     }
 }
@@ -306,11 +373,26 @@ enum Phase {
 pub(crate) struct Session {
     conn: ConnId,
     phase: Phase,
+    /// The peer is a process of this store's user on this host (its peer credentials say so):
+    /// it could read the secret from the ranks' memory anyway, so it need not prove it.
+    trusted: bool,
 }
 
 impl Session {
-    pub(crate) fn new(conn: ConnId) -> Session {
-        Session { conn, phase: Phase::New }
+    pub(crate) fn new(conn: ConnId, trusted: bool) -> Session {
+        Session { conn, phase: Phase::New, trusted }
+    }
+
+    /// The only request this connection may send next while it is in the handshake; `None`
+    /// once it may send anything. A server refuses anything else from its first byte, without
+    /// buffering or parsing it.
+    pub(crate) fn expects(&self) -> Option<QueryType> {
+        match self.phase {
+            Phase::New => Some(QueryType::Validate),
+            Phase::NeedAuth => Some(QueryType::AuthBegin),
+            Phase::Challenged { .. } => Some(QueryType::AuthProof),
+            Phase::Ready => None,
+        }
     }
 
     /// Handles one request: the handshake itself, or a store operation once it is done.
@@ -326,17 +408,18 @@ impl Session {
                 if magic != wire::VALIDATION_MAGIC {
                     return Err(Refusal::BadMagic(magic));
                 }
-                self.phase = if secret.is_some() { Phase::NeedAuth } else { Phase::Ready };
+                self.phase = if secret.is_some() && !self.trusted { Phase::NeedAuth } else { Phase::Ready };
                 Ok(())
             }
             (Phase::New, req) => Err(Refusal::NotValidated(req.query_type())),
-            (Phase::NeedAuth, Request::AuthBegin { client_nonce }) => {
+            // A trusted peer that holds the secret authenticates all the same, as any client does.
+            (Phase::NeedAuth | Phase::Ready, Request::AuthBegin { client_nonce }) if secret.is_some() => {
                 let secret = secret.ok_or(Refusal::NoSecret)?;
                 let server_nonce = auth::nonce().map_err(Refusal::Random)?;
                 let mut bytes = Vec::with_capacity(2 * (8 + wire::NONCE_LEN));
                 wire::put_bytes(&mut bytes, &server_nonce);
                 wire::put_bytes(&mut bytes, &secret.proof(Role::Server, &client_nonce, &server_nonce));
-                out.push((self.conn, bytes));
+                out.push((self.conn, small(bytes)));
                 self.phase = Phase::Challenged { client_nonce, server_nonce };
                 Ok(())
             }
@@ -346,11 +429,11 @@ impl Session {
                     return Err(Refusal::BadProof);
                 }
                 self.phase = Phase::Ready;
-                out.push((self.conn, reply::u8(0)));
+                out.push((self.conn, small(reply::u8(0))));
                 Ok(())
             }
             (Phase::NeedAuth | Phase::Challenged { .. }, req) => Err(Refusal::Unauthenticated(req.query_type())),
-            (Phase::Ready, Request::AuthBegin { .. }) if secret.is_none() => Err(Refusal::NoSecret),
+            (Phase::Ready, Request::AuthBegin { .. }) => Err(Refusal::NoSecret),
             (Phase::Ready, req) => state.handle(self.conn, req, out),
         }
     }
@@ -364,10 +447,15 @@ mod tests {
         s.as_bytes().to_vec()
     }
 
-    fn run(state: &mut State, conn: ConnId, req: Request) -> Outbox {
+    /// Replies as whole byte strings.
+    fn flat(out: Outbox) -> Vec<(ConnId, Vec<u8>)> {
+        out.into_iter().map(|(c, chunks)| (c, chunks.concat())).collect()
+    }
+
+    fn run(state: &mut State, conn: ConnId, req: Request) -> Vec<(ConnId, Vec<u8>)> {
         let mut out = Vec::new();
         state.handle(conn, req, &mut out).unwrap();
-        out
+        flat(out)
     }
 
     #[test]
@@ -418,13 +506,40 @@ mod tests {
         assert_eq!(run(&mut s, 1, Request::Add { key: k("n"), delta: -10 }), vec![(1, reply::i64(-3))]);
         assert_eq!(s.value(b"n"), Some(&b"-3"[..]));
         run(&mut s, 1, Request::Set { key: k("t"), value: k("text") });
-        let mut out = Vec::new();
+        let mut out: Outbox = Vec::new();
         assert!(matches!(
             s.handle(1, Request::Add { key: k("t"), delta: 1 }, &mut out),
             Err(Refusal::NotAnInteger { .. })
         ));
         run(&mut s, 1, Request::Set { key: k("m"), value: i64::MAX.to_string().into_bytes() });
         assert!(matches!(s.handle(1, Request::Add { key: k("m"), delta: 1 }, &mut out), Err(Refusal::Overflow { .. })));
+    }
+
+    #[test]
+    fn replies_share_values_and_are_bounded() {
+        let mut s = State::default();
+        let big = vec![7u8; 8 << 20];
+        run(&mut s, 1, Request::Set { key: k("big"), value: big.clone() });
+        // A GET's reply holds the stored value itself, not a copy.
+        let mut out = Vec::new();
+        s.handle(1, Request::Get { key: k("big") }, &mut out).unwrap();
+        let stored = s.kv.get(&k("big")).unwrap().as_ptr();
+        assert_eq!(out[0].1[1].as_ptr(), stored, "the reply shares the stored bytes");
+        // A MULTI_GET whose reply would be 8 GiB is refused before anything is built.
+        let keys = vec![k("big"); 1000];
+        let mut out = Vec::new();
+        let e = s.handle(1, Request::MultiGet { keys }, &mut out).unwrap_err();
+        assert!(matches!(e, Refusal::ReplyTooLong { .. }), "{e}");
+        assert!(out.is_empty());
+        // Seven fit in 64 MiB.
+        let keys = vec![k("big"); 7];
+        assert_eq!(run(&mut s, 1, Request::MultiGet { keys })[0].1.len(), 7 * (8 + (8 << 20)));
+        // APPEND is held to the value limit.
+        let e = s.handle(1, Request::Append { key: k("big"), value: vec![1] }, &mut out).unwrap_err();
+        assert!(matches!(e, Refusal::AppendTooLong { .. }), "{e}");
+        run(&mut s, 1, Request::Append { key: k("small"), value: k("ab") });
+        run(&mut s, 1, Request::Append { key: k("small"), value: k("cd") });
+        assert_eq!(s.value(b"small"), Some(&b"abcd"[..]));
     }
 
     #[test]
@@ -463,17 +578,17 @@ mod tests {
         let mut state = State::default();
         let mut out = Vec::new();
 
-        let mut s = Session::new(1);
+        let mut s = Session::new(1, false);
         assert!(matches!(s.on_request(Request::GetNumKeys, &mut state, None, &mut out), Err(Refusal::NotValidated(_))));
 
-        let mut s = Session::new(1);
+        let mut s = Session::new(1, false);
         assert!(matches!(
             s.on_request(Request::Validate { magic: 1 }, &mut state, None, &mut out),
             Err(Refusal::BadMagic(1))
         ));
 
         // With a secret, a torch client's PING after VALIDATE is refused.
-        let mut s = Session::new(1);
+        let mut s = Session::new(1, false);
         let validate = || Request::Validate { magic: wire::VALIDATION_MAGIC };
         s.on_request(validate(), &mut state, Some(&secret), &mut out).unwrap();
         assert!(matches!(
@@ -482,23 +597,32 @@ mod tests {
         ));
 
         // The full handshake.
-        let mut s = Session::new(2);
+        let mut s = Session::new(2, false);
         s.on_request(validate(), &mut state, Some(&secret), &mut out).unwrap();
         let cn = vec![9u8; 32];
         out.clear();
         s.on_request(Request::AuthBegin { client_nonce: cn.clone() }, &mut state, Some(&secret), &mut out).unwrap();
-        let (_, challenge) = &out[0];
+        let (_, challenge) = &flat(out.clone())[0];
         let sn = &challenge[8..40];
         assert!(secret.verify(Role::Server, &cn, sn, &challenge[48..]));
         let proof = secret.proof(Role::Client, &cn, sn).to_vec();
         out.clear();
         s.on_request(Request::AuthProof { proof }, &mut state, Some(&secret), &mut out).unwrap();
-        assert_eq!(out, vec![(2, vec![0])]);
+        assert_eq!(flat(out.clone()), vec![(2, vec![0])]);
         s.on_request(Request::Set { key: k("a"), value: k("b") }, &mut state, Some(&secret), &mut out).unwrap();
         assert_eq!(state.value(b"a"), Some(&b"b"[..]));
 
+        // A trusted peer needs no proof, and may still give one.
+        let mut s = Session::new(4, true);
+        s.on_request(validate(), &mut state, Some(&secret), &mut out).unwrap();
+        assert_eq!(s.expects(), None);
+        s.on_request(Request::Ping { nonce: 5 }, &mut state, Some(&secret), &mut out).unwrap();
+        out.clear();
+        s.on_request(Request::AuthBegin { client_nonce: vec![1; 32] }, &mut state, Some(&secret), &mut out).unwrap();
+        assert_eq!(s.expects(), Some(QueryType::AuthProof));
+
         // A wrong proof closes the connection.
-        let mut s = Session::new(3);
+        let mut s = Session::new(3, false);
         s.on_request(validate(), &mut state, Some(&secret), &mut out).unwrap();
         s.on_request(Request::AuthBegin { client_nonce: cn }, &mut state, Some(&secret), &mut out).unwrap();
         assert!(matches!(

@@ -90,4 +90,5 @@ pub(crate) fn raise_fd_limit() -> u64 {
 
 pub(crate) mod cma;
 pub(crate) mod futex;
+pub(crate) mod peercred;
 pub(crate) mod shm;

@@ -29,19 +29,39 @@ pub const PROOF_LEN: usize = 32;
 pub struct Limits {
     /// The longest key, in bytes (torch's libuv server: 8192).
     pub max_key_len: u64,
-    /// The longest value, in bytes (torch's libuv server: 8 MiB, inclusive).
+    /// The longest value, in bytes (torch's libuv server: 8 MiB, inclusive). A server also
+    /// holds APPEND's result to it.
     pub max_value_len: u64,
     /// The most keys in one CHECK, WAIT, MULTI_GET or MULTI_SET (torch's libuv server: 131072).
     pub max_keys: u64,
+    /// The longest whole message, in bytes: a MULTI_SET of many large values is refused as
+    /// soon as its headers add up past this (torch sets no such bound).
+    pub max_message: u64,
+    /// The longest reply a server sends to one request (MULTI_GET, LIST_KEYS); a request whose
+    /// reply would be longer is refused, not built (torch sets no such bound).
+    pub max_reply: u64,
 }
 
 impl Limits {
-    /// The limits of torch's libuv server, which symmem's server enforces.
-    pub const SERVER: Limits = Limits { max_key_len: 8192, max_value_len: 8 * 1024 * 1024, max_keys: 131_072 };
+    /// The limits symmem's server enforces: torch's libuv server's, plus the message and reply
+    /// bounds.
+    pub const SERVER: Limits = Limits {
+        max_key_len: 8192,
+        max_value_len: 8 * 1024 * 1024,
+        max_keys: 131_072,
+        max_message: 64 << 20,
+        max_reply: 64 << 20,
+    };
 
     /// What a client accepts in replies: generous, since legacy torch servers do not bound
     /// values, but bounded so that a lying server cannot make a client allocate without limit.
-    pub const CLIENT: Limits = Limits { max_key_len: 1 << 20, max_value_len: 1 << 30, max_keys: 1 << 24 };
+    pub const CLIENT: Limits = Limits {
+        max_key_len: 1 << 20,
+        max_value_len: 1 << 30,
+        max_keys: 1 << 24,
+        max_message: 1 << 32,
+        max_reply: 1 << 32,
+    };
 }
 
 impl Default for Limits {
@@ -204,6 +224,14 @@ pub enum DecodeError {
         /// The value received.
         value: i64,
     },
+    /// The fields announced so far add up past [`Limits::max_message`].
+    #[error("message of at least {len} bytes exceeds the limit of {max} bytes")]
+    MessageTooLong {
+        /// The length announced so far.
+        len: u64,
+        /// The limit.
+        max: u64,
+    },
 }
 
 /// Decoding stops either for lack of bytes or because the bytes are wrong.
@@ -229,7 +257,10 @@ struct Reader<'a> {
 
 impl<'a> Reader<'a> {
     fn take(&mut self, n: usize) -> Step<&'a [u8]> {
-        let end = self.pos.checked_add(n).ok_or(Stop::Incomplete)?;
+        let end = self.pos.saturating_add(n);
+        if end as u64 > self.limits.max_message {
+            return Err(DecodeError::MessageTooLong { len: end as u64, max: self.limits.max_message }.into());
+        }
         let s = self.buf.get(self.pos..end).ok_or(Stop::Incomplete)?;
         self.pos = end;
         Ok(s)
@@ -455,6 +486,171 @@ impl Request {
     }
 }
 
+/// One field of a request, as [`Framer`] walks it.
+#[derive(Clone, Copy, Debug)]
+enum Field {
+    U32,
+    I64,
+    Key,
+    Value,
+    /// A count, then that many keys.
+    Keys,
+    /// A count, then that many key-value pairs.
+    Pairs,
+    /// A `bytes` of exactly this length (nonces, proofs).
+    Exact(u64),
+}
+
+impl QueryType {
+    /// The fields that follow this query type's byte in a request.
+    fn fields(self) -> &'static [Field] {
+        use Field::*;
+        use QueryType as Q;
+        match self {
+            Q::Validate | Q::Ping => &[U32],
+            Q::Set | Q::Append | Q::QueuePush => &[Key, Value],
+            Q::CompareSet => &[Key, Value, Value],
+            Q::Get | Q::DeleteKey | Q::QueuePop | Q::QueueLen => &[Key],
+            Q::Add | Q::Barrier => &[Key, I64],
+            Q::Check | Q::Wait | Q::MultiGet => &[Keys],
+            Q::MultiSet => &[Pairs],
+            Q::GetNumKeys | Q::CancelWait | Q::ListKeys => &[],
+            Q::AuthBegin => &[Exact(NONCE_LEN as u64)],
+            Q::AuthProof => &[Exact(PROOF_LEN as u64)],
+        }
+    }
+}
+
+/// Finds where the request at the front of a growing buffer ends, without decoding or copying
+/// it, and resumes where it stopped when more bytes arrive: each length header is read once,
+/// so a message that trickles in costs time linear in its size (re-decoding it from the start
+/// at every read was quadratic). Limits are enforced as each header arrives, so a server
+/// buffers no more than [`Limits::max_message`] of any request. Once it reports a length, the
+/// message decodes with [`Request::decode`] (which checks the same limits).
+#[derive(Clone, Debug, Default)]
+pub struct Framer {
+    /// Where the next unread header starts, from the message's first byte.
+    pos: u64,
+    /// The message's query type, once its first byte was read.
+    query: Option<QueryType>,
+    /// The index of the next field in `query.fields()`.
+    field: usize,
+    /// For `Keys` and `Pairs`: the items (keys, or key then value) still to walk.
+    items: Option<u64>,
+}
+
+impl Framer {
+    /// A framer at the start of a message.
+    pub fn new() -> Framer {
+        Framer::default()
+    }
+
+    /// The query type of the message being framed, once its first byte has arrived.
+    pub fn query(&self) -> Option<QueryType> {
+        self.query
+    }
+
+    /// How many bytes of the message have been walked so far (a lower bound on its length).
+    pub fn walked(&self) -> u64 {
+        self.pos
+    }
+
+    /// Walks `buf` (the message's bytes so far, from its first) as far as it goes. Returns the
+    /// message's length once it is whole, `Ok(None)` while bytes are missing (call again with
+    /// more), or why the bytes can never be a request. After `Some`, [`Framer::new`] a new one
+    /// for the next message.
+    pub fn advance(&mut self, buf: &[u8], limits: &Limits) -> Result<Option<usize>, DecodeError> {
+        let have = buf.len() as u64;
+        let query = match self.query {
+            Some(q) => q,
+            None => {
+                let Some(&b) = buf.first() else { return Ok(None) };
+                let q = QueryType::from_byte(b).ok_or(DecodeError::UnknownQuery(b))?;
+                self.query = Some(q);
+                self.pos = 1;
+                q
+            }
+        };
+        let fields = query.fields();
+        loop {
+            if let Some(left) = self.items {
+                if left == 0 {
+                    self.items = None;
+                    self.field += 1;
+                    continue;
+                }
+                let kind = match fields[self.field] {
+                    Field::Pairs if left % 2 == 1 => Field::Value,
+                    _ => Field::Key,
+                };
+                let Some(len) = self.length(buf)? else { return Ok(None) };
+                self.check_len(query, kind, len, limits)?;
+                self.skip(len.saturating_add(8), limits)?;
+                self.items = Some(left - 1);
+                continue;
+            }
+            let Some(&f) = fields.get(self.field) else {
+                // Every field walked: the message is whole if its last bytes are here.
+                return Ok((self.pos <= have).then_some(self.pos as usize));
+            };
+            if self.pos > have {
+                return Ok(None);
+            }
+            match f {
+                Field::U32 => self.skip(4, limits)?,
+                Field::I64 => self.skip(8, limits)?,
+                Field::Key | Field::Value | Field::Exact(_) => {
+                    let Some(len) = self.length(buf)? else { return Ok(None) };
+                    self.check_len(query, f, len, limits)?;
+                    self.skip(len.saturating_add(8), limits)?;
+                }
+                Field::Keys | Field::Pairs => {
+                    let Some(count) = self.length(buf)? else { return Ok(None) };
+                    if count > limits.max_keys {
+                        return Err(DecodeError::TooManyKeys { count, max: limits.max_keys });
+                    }
+                    self.skip(8, limits)?;
+                    // `count <= max_keys`, far below 2^62.
+                    self.items = Some(if matches!(f, Field::Pairs) { 2 * count } else { count });
+                    continue;
+                }
+            }
+            self.field += 1;
+        }
+    }
+
+    /// The `u64` at `pos`, if it has arrived.
+    fn length(&self, buf: &[u8]) -> Result<Option<u64>, DecodeError> {
+        // `pos <= max_message`, which fits in usize on the 64-bit targets symmem supports.
+        let Ok(at) = usize::try_from(self.pos) else { return Ok(None) };
+        Ok(buf.get(at..at.saturating_add(8)).and_then(|b| b.try_into().ok()).map(u64::from_le_bytes))
+    }
+
+    fn check_len(&self, query: QueryType, f: Field, len: u64, limits: &Limits) -> Result<(), DecodeError> {
+        match f {
+            Field::Key if len > limits.max_key_len => Err(DecodeError::KeyTooLong { len, max: limits.max_key_len }),
+            Field::Value if len > limits.max_value_len => {
+                Err(DecodeError::ValueTooLong { len, max: limits.max_value_len })
+            }
+            Field::Exact(n) if len != n => {
+                let what = if query == QueryType::AuthProof { "proof" } else { "client nonce" };
+                Err(DecodeError::BadLength { what, len, expected: n })
+            }
+            _ => Ok(()),
+        }
+    }
+
+    /// Moves past `n` bytes (which need not have arrived), within the message bound.
+    fn skip(&mut self, n: u64, limits: &Limits) -> Result<(), DecodeError> {
+        let end = self.pos.saturating_add(n);
+        if end > limits.max_message {
+            return Err(DecodeError::MessageTooLong { len: end, max: limits.max_message });
+        }
+        self.pos = end;
+        Ok(())
+    }
+}
+
 /// Appends a `u64` length and the bytes: the encoding of `str` and `bytes`.
 pub fn put_bytes(out: &mut Vec<u8>, b: &[u8]) {
     put_u64(out, b.len() as u64);
@@ -660,6 +856,30 @@ mod tests {
     }
 
     #[test]
+    fn a_large_message_is_walked_once_and_bounded() {
+        // A MULTI_SET whose headers announce more than max_message is refused from its headers.
+        let mut bytes = vec![QueryType::MultiSet as u8];
+        put_u64(&mut bytes, 100);
+        for _ in 0..8 {
+            put_bytes(&mut bytes, b"k");
+            put_u64(&mut bytes, 8 << 20);
+            bytes.extend(std::iter::repeat_n(0u8, 8 << 20));
+        }
+        let mut f = Framer::new();
+        assert!(matches!(f.advance(&bytes, &Limits::SERVER), Err(DecodeError::MessageTooLong { .. })));
+        assert!(matches!(Request::decode(&bytes, &Limits::SERVER), Err(DecodeError::MessageTooLong { .. })));
+        // A 1000-pair MULTI_SET arriving a byte at a time: each header read once.
+        let pairs: Vec<(Vec<u8>, Vec<u8>)> = (0..1000u32).map(|i| (i.to_le_bytes().to_vec(), vec![7; 100])).collect();
+        let msg = encoded(&Request::MultiSet { pairs });
+        let mut f = Framer::new();
+        for end in 1..msg.len() {
+            assert_eq!(f.advance(&msg[..end], &Limits::SERVER), Ok(None));
+        }
+        assert_eq!(f.advance(&msg, &Limits::SERVER), Ok(Some(msg.len())));
+        assert_eq!(f.query(), Some(QueryType::MultiSet));
+    }
+
+    #[test]
     fn pipelined_requests_decode_one_at_a_time() {
         let mut bytes = encoded(&Request::Ping { nonce: 1 });
         bytes.extend(encoded(&Request::GetNumKeys));
@@ -735,6 +955,36 @@ mod tests {
             let n = bytes.len();
             bytes.extend(tail);
             prop_assert_eq!(Request::decode(&bytes, &Limits::SERVER), Ok(Some((req, n))));
+        }
+
+        /// The framer agrees with the decoder on every input, fed in any pieces.
+        #[test]
+        fn framing_agrees_with_decoding(
+            bytes in proptest::collection::vec(any::<u8>(), 0..512),
+            pieces in proptest::collection::vec(1usize..64, 0..16),
+        ) {
+            let tiny = Limits { max_message: 300, max_key_len: 40, max_value_len: 60, max_keys: 5, ..Limits::SERVER };
+            let want = Request::decode(&bytes, &tiny).map(|r| r.map(|(_, n)| n));
+            let mut framer = Framer::new();
+            let mut at = 0;
+            let mut got = Ok(None);
+            for p in pieces.iter().copied().chain(std::iter::once(bytes.len())) {
+                at = (at + p).min(bytes.len());
+                got = framer.advance(&bytes[..at], &tiny);
+                if !matches!(got, Ok(None)) {
+                    break;
+                }
+            }
+            prop_assert_eq!(got, want);
+        }
+
+        #[test]
+        fn requests_frame_whole_in_any_pieces(req in arb_request(), cut in any::<prop::sample::Index>()) {
+            let bytes = encoded(&req);
+            let cut = cut.index(bytes.len() + 1);
+            let mut framer = Framer::new();
+            prop_assert_eq!(framer.advance(&bytes[..cut], &Limits::SERVER), Ok((cut == bytes.len()).then_some(cut)));
+            prop_assert_eq!(framer.advance(&bytes, &Limits::SERVER), Ok(Some(bytes.len())));
         }
 
         #[test]

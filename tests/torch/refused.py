@@ -1,4 +1,4 @@
-"""A torch client against an authenticated symmem store: it must be refused, not hang."""
+"""A torch client against an authenticated symmem store: refused (not hung) unless trusted."""
 import datetime
 import sys
 

@@ -700,3 +700,135 @@ fn the_store_reads_nothing_but_the_handshake_before_authentication() {
     assert!(cpu_time(s.child.id()) < cpu + Duration::from_secs(1), "CPU {:?}", cpu_time(s.child.id()) - cpu);
     s.client().ping().unwrap();
 }
+
+/// A peer process: a tcp transport with 64 MiB registered; prints its URL and descriptor, then
+/// serves until killed.
+#[test]
+#[ignore = "a peer process; run by a_write_returns_within_its_timeout_when_the_peer_stops_reading"]
+fn tcp_peer_process() {
+    use std::io::Write;
+    use symmem::transport::{Options, new_transport};
+    if std::env::var("SYMMEM_TRUST_PEER").is_err() {
+        return;
+    }
+    let t = new_transport("tcp", None, &Options::new()).unwrap();
+    let url = t.bind(None).unwrap();
+    let dst = Tensor::zeros(&[64 << 20], DType::U8).unwrap();
+    let m = t.register_memory(&dst).unwrap();
+    let mut out = std::io::stdout().lock();
+    writeln!(out, "URL {}", String::from_utf8(url).unwrap()).unwrap();
+    writeln!(out, "DESC {}", String::from_utf8(m.to_remote_buffer().unwrap().serialize()).unwrap()).unwrap();
+    out.flush().unwrap();
+    drop(out);
+    std::thread::sleep(Duration::from_secs(120));
+}
+
+// Item 6: with the target stopped, once the socket buffers filled, a tcp write with a 2 s
+// timeout blocked its caller for 30 s (until the TCP user timeout), and the transport stayed
+// "not connected" for good.
+#[test]
+fn a_write_returns_within_its_timeout_when_the_peer_stops_reading() {
+    use std::io::BufRead;
+    use symmem::transport::{Options, RemoteBuffer, new_transport};
+    let mut peer = Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "tcp_peer_process", "--include-ignored", "--nocapture", "--test-threads=1"])
+        .env("SYMMEM_TRUST_PEER", "1")
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = std::io::BufReader::new(peer.stdout.take().unwrap()).lines();
+    let mut get = |tag: &str| loop {
+        let l = lines.next().unwrap().unwrap();
+        if let Some(v) = l.split_once(&format!("{tag} ")).map(|(_, v)| v.to_string()) {
+            break v;
+        }
+    };
+    let (url, desc) = (get("URL"), get("DESC"));
+    let remote = RemoteBuffer::deserialize(desc.as_bytes()).unwrap().slice(0, 16 << 20).unwrap();
+    let mut o = Options::new();
+    o.insert("flows".into(), "1".into());
+    let t = new_transport("tcp", None, &o).unwrap();
+    t.connect(url.as_bytes(), None).unwrap();
+    let src = Tensor::from_slice(&[16 << 20], &vec![5u8; 16 << 20]).unwrap();
+    let view = t.register_memory(&src).unwrap().to_view(0, None).unwrap();
+    t.write(&view, &remote, None).unwrap();
+
+    let pid = rustix::process::Pid::from_raw(peer.id() as i32).unwrap();
+    rustix::process::kill_process(pid, rustix::process::Signal::STOP).unwrap();
+    // Keep writing until the socket buffers are full and a write times out: each call returns
+    // within its timeout.
+    let two = Duration::from_secs(2);
+    let mut stuck = None;
+    for _ in 0..8 {
+        let t0 = Instant::now();
+        let work = t.start_write(&view, &remote, Some(two)).unwrap();
+        assert!(t0.elapsed() < Duration::from_millis(500), "submitting waited {:?}", t0.elapsed());
+        let r = work.wait(None);
+        assert!(t0.elapsed() < two + Duration::from_secs(1), "a write with a 2 s timeout took {:?}", t0.elapsed());
+        if let Err(e) = r {
+            assert!(e.is_timeout(), "{e}");
+            stuck = Some(work);
+            break;
+        }
+    }
+    let stuck = stuck.expect("writes to a stopped peer must time out once its buffers are full");
+    // Small writes and reads, which the caller sends itself, return within their timeouts too.
+    let small = t.register_memory(&Tensor::zeros(&[4096], DType::U8).unwrap()).unwrap();
+    let mut smalls = Vec::new();
+    for read in [false, true] {
+        let t0 = Instant::now();
+        let w = if read {
+            t.start_read(&small.to_mutable_view(0, None).unwrap(), &remote, Some(two))
+        } else {
+            t.start_write(&small.to_view(0, None).unwrap(), &remote, Some(two))
+        }
+        .unwrap();
+        assert!(t0.elapsed() < Duration::from_millis(500), "submitting waited {:?}", t0.elapsed());
+        assert!(w.wait(None).unwrap_err().is_timeout());
+        assert!(t0.elapsed() < two + Duration::from_secs(1), "a small transfer took {:?}", t0.elapsed());
+        smalls.push(w);
+    }
+    assert!(t.connected(), "a peer that stopped reading for a moment is not lost");
+    rustix::process::kill_process(pid, rustix::process::Signal::CONT).unwrap();
+    // The pending write completes once the peer reads again, and the transport goes on.
+    stuck.wait(Some(Duration::from_secs(20))).unwrap();
+    for w in smalls {
+        w.wait(Some(Duration::from_secs(20))).unwrap();
+    }
+    t.write(&view, &remote, Some(Duration::from_secs(20))).unwrap();
+    assert!(t.connected());
+    let _ = peer.kill();
+    let _ = peer.wait();
+}
+
+fn threads() -> usize {
+    std::fs::read_dir("/proc/self/task").unwrap().count()
+}
+
+// Item 9: the tcp transport spawned a thread per connection before its handshake (2,000
+// connections: 2,000 threads for 30 s).
+#[test]
+fn connections_without_a_handshake_get_no_thread() {
+    use symmem::transport::{Options, new_transport};
+    let mut o = Options::new();
+    o.insert("timeout".into(), "1".into());
+    let target = new_transport("tcp", None, &o).unwrap();
+    let url = target.bind(None).unwrap();
+    let addr =
+        String::from_utf8(url.clone()).unwrap().trim_start_matches("tcp://").split('?').next().unwrap().to_string();
+    std::thread::sleep(Duration::from_millis(100));
+    let before = threads();
+    let silent: Vec<std::net::TcpStream> = (0..500).map(|_| std::net::TcpStream::connect(&addr).unwrap()).collect();
+    std::thread::sleep(Duration::from_millis(300));
+    let grew = threads().saturating_sub(before);
+    assert!(grew < 20, "500 connections without a handshake made {grew} threads");
+    // A real peer still gets through, and a silent connection is closed after the timeout.
+    let peer = new_transport("tcp", None, &o).unwrap();
+    peer.bind(None).unwrap();
+    peer.connect(&url, None).unwrap();
+    let mut last = silent.into_iter().last().unwrap();
+    last.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let t = Instant::now();
+    assert!(closed(&mut last), "a connection that never shakes hands is closed");
+    assert!(t.elapsed() < Duration::from_secs(4), "after {:?}", t.elapsed());
+}

@@ -150,6 +150,27 @@ impl Secret {
         mac.verify_slice(proof).is_ok()
     }
 
+    /// An HMAC-SHA256 of `parts` under this secret, for a protocol whose messages carry
+    /// `label` (so a proof made for one purpose is never valid for another).
+    pub(crate) fn sign(&self, label: &[u8], parts: &[&[u8]]) -> [u8; PROOF_LEN] {
+        let mut mac = self.mac();
+        mac.update(label);
+        for p in parts {
+            mac.update(p);
+        }
+        mac.finalize().into_bytes().into()
+    }
+
+    /// Checks a [`Secret::sign`] proof in constant time.
+    pub(crate) fn check(&self, label: &[u8], parts: &[&[u8]], proof: &[u8]) -> bool {
+        let mut mac = self.mac();
+        mac.update(label);
+        for p in parts {
+            mac.update(p);
+        }
+        mac.verify_slice(proof).is_ok()
+    }
+
     fn mac(&self) -> Hmac<Sha256> {
         // HMAC takes keys of any length, so this cannot fail.
         <Hmac<Sha256> as KeyInit>::new_from_slice(&self.0).expect("hmac accepts any key length")

@@ -268,9 +268,9 @@ async fn serve_conn(
     let trusted = o.trust_local_user && local.is_some_and(|l| crate::sys::peercred::is_local_same_user(l, peer));
     if o.secret.is_none()
         && let Some(l) = local
-        && let Err(why) = crate::sys::peercred::same_user_or_remote(l, peer)
+        && let Err(foreign) = crate::sys::peercred::same_user_or_remote(l, peer)
     {
-        shared.closing(peer, &why);
+        shared.closing(peer, &format!("a store without a secret serves no other user: {foreign}"));
         lock(&shared.inner).pending.retain(|(p, _)| *p != id);
         return;
     }

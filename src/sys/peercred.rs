@@ -86,15 +86,26 @@ pub(crate) fn tcp_peer_uid(local: SocketAddr, peer: SocketAddr) -> Option<u32> {
     Some(u32::from_ne_bytes(reply.get(UID_AT..UID_AT + 4)?.try_into().ok()?))
 }
 
-/// Whether a connection from `peer` to `local` may be served by this process: `Err` with the
-/// reason when the peer's socket is on this host and owned by another user. Peers on other
-/// hosts are not this check's business (the job's secret is).
-pub(crate) fn same_user_or_remote(local: SocketAddr, peer: SocketAddr) -> Result<(), String> {
-    let me = rustix::process::geteuid().as_raw();
+/// A peer on this host that belongs to another user: its uid, and this process's.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Foreign {
+    pub(crate) uid: u32,
+    pub(crate) mine: u32,
+}
+
+impl std::fmt::Display for Foreign {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "it belongs to another user on this host (uid {}, this process's is {})", self.uid, self.mine)
+    }
+}
+
+/// Whether the other end of a connection between `local` and `peer` may talk to this process:
+/// `Err` when its socket is on this host and owned by another user. Peers on other hosts are
+/// not this check's business (the job's secret is).
+pub(crate) fn same_user_or_remote(local: SocketAddr, peer: SocketAddr) -> Result<(), Foreign> {
+    let mine = rustix::process::geteuid().as_raw();
     match tcp_peer_uid(local, peer) {
-        Some(uid) if uid != me => {
-            Err(format!("connection from {peer} belongs to user {uid}, not to this job's user {me}"))
-        }
+        Some(uid) if uid != mine => Err(Foreign { uid, mine }),
         _ => Ok(()),
     }
 }

@@ -2,9 +2,13 @@
 //! little-endian, followed by the payload the header announces.
 //!
 //! ```text
-//!   handshake  client → server   magic "SYMTCP01" | server token (16) | client token (16)
-//!                                | flow index u32 | flow count u32            (48 bytes)
-//!              server → client   status u8: 0 accepted, else refused         (1 byte)
+//!   hello      client → server   magic "SYMTCP02" | server token (16) | client token (16)
+//!                                | flow index u32 | flow count u32 | auth u8 | 0 (7)
+//!                                | client nonce (32)                          (88 bytes)
+//!   challenge  server → client   status u8 | auth u8 | 0 (6) | server nonce (32)
+//!                                | server proof (32)                          (72 bytes)
+//!   proof      client → server   client proof (32)                            (32 bytes)
+//!   verdict    server → client   status u8: 0 accepted, else refused         (1 byte)
 //!
 //!   header     op u8 | status u8 | 0 (6) | request u64 | cookie u64 | buffer u64
 //!              | key (16) | remote offset u64 | length u64                    (64 bytes)
@@ -25,9 +29,13 @@
 //! signal-slot put finds the previous signal still unconsumed, so the initiator retries.
 
 /// The handshake's magic.
-pub const MAGIC: [u8; 8] = *b"SYMTCP01";
-/// Handshake length.
-pub const HANDSHAKE_LEN: usize = 48;
+pub const MAGIC: [u8; 8] = *b"SYMTCP02";
+/// Hello length.
+pub const HELLO_LEN: usize = 88;
+/// Challenge length.
+pub const CHALLENGE_LEN: usize = 72;
+/// Proof length.
+pub const PROOF_LEN: usize = 32;
 /// Header length.
 pub const HEADER_LEN: usize = 64;
 /// The longest error message a server sends.
@@ -177,9 +185,30 @@ impl Header {
     }
 }
 
+/// How an endpoint authenticates its peers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u8)]
+pub enum Auth {
+    /// The URL's token alone: whoever holds the URL may connect.
+    Token = 0,
+    /// The token and a proof of the job's secret, both ways (HMAC-SHA256 over both tokens,
+    /// the flow and both nonces): the URL alone is worthless.
+    JobSecret = 1,
+}
+
+impl Auth {
+    fn from_byte(b: u8) -> Option<Auth> {
+        match b {
+            0 => Some(Auth::Token),
+            1 => Some(Auth::JobSecret),
+            _ => None,
+        }
+    }
+}
+
 /// The first message on every flow.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Handshake {
+pub struct Hello {
     /// The server endpoint's token, from its URL.
     pub server_token: [u8; 16],
     /// The connecting endpoint's token.
@@ -188,36 +217,150 @@ pub struct Handshake {
     pub flow: u32,
     /// How many flows the client opens.
     pub flows: u32,
+    /// How the client authenticates.
+    pub auth: Auth,
+    /// The client's fresh nonce.
+    pub nonce: [u8; 32],
 }
 
-impl Handshake {
-    /// The 48 wire bytes.
-    pub fn encode(&self) -> [u8; HANDSHAKE_LEN] {
-        let mut b = [0u8; HANDSHAKE_LEN];
+impl Hello {
+    /// The wire bytes.
+    pub fn encode(&self) -> [u8; HELLO_LEN] {
+        let mut b = [0u8; HELLO_LEN];
         b[..8].copy_from_slice(&MAGIC);
         b[8..24].copy_from_slice(&self.server_token);
         b[24..40].copy_from_slice(&self.client_token);
         b[40..44].copy_from_slice(&self.flow.to_le_bytes());
         b[44..48].copy_from_slice(&self.flows.to_le_bytes());
+        b[48] = self.auth as u8;
+        b[56..88].copy_from_slice(&self.nonce);
         b
     }
 
-    /// Parses 48 bytes.
-    pub fn decode(b: &[u8; HANDSHAKE_LEN]) -> Result<Handshake, FrameError> {
+    /// Parses the wire bytes.
+    pub fn decode(b: &[u8; HELLO_LEN]) -> Result<Hello, FrameError> {
         if b[..8] != MAGIC {
             return Err(FrameError::BadMagic);
         }
-        let mut server_token = [0u8; 16];
-        server_token.copy_from_slice(&b[8..24]);
-        let mut client_token = [0u8; 16];
-        client_token.copy_from_slice(&b[24..40]);
+        if b[49..56].iter().any(|&x| x != 0) {
+            return Err(FrameError::Reserved);
+        }
+        let auth = Auth::from_byte(b[48]).ok_or(FrameError::Reserved)?;
         let u = |r: std::ops::Range<usize>| {
             let mut a = [0u8; 4];
             a.copy_from_slice(&b[r]);
             u32::from_le_bytes(a)
         };
-        Ok(Handshake { server_token, client_token, flow: u(40..44), flows: u(44..48) })
+        Ok(Hello {
+            server_token: array(&b[8..24]),
+            client_token: array(&b[24..40]),
+            flow: u(40..44),
+            flows: u(44..48),
+            auth,
+            nonce: array(&b[56..88]),
+        })
     }
+}
+
+fn array<const N: usize>(b: &[u8]) -> [u8; N] {
+    let mut a = [0u8; N];
+    a.copy_from_slice(&b[..N]);
+    a
+}
+
+/// Why a server refuses a flow, in its challenge's or verdict's status byte.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u8)]
+pub enum Refused {
+    /// The token does not name this endpoint, or the flow numbers are wrong: a stale URL.
+    Token = 1,
+    /// This endpoint requires the job's secret and the client offered none.
+    SecretRequired = 2,
+    /// The client is a process of another user on this host.
+    ForeignUser = 3,
+    /// The client's proof of the job's secret is wrong.
+    BadProof = 4,
+    /// This endpoint serves as many connections as it will.
+    Busy = 5,
+}
+
+impl Refused {
+    /// The status byte's meaning; `None` for 0 (accepted).
+    pub fn from_byte(b: u8) -> Option<Refused> {
+        Some(match b {
+            1 => Refused::Token,
+            2 => Refused::SecretRequired,
+            3 => Refused::ForeignUser,
+            4 => Refused::BadProof,
+            _ if b != 0 => Refused::Busy,
+            _ => return None,
+        })
+    }
+}
+
+impl std::fmt::Display for Refused {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Refused::Token => "the URL's token does not name it (a stale URL?)",
+            Refused::SecretRequired => {
+                "it requires the job's secret (SYMMEM_JOB_SECRET or SYMMEM_STORE_SECRET) and this process has none"
+            }
+            Refused::ForeignUser => "this process belongs to another user on its host",
+            Refused::BadProof => "this process's job secret is not its job's",
+            Refused::Busy => "it serves as many connections as it will",
+        })
+    }
+}
+
+/// The server's answer to a hello.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Challenge {
+    /// `None` to go on, or why the flow is refused.
+    pub refused: Option<Refused>,
+    /// How the server authenticates.
+    pub auth: Auth,
+    /// The server's fresh nonce.
+    pub nonce: [u8; 32],
+    /// The server's proof of the job's secret (zeros with [`Auth::Token`]).
+    pub proof: [u8; 32],
+}
+
+impl Challenge {
+    /// The wire bytes.
+    pub fn encode(&self) -> [u8; CHALLENGE_LEN] {
+        let mut b = [0u8; CHALLENGE_LEN];
+        b[0] = self.refused.map_or(0, |r| r as u8);
+        b[1] = self.auth as u8;
+        b[8..40].copy_from_slice(&self.nonce);
+        b[40..72].copy_from_slice(&self.proof);
+        b
+    }
+
+    /// Parses the wire bytes.
+    pub fn decode(b: &[u8; CHALLENGE_LEN]) -> Result<Challenge, FrameError> {
+        if b[2..8].iter().any(|&x| x != 0) {
+            return Err(FrameError::Reserved);
+        }
+        Ok(Challenge {
+            refused: Refused::from_byte(b[0]),
+            auth: Auth::from_byte(b[1]).ok_or(FrameError::Reserved)?,
+            nonce: array(&b[8..40]),
+            proof: array(&b[40..72]),
+        })
+    }
+}
+
+/// What the proofs of a flow's handshake cover: both tokens, the flow, both nonces, so a proof
+/// is good for one flow of one connection to one endpoint only.
+pub fn transcript(hello: &Hello, server_nonce: &[u8; 32]) -> Vec<u8> {
+    let mut t = Vec::with_capacity(104);
+    t.extend_from_slice(&hello.server_token);
+    t.extend_from_slice(&hello.client_token);
+    t.extend_from_slice(&hello.flow.to_le_bytes());
+    t.extend_from_slice(&hello.flows.to_le_bytes());
+    t.extend_from_slice(&hello.nonce);
+    t.extend_from_slice(server_nonce);
+    t
 }
 
 #[cfg(test)]
@@ -241,8 +384,20 @@ mod tests {
         let mut bad = h.encode();
         bad[0] = 9;
         assert_eq!(Header::decode(&bad), Err(FrameError::UnknownOp(9)));
-        let hs = Handshake { server_token: [1; 16], client_token: [2; 16], flow: 3, flows: 4 };
-        assert_eq!(Handshake::decode(&hs.encode()), Ok(hs));
+        let hello = Hello {
+            server_token: [1; 16],
+            client_token: [2; 16],
+            flow: 3,
+            flows: 4,
+            auth: Auth::JobSecret,
+            nonce: [5; 32],
+        };
+        assert_eq!(Hello::decode(&hello.encode()), Ok(hello));
+        let c = Challenge { refused: Some(Refused::ForeignUser), auth: Auth::Token, nonce: [6; 32], proof: [7; 32] };
+        assert_eq!(Challenge::decode(&c.encode()), Ok(c));
+        let ok = Challenge { refused: None, ..c };
+        assert_eq!(Challenge::decode(&ok.encode()), Ok(ok));
+        assert_ne!(transcript(&hello, &[1; 32]), transcript(&Hello { flow: 2, ..hello }, &[1; 32]));
     }
 
     proptest! {
@@ -252,9 +407,13 @@ mod tests {
             h[..32].copy_from_slice(&b);
             h[32..].copy_from_slice(&c);
             let _ = Header::decode(&h);
-            let mut s = [0u8; HANDSHAKE_LEN];
-            s.copy_from_slice(&h[..48]);
-            let _ = Handshake::decode(&s);
+            let mut s = [0u8; HELLO_LEN];
+            s[..64].copy_from_slice(&h);
+            s[64..].copy_from_slice(&h[..24]);
+            let _ = Hello::decode(&s);
+            let mut c = [0u8; CHALLENGE_LEN];
+            c[..64].copy_from_slice(&h);
+            let _ = Challenge::decode(&c);
         }
     }
 }

@@ -1,0 +1,494 @@
+//! The initiator's side of the `tcp` backend: its flows, their queues and threads.
+//!
+//! ```text
+//!   submit ──▶ flow queue empty? ──yes──▶ write what the socket takes now (non-blocking)
+//!                     │                          │ the rest
+//!                     no ──────────────▶ queue ◀─┘ ──▶ the flow's sender thread, when the
+//!                                                        socket has room (poll)
+//!   receiver thread per flow: ACK / DATA / ERROR ──▶ completes the Work
+//! ```
+//!
+//! Nothing here waits for a socket on the caller's thread: a full socket (a peer that stopped
+//! reading) leaves the rest of a frame queued, and the caller's wait on the Work is what times
+//! out. Frames leave a flow in the order they were submitted to it.
+
+use std::collections::{HashMap, VecDeque};
+use std::io::{IoSlice, Read, Write};
+use std::net::{TcpStream, ToSocketAddrs};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex, OnceLock};
+use std::time::Duration;
+
+use rustix::event::{PollFd, PollFlags, poll};
+
+use super::{CLIENT_PROOF, INLINE, SERVER_PROOF, STRIPE_MIN, TcpOptions, Url, lock, tune};
+use crate::error::{Error, Result};
+use crate::transport::{Direction, Request};
+use crate::wire::tcp::{
+    ATOMIC_BUSY, Auth, CHALLENGE_LEN, Challenge, HEADER_LEN, Header, Hello, MAX_ERROR_LEN, Op, Refused, transcript,
+};
+
+/// One transfer in flight: its request and how many chunks remain.
+struct Pending {
+    req: Request,
+    remaining: AtomicUsize,
+    error: Mutex<Option<String>>,
+}
+
+impl Pending {
+    fn chunk_done(&self, error: Option<String>) -> bool {
+        if let Some(e) = error {
+            lock(&self.error).get_or_insert(e);
+        }
+        // AcqRel: the last chunk sees every earlier chunk's bytes and error.
+        self.remaining.fetch_sub(1, Ordering::AcqRel) == 1
+    }
+}
+
+/// One frame to write: its header, and for a write its payload in the local registration
+/// (kept alive by the pending request).
+struct Frame {
+    head: [u8; HEADER_LEN],
+    pending: Arc<Pending>,
+    /// The payload's offset in the request's local view, and its length (0: none).
+    at: usize,
+    len: usize,
+    /// Bytes of header and payload already written.
+    done: usize,
+}
+
+impl Frame {
+    fn payload(&self) -> &[u8] {
+        if self.len == 0 {
+            return &[];
+        }
+        // SAFETY: [at, at+len) lies inside the local view (planned from its length), inside the
+        // registration that the pending request, held by this frame, keeps alive; the bytes
+        // are only read, and the caller promised not to change a write's source until it
+        // completes.
+        unsafe { std::slice::from_raw_parts(self.pending.req.local_ptr().add(self.at).cast_const(), self.len) }
+    }
+
+    /// Writes what the socket takes now; true once the whole frame is written.
+    fn write_some(&mut self, mut s: &TcpStream) -> std::io::Result<bool> {
+        loop {
+            let total = HEADER_LEN + self.len;
+            if self.done >= total {
+                return Ok(true);
+            }
+            let payload = self.payload();
+            let (a, b) = if self.done < HEADER_LEN {
+                (&self.head[self.done..], payload)
+            } else {
+                (&[][..], &payload[self.done - HEADER_LEN..])
+            };
+            match s.write_vectored(&[IoSlice::new(a), IoSlice::new(b)]) {
+                Ok(0) => return Err(std::io::ErrorKind::WriteZero.into()),
+                Ok(n) => self.done += n,
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return Ok(false),
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(e),
+            }
+        }
+    }
+}
+
+/// A flow's socket (non-blocking) and the frames waiting for it, in order.
+struct Queue {
+    sock: TcpStream,
+    frames: VecDeque<Frame>,
+}
+
+struct Flow {
+    queue: Mutex<Queue>,
+    /// Signalled when frames are queued, and when the client fails.
+    more: Condvar,
+    /// The same socket, to wait for room without the queue's lock.
+    poller: TcpStream,
+}
+
+pub(super) struct Client {
+    flows: Vec<Flow>,
+    pending: Mutex<HashMap<u64, Arc<Pending>>>,
+    next: AtomicU64,
+    rr: AtomicUsize,
+    alive: AtomicBool,
+    why: OnceLock<String>,
+    chunk: usize,
+}
+
+/// Waits until `s` is readable (`IN`) or writable (`OUT`), at most `within`.
+fn wait_for(s: &TcpStream, flags: PollFlags, within: Duration) {
+    let mut fds = [PollFd::new(s, flags)];
+    let t = rustix::time::Timespec { tv_sec: within.as_secs() as i64, tv_nsec: i64::from(within.subsec_nanos()) };
+    let _ = poll(&mut fds, Some(&t));
+}
+
+/// Reads exactly `buf.len()` bytes from a non-blocking socket, waiting for them as needed;
+/// `Ok(false)` at a clean end of stream before the first byte.
+fn read_full(mut s: &TcpStream, buf: &mut [u8], alive: &AtomicBool) -> std::io::Result<bool> {
+    let mut at = 0;
+    while at < buf.len() {
+        match s.read(&mut buf[at..]) {
+            Ok(0) if at == 0 => return Ok(false),
+            Ok(0) => return Err(std::io::ErrorKind::UnexpectedEof.into()),
+            Ok(n) => at += n,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                // Acquire: pairs with the Release store in `fail`.
+                if !alive.load(Ordering::Acquire) {
+                    return Ok(false);
+                }
+                wait_for(s, PollFlags::IN, Duration::from_secs(1));
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(true)
+}
+
+/// Runs one flow's handshake on a blocking socket; the error says why the peer refused.
+fn handshake(s: &mut TcpStream, url: &Url, opts: &TcpOptions, token: &[u8; 16], flow: usize) -> Result<()> {
+    let addr = &url.addr;
+    let mut nonce = [0u8; 32];
+    getrandom::fill(&mut nonce).map_err(|e| Error::io("draw a nonce", std::io::Error::other(e)))?;
+    let hello = Hello {
+        server_token: url.token,
+        client_token: *token,
+        flow: flow as u32,
+        flows: opts.flows as u32,
+        auth: opts.auth(),
+        nonce,
+    };
+    s.write_all(&hello.encode()).map_err(|e| Error::io(format!("send a handshake to {addr}"), e))?;
+    let mut c = [0u8; CHALLENGE_LEN];
+    s.read_exact(&mut c).map_err(|e| Error::io(format!("read the handshake's answer from {addr}"), e))?;
+    let refused = |why: String| Error::Auth {
+        peer: format!("the tcp transport at {addr}"),
+        reason: format!("it refused this connection: {why}"),
+    };
+    let challenge = Challenge::decode(&c).map_err(|e| refused(e.to_string()))?;
+    if let Some(r) = challenge.refused {
+        return Err(refused(r.to_string()));
+    }
+    let t = transcript(&hello, &challenge.nonce);
+    let proof = match (&opts.secret, challenge.auth) {
+        (Some(_), Auth::Token) => {
+            return Err(Error::Auth {
+                peer: format!("the tcp transport at {addr}"),
+                reason: "it has no job secret and this process has one; both ends of a link must share \
+                         SYMMEM_JOB_SECRET (or SYMMEM_STORE_SECRET), or both use auth=token"
+                    .into(),
+            });
+        }
+        (Some(secret), Auth::JobSecret) => {
+            if !secret.check(SERVER_PROOF, &[&t], &challenge.proof) {
+                return Err(Error::Auth {
+                    peer: format!("the tcp transport at {addr}"),
+                    reason: "its proof of the job's secret is wrong: it is not of this job".into(),
+                });
+            }
+            secret.sign(CLIENT_PROOF, &[&t])
+        }
+        // A server requiring the secret refused above; a token-only one needs no proof.
+        (None, _) => [0u8; 32],
+    };
+    s.write_all(&proof).map_err(|e| Error::io(format!("send a proof to {addr}"), e))?;
+    let mut verdict = [1u8];
+    s.read_exact(&mut verdict).map_err(|e| Error::io(format!("read the handshake's verdict from {addr}"), e))?;
+    match Refused::from_byte(verdict[0]) {
+        None => Ok(()),
+        Some(r) => Err(refused(r.to_string())),
+    }
+}
+
+impl Client {
+    pub(super) fn connect(url: &Url, opts: &TcpOptions, token: &[u8; 16], timeout: Duration) -> Result<Arc<Client>> {
+        let addr = url
+            .addr
+            .to_socket_addrs()
+            .map_err(|e| Error::io(format!("resolve {}", url.addr), e))?
+            .next()
+            .ok_or_else(|| Error::InvalidArgument(format!("{} resolves to no address", url.addr)))?;
+        let mut socks = Vec::with_capacity(opts.flows);
+        for flow in 0..opts.flows {
+            let mut s = TcpStream::connect_timeout(&addr, timeout)
+                .map_err(|e| Error::io(format!("connect tcp transport flow {flow} to {addr}"), e))?;
+            // A server on this host must be this user's: another user's process could be
+            // squatting on a port a dead endpoint left.
+            if let Ok(local) = s.local_addr()
+                && let Err(foreign) = crate::sys::peercred::same_user_or_remote(local, addr)
+            {
+                return Err(Error::Auth {
+                    peer: format!("the tcp transport at {addr}"),
+                    reason: format!("refusing to send to it: {foreign}"),
+                });
+            }
+            tune(&s, opts.timeout);
+            s.set_read_timeout(Some(timeout)).map_err(|e| Error::io("set a socket timeout", e))?;
+            handshake(&mut s, url, opts, token, flow)?;
+            s.set_read_timeout(None).map_err(|e| Error::io("clear a socket timeout", e))?;
+            s.set_nonblocking(true).map_err(|e| Error::io("make a socket non-blocking", e))?;
+            socks.push(s);
+        }
+        let mut flows = Vec::with_capacity(socks.len());
+        let mut readers = Vec::with_capacity(socks.len());
+        for s in socks {
+            let r = s.try_clone().map_err(|e| Error::io("clone a socket", e))?;
+            let poller = s.try_clone().map_err(|e| Error::io("clone a socket", e))?;
+            flows.push(Flow {
+                queue: Mutex::new(Queue { sock: s, frames: VecDeque::new() }),
+                more: Condvar::new(),
+                poller,
+            });
+            readers.push(r);
+        }
+        let client = Arc::new(Client {
+            flows,
+            pending: Mutex::new(HashMap::new()),
+            next: AtomicU64::new(1),
+            rr: AtomicUsize::new(0),
+            alive: AtomicBool::new(true),
+            why: OnceLock::new(),
+            chunk: opts.chunk,
+        });
+        for (i, r) in readers.into_iter().enumerate() {
+            let c = client.clone();
+            std::thread::Builder::new()
+                .name("symmem-tcp-recv".into())
+                .spawn(move || c.receive(r))
+                .map_err(|e| Error::io("start a tcp transport receiver", e))?;
+            let c = client.clone();
+            std::thread::Builder::new()
+                .name("symmem-tcp-send".into())
+                .spawn(move || c.send_loop(i))
+                .map_err(|e| Error::io("start a tcp transport sender", e))?;
+        }
+        Ok(client)
+    }
+
+    /// Whether the connection is alive.
+    pub(super) fn alive(&self) -> bool {
+        // Acquire: pairs with the Release store in `fail`.
+        self.alive.load(Ordering::Acquire)
+    }
+
+    /// Why the connection died, once it has.
+    pub(super) fn why(&self) -> Option<String> {
+        self.why.get().cloned()
+    }
+
+    /// Splits a request into (flow, local offset, length) chunks of at most `chunk` bytes:
+    /// whole on flow 0 up to `INLINE`, whole on one flow (round-robin) below `STRIPE_MIN`, else
+    /// one contiguous stripe per flow.
+    fn plan(&self, len: usize) -> Vec<(usize, usize, usize)> {
+        let f = self.flows.len();
+        let mut out = Vec::new();
+        let mut cut = |flow: usize, start: usize, end: usize| {
+            let mut at = start;
+            loop {
+                let n = (end - at).min(self.chunk);
+                out.push((flow, at, n));
+                at += n;
+                if at >= end {
+                    break;
+                }
+            }
+        };
+        if len <= INLINE {
+            // Small requests all take flow 0, so those one thread sends on one link reach the
+            // target in order: a write and then a remote atomic need no wait in between.
+            cut(0, 0, len);
+        } else if len < STRIPE_MIN || f == 1 {
+            cut(self.rr.fetch_add(1, Ordering::Relaxed) % f, 0, len);
+        } else {
+            for i in 0..f {
+                cut(i, len * i / f, len * (i + 1) / f);
+            }
+        }
+        out
+    }
+
+    pub(super) fn submit(&self, req: Request) -> Result<()> {
+        if !self.alive() {
+            return Err(self.lost());
+        }
+        let id = self.next.fetch_add(1, Ordering::Relaxed);
+        let chunks = self.plan(req.len);
+        let (op, status, operand) = match req.direction {
+            Direction::Write => (Op::Write, 0, None),
+            Direction::Read => (Op::Read, 0, None),
+            Direction::Atomic(a, v) => (Op::Atomic, a as u8, Some(v)),
+        };
+        let (buffer, key, base) = (req.remote.buffer_id, req.remote.access_key, req.remote.offset);
+        // Requests that carry no payload (reads, atomics) are written by the caller whatever
+        // their length (64 bytes per chunk); large writes go to the flows' sender threads, so
+        // their stripes move in parallel.
+        let inline = req.len <= INLINE || op != Op::Write;
+        let pending = Arc::new(Pending { req, remaining: AtomicUsize::new(chunks.len()), error: Mutex::new(None) });
+        lock(&self.pending).insert(id, pending.clone());
+        // A failure that raced with the insertion would never complete this request.
+        if !self.alive() {
+            lock(&self.pending).remove(&id);
+            return Err(self.lost());
+        }
+        for (flow, at, n) in chunks {
+            let header = Header {
+                op,
+                status,
+                request: id,
+                // An atomic's operand travels in the cookie (it has no local bytes to place).
+                cookie: operand.unwrap_or(at as u64),
+                buffer,
+                key,
+                remote_offset: base + at as u64,
+                length: n as u64,
+            };
+            let len = if op == Op::Write { n } else { 0 };
+            let frame = Frame { head: header.encode(), pending: pending.clone(), at, len, done: 0 };
+            self.enqueue(flow, frame, inline);
+        }
+        Ok(())
+    }
+
+    /// Writes `frame` now if its flow has nothing queued and `now` (as much as the socket
+    /// takes), and queues the rest for the flow's sender thread. Never waits for the socket.
+    fn enqueue(&self, flow: usize, mut frame: Frame, now: bool) {
+        let f = &self.flows[flow];
+        let mut q = lock(&f.queue);
+        if q.frames.is_empty() && now {
+            match frame.write_some(&q.sock) {
+                Ok(true) => return,
+                Ok(false) => {}
+                Err(e) => {
+                    drop(q);
+                    self.fail(format!("send to the peer: {e}"));
+                    return;
+                }
+            }
+        }
+        q.frames.push_back(frame);
+        f.more.notify_one();
+    }
+
+    /// Writes a flow's queued frames as the socket takes them.
+    fn send_loop(&self, flow: usize) {
+        let f = &self.flows[flow];
+        loop {
+            let mut q = lock(&f.queue);
+            while q.frames.is_empty() {
+                if !self.alive() {
+                    return;
+                }
+                q = f.more.wait_timeout(q, Duration::from_secs(1)).unwrap_or_else(|p| p.into_inner()).0;
+            }
+            if !self.alive() {
+                return;
+            }
+            let Queue { sock, frames } = &mut *q;
+            while let Some(front) = frames.front_mut() {
+                match front.write_some(sock) {
+                    Ok(true) => {
+                        frames.pop_front();
+                    }
+                    Ok(false) => break,
+                    Err(e) => {
+                        drop(q);
+                        self.fail(format!("send to the peer: {e}"));
+                        return;
+                    }
+                }
+            }
+            let full = !q.frames.is_empty();
+            drop(q);
+            if full {
+                // The socket is full: wait for room without holding the queue.
+                wait_for(&f.poller, PollFlags::OUT, Duration::from_secs(1));
+            }
+        }
+    }
+
+    fn receive(&self, s: TcpStream) {
+        let why = match self.receive_loop(&s) {
+            Ok(()) => "the peer closed the connection".to_string(),
+            Err(e) => e.to_string(),
+        };
+        self.fail(why);
+    }
+
+    fn receive_loop(&self, s: &TcpStream) -> std::io::Result<()> {
+        let mut hdr = [0u8; HEADER_LEN];
+        loop {
+            if !read_full(s, &mut hdr, &self.alive)? {
+                return Ok(());
+            }
+            let h = Header::decode(&hdr).map_err(std::io::Error::other)?;
+            let p = lock(&self.pending)
+                .get(&h.request)
+                .cloned()
+                .ok_or_else(|| std::io::Error::other(format!("reply to unknown request {}", h.request)))?;
+            let error = match h.op {
+                Op::Ack if h.status == ATOMIC_BUSY && matches!(p.req.direction, Direction::Atomic(..)) => {
+                    Some(crate::transport::ATOMIC_BUSY.to_string())
+                }
+                Op::Ack => None,
+                Op::Data => {
+                    let (at, n) = (h.cookie as usize, h.length as usize);
+                    if p.req.direction != Direction::Read || at.checked_add(n).is_none_or(|end| end > p.req.len) {
+                        return Err(std::io::Error::other("invalid read response"));
+                    }
+                    // SAFETY: [at, at+n) lies inside the local mutable view (checked above),
+                    // inside the registration the pending request keeps alive; the caller
+                    // promised not to touch a read's destination until it completes.
+                    let dst = unsafe { std::slice::from_raw_parts_mut(p.req.local_ptr().add(at), n) };
+                    if !read_full(s, dst, &self.alive)? {
+                        return Err(std::io::ErrorKind::UnexpectedEof.into());
+                    }
+                    None
+                }
+                Op::Error => {
+                    if h.length > MAX_ERROR_LEN {
+                        return Err(std::io::Error::other("oversized error message"));
+                    }
+                    let mut msg = vec![0u8; h.length as usize];
+                    if !read_full(s, &mut msg, &self.alive)? {
+                        return Err(std::io::ErrorKind::UnexpectedEof.into());
+                    }
+                    Some(format!("the peer refused it: {}", String::from_utf8_lossy(&msg)))
+                }
+                other => return Err(std::io::Error::other(format!("unexpected {other:?} frame from the target"))),
+            };
+            if p.chunk_done(error) {
+                lock(&self.pending).remove(&h.request);
+                let e = lock(&p.error).take();
+                p.req.complete(e.map_or(Ok(()), Err));
+            }
+        }
+    }
+
+    #[cold]
+    fn lost(&self) -> Error {
+        Error::Transfer(format!(
+            "tcp transport is not connected: {}",
+            self.why.get().map_or("the connection was lost", String::as_str)
+        ))
+    }
+
+    /// Marks the connection dead and fails everything pending.
+    pub(super) fn fail(&self, why: String) {
+        let _ = self.why.set(why);
+        // Release: pairs with the Acquire loads in `alive` and `read_full`.
+        self.alive.store(false, Ordering::Release);
+        for f in &self.flows {
+            let mut q = lock(&f.queue);
+            q.frames.clear();
+            let _ = q.sock.shutdown(std::net::Shutdown::Both);
+            f.more.notify_all();
+        }
+        let pending: Vec<Arc<Pending>> = lock(&self.pending).drain().map(|(_, p)| p).collect();
+        let why = self.why.get().cloned().unwrap_or_default();
+        for p in pending {
+            p.req.complete(Err(format!("connection to the peer lost: {why}")));
+        }
+    }
+}

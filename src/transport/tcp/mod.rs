@@ -1,0 +1,359 @@
+//! The `tcp` backend: works between any two hosts.
+//!
+//! ```text
+//!   initiator                                       target
+//!   caller ──small──▶ flow 0 queue ─┐               accept thread: every handshake at once,
+//!   caller ──large──▶ flow i queue ─┴▶ socket ────▶   bounded in number and time; then one
+//!                     (sender thread per flow,          serve thread per flow: check key,
+//!                      when a socket is full)            liveness, bounds, permission; recv the
+//!                                                        payload straight into registered memory,
+//!   receiver thread (per flow) ◀── ACK / DATA / ERROR ── or send DATA straight from it
+//! ```
+//!
+//! - Many requests may be in flight per endpoint; each carries an id, and replies complete
+//!   them in any order. Large requests are striped over `flows` connections in chunks, so the
+//!   two ends' cores share the work; small ones are written by the caller itself, with no
+//!   hand-off to another thread.
+//! - Submitting never blocks: sockets are non-blocking, and what a full socket does not take
+//!   waits in the flow's queue for its sender thread. A peer that stops reading makes the
+//!   caller's wait time out (the Work stays pending and completes if the peer resumes), never
+//!   the submission; a peer that reads nothing for longer than the transport's timeout is
+//!   declared lost (`TCP_USER_TIMEOUT`), failing what is pending.
+//! - No staging copies: the target receives writes into registered memory and sends reads
+//!   from it; the initiator sends from and receives into its registered memory.
+//! - A refused request (unknown, stale or read-only descriptor, out of bounds) fails only that
+//!   request, with the reason; a malformed frame closes only its connection.
+//! - A dead peer fails every pending transfer: its sockets close (or TCP keepalive and
+//!   `TCP_USER_TIMEOUT` give up on a peer that vanished), and the receiver fails whatever is
+//!   outstanding.
+//!
+//! Who may connect (`wire::tcp` has the handshake): a client must name the endpoint's random
+//! token (in its URL), and, when the endpoint has the job's secret (`SYMMEM_JOB_SECRET`, else
+//! `SYMMEM_STORE_SECRET`; option `auth`), prove it holds the secret too, and the endpoint proves
+//! it back: URLs read from a store are then worthless to a stranger. A process of another user
+//! on the same host is refused by its socket's credentials whatever it holds, and a client
+//! refuses such a server. The URL carries an address peers can reach: the `host` option or
+//! `SYMMEM_TRANSPORT_TCP_HOST` (default 127.0.0.1); wildcards are refused.
+
+mod client;
+mod listen;
+
+use std::collections::HashMap;
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::Duration;
+
+use super::{Backend, Options, Registration, Request};
+use crate::error::{Error, Result};
+use crate::store::Secret;
+use crate::wire::tcp::Auth;
+use client::Client;
+
+/// Environment variable: default number of connections per endpoint.
+pub const FLOWS_ENV: &str = "SYMMEM_TRANSPORT_TCP_FLOWS";
+/// Environment variable: the address peers reach this endpoint at.
+pub const HOST_ENV: &str = "SYMMEM_TRANSPORT_TCP_HOST";
+/// Environment variable: the largest chunk of a striped request, in bytes.
+pub const CHUNK_ENV: &str = "SYMMEM_TRANSPORT_TCP_CHUNK_SIZE";
+
+/// Requests up to this size go whole on one flow, written by the caller.
+const INLINE: usize = 64 * 1024;
+/// Requests up to this size are not striped.
+const STRIPE_MIN: usize = 1 << 20;
+/// The largest chunk a server accepts; larger frames are protocol violations.
+const MAX_CHUNK: u64 = 64 << 20;
+/// The most flows a server accepts from one peer.
+const MAX_FLOWS: u32 = 64;
+/// Labels of the handshake's proofs.
+const SERVER_PROOF: &[u8] = b"symmem-tcp-v1 server";
+const CLIENT_PROOF: &[u8] = b"symmem-tcp-v1 client";
+
+#[derive(Clone, Debug)]
+struct TcpOptions {
+    flows: usize,
+    host: String,
+    chunk: usize,
+    timeout: Duration,
+    /// The job's secret that peers must prove, when the endpoint has one.
+    secret: Option<Secret>,
+}
+
+fn parse_opt<T: std::str::FromStr>(name: &str, v: &str) -> Result<T> {
+    v.trim().parse().map_err(|_| Error::InvalidArgument(format!("tcp transport option {name}={v:?} is not valid")))
+}
+
+impl TcpOptions {
+    fn from(o: &Options) -> Result<TcpOptions> {
+        let env = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
+        let mut t = TcpOptions {
+            flows: env(FLOWS_ENV).map(|v| parse_opt(FLOWS_ENV, &v)).transpose()?.unwrap_or(4),
+            host: env(HOST_ENV).unwrap_or_else(|| "127.0.0.1".into()),
+            chunk: env(CHUNK_ENV).map(|v| parse_opt(CHUNK_ENV, &v)).transpose()?.unwrap_or(1 << 20),
+            timeout: Duration::from_secs(30),
+            secret: Secret::job_from_env(),
+        };
+        for (k, v) in o {
+            match k.as_str() {
+                "flows" | "num_flows" => t.flows = parse_opt(k, v)?,
+                "host" => t.host = v.clone(),
+                "chunk_size" => t.chunk = parse_opt(k, v)?,
+                "timeout" => {
+                    let secs: f64 = parse_opt(k, v)?;
+                    t.timeout = Duration::try_from_secs_f64(secs).map_err(|_| {
+                        Error::InvalidArgument(format!("tcp transport option timeout={v:?} is not valid"))
+                    })?;
+                }
+                "auth" => match v.as_str() {
+                    // The default: the job's secret when the environment has one.
+                    "auto" => {}
+                    "job" if t.secret.is_none() => {
+                        return Err(Error::InvalidArgument(
+                            "tcp transport option auth=job needs SYMMEM_JOB_SECRET or SYMMEM_STORE_SECRET".into(),
+                        ));
+                    }
+                    "job" => {}
+                    "token" => t.secret = None,
+                    other => {
+                        return Err(Error::InvalidArgument(format!(
+                            "tcp transport option auth={other:?} is not one of auto, job, token"
+                        )));
+                    }
+                },
+                other => {
+                    return Err(Error::InvalidArgument(format!(
+                        "unknown tcp transport option {other:?} (known: flows, host, chunk_size, timeout, auth)"
+                    )));
+                }
+            }
+        }
+        if t.flows == 0
+            || t.flows > MAX_FLOWS as usize
+            || t.chunk == 0
+            || t.chunk as u64 > MAX_CHUNK
+            || t.timeout.is_zero()
+        {
+            return Err(Error::InvalidArgument(format!(
+                "flows must be 1..={MAX_FLOWS}, chunk_size 1..={MAX_CHUNK}, and timeout positive"
+            )));
+        }
+        let bare = t.host.trim_start_matches('[').trim_end_matches(']');
+        if matches!(bare, "0.0.0.0" | "::" | "") {
+            return Err(Error::InvalidArgument("host must be an address peers can connect to".into()));
+        }
+        Ok(t)
+    }
+
+    fn auth(&self) -> Auth {
+        if self.secret.is_some() { Auth::JobSecret } else { Auth::Token }
+    }
+}
+
+/// The `tcp` backend.
+pub struct TcpBackend {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    opts: TcpOptions,
+    token: [u8; 16],
+    table: RwLock<HashMap<u64, Arc<Registration>>>,
+    bound: Mutex<Option<(Vec<u8>, TcpListener)>>,
+    /// Clones of served sockets, so `shutdown` can end their threads; removed when they end.
+    served: Mutex<HashMap<u64, TcpStream>>,
+    next_served: AtomicU64,
+    /// Connections being served (each has a thread).
+    serving: AtomicUsize,
+    client: Mutex<Option<Arc<Client>>>,
+    closed: AtomicBool,
+}
+
+impl TcpBackend {
+    /// A backend with `options` (`flows`, `host`, `chunk_size`, `timeout` in seconds, and
+    /// `auth`: `auto` to require the job's secret when the environment has one, `job` to insist
+    /// on it, `token` for the URL's token alone).
+    pub fn new(options: &Options) -> Result<TcpBackend> {
+        let mut token = [0u8; 16];
+        getrandom::fill(&mut token).map_err(|e| Error::io("draw an endpoint token", std::io::Error::other(e)))?;
+        Ok(TcpBackend {
+            inner: Arc::new(Inner {
+                opts: TcpOptions::from(options)?,
+                token,
+                table: RwLock::new(HashMap::new()),
+                bound: Mutex::new(None),
+                served: Mutex::new(HashMap::new()),
+                next_served: AtomicU64::new(0),
+                serving: AtomicUsize::new(0),
+                client: Mutex::new(None),
+                closed: AtomicBool::new(false),
+            }),
+        })
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+fn unhex(s: &str) -> Option<[u8; 16]> {
+    if s.len() != 32 {
+        return None;
+    }
+    let mut out = [0u8; 16];
+    for (i, o) in out.iter_mut().enumerate() {
+        *o = u8::from_str_radix(s.get(2 * i..2 * i + 2)?, 16).ok()?;
+    }
+    Some(out)
+}
+
+/// `tcp://host:port?flows=N&token=HEX`.
+struct Url {
+    addr: String,
+    token: [u8; 16],
+}
+
+fn parse_url(url: &[u8]) -> Result<Url> {
+    let bad = || Error::InvalidArgument(format!("invalid tcp transport URL {:?}", String::from_utf8_lossy(url)));
+    let s = std::str::from_utf8(url).map_err(|_| bad())?;
+    let rest = s.strip_prefix("tcp://").ok_or_else(bad)?;
+    let (addr, query) = rest.split_once('?').ok_or_else(bad)?;
+    let mut token = None;
+    for kv in query.split('&') {
+        let (k, v) = kv.split_once('=').ok_or_else(bad)?;
+        match k {
+            "token" => token = Some(unhex(v).ok_or_else(bad)?),
+            "flows" => {
+                let _: u32 = v.parse().map_err(|_| bad())?;
+            }
+            _ => {}
+        }
+    }
+    let _: SocketAddr = addr.parse().map_err(|_| bad())?;
+    Ok(Url { addr: addr.to_string(), token: token.ok_or_else(bad)? })
+}
+
+fn tune(s: &TcpStream, timeout: Duration) {
+    use rustix::net::sockopt;
+    let _ = s.set_nodelay(true);
+    let _ = sockopt::set_socket_keepalive(s, true);
+    let _ = sockopt::set_tcp_keepidle(s, Duration::from_secs(5).min(timeout));
+    let _ = sockopt::set_tcp_keepintvl(s, Duration::from_secs(1));
+    let _ = sockopt::set_tcp_keepcnt(s, 5);
+    // Unacknowledged data (or a zero window) older than the timeout fails the connection.
+    let _ = sockopt::set_tcp_user_timeout(s, timeout.as_millis().min(u32::MAX as u128) as u32);
+}
+
+impl Backend for TcpBackend {
+    fn name(&self) -> &str {
+        "tcp"
+    }
+
+    fn bind(&self, _timeout: Duration) -> Result<Vec<u8>> {
+        let mut bound = lock(&self.inner.bound);
+        if let Some((url, _)) = &*bound {
+            return Ok(url.clone());
+        }
+        let host = &self.inner.opts.host;
+        let listener = TcpListener::bind((host.trim_start_matches('[').trim_end_matches(']'), 0))
+            .map_err(|e| Error::io(format!("bind tcp transport to {host}"), e))?;
+        let addr = listener.local_addr().map_err(|e| Error::io("read the tcp transport's address", e))?;
+        let url = format!("tcp://{addr}?flows={}&token={}", self.inner.opts.flows, hex(&self.inner.token)).into_bytes();
+        let accept = listener.try_clone().map_err(|e| Error::io("clone the tcp transport listener", e))?;
+        accept.set_nonblocking(true).map_err(|e| Error::io("make the tcp transport listener non-blocking", e))?;
+        let inner = self.inner.clone();
+        std::thread::Builder::new()
+            .name("symmem-tcp-accept".into())
+            .spawn(move || listen::accept_loop(inner, accept))
+            .map_err(|e| Error::io("start the tcp transport accept thread", e))?;
+        *bound = Some((url.clone(), listener));
+        Ok(url)
+    }
+
+    fn connect(&self, url: &[u8], timeout: Duration) -> Result<()> {
+        let url = parse_url(url)?;
+        let client = Client::connect(&url, &self.inner.opts, &self.inner.token, timeout)?;
+        *lock(&self.inner.client) = Some(client);
+        Ok(())
+    }
+
+    fn connected(&self) -> bool {
+        lock(&self.inner.client).as_ref().is_some_and(|c| c.alive())
+    }
+
+    fn expose(&self, reg: &Arc<Registration>) -> Result<()> {
+        self.inner.table.write().unwrap_or_else(|p| p.into_inner()).insert(reg.id, reg.clone());
+        Ok(())
+    }
+
+    fn withdraw(&self, reg: &Registration) {
+        self.inner.table.write().unwrap_or_else(|p| p.into_inner()).remove(&reg.id);
+    }
+
+    fn submit(&self, req: Request) -> Result<()> {
+        let client = lock(&self.inner.client).clone();
+        match client {
+            Some(c) => c.submit(req),
+            None => Err(Error::InvalidArgument("tcp transport is not connected".into())),
+        }
+    }
+
+    fn shutdown(&self) {
+        self.inner.closed.store(true, Ordering::Release);
+        if let Some((_, l)) = lock(&self.inner.bound).take() {
+            // Wakes the accept thread, which then sees `closed`.
+            let _ = rustix::net::shutdown(&l, rustix::net::Shutdown::Read);
+        }
+        for (_, s) in lock(&self.inner.served).drain() {
+            let _ = s.shutdown(std::net::Shutdown::Both);
+        }
+        if let Some(c) = lock(&self.inner.client).take() {
+            c.fail("the transport was closed".into());
+        }
+        self.inner.table.write().unwrap_or_else(|p| p.into_inner()).clear();
+    }
+
+    fn default_timeout(&self) -> Duration {
+        self.inner.opts.timeout
+    }
+
+    fn disconnect_reason(&self) -> Option<String> {
+        let c = lock(&self.inner.client).clone()?;
+        c.why()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn options_are_validated() {
+        let o = |pairs: &[(&str, &str)]| {
+            TcpOptions::from(&pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect())
+        };
+        assert!(o(&[]).is_ok());
+        assert!(o(&[("host", "0.0.0.0")]).unwrap_err().to_string().contains("peers can connect to"));
+        assert!(o(&[("host", "::")]).is_err());
+        assert!(o(&[("flows", "0")]).is_err());
+        assert!(o(&[("chunk_size", "x")]).is_err());
+        assert!(o(&[("bogus", "1")]).unwrap_err().to_string().contains("bogus"));
+        assert_eq!(o(&[("timeout", "1.5")]).unwrap().timeout, Duration::from_millis(1500));
+        assert!(o(&[("auth", "token")]).unwrap().secret.is_none());
+        assert!(o(&[("auth", "maybe")]).unwrap_err().to_string().contains("auto, job, token"));
+    }
+
+    #[test]
+    fn urls_are_parsed_strictly() {
+        let good = b"tcp://127.0.0.1:5000?flows=2&token=000102030405060708090a0b0c0d0e0f";
+        assert_eq!(parse_url(good).unwrap().token[15], 15);
+        for bad in
+            [&b"udp://1.2.3.4:5?token=00"[..], b"tcp://nohost?token=00", b"tcp://127.0.0.1:5000?flows=2", b"\xff"]
+        {
+            assert!(parse_url(bad).is_err(), "{}", String::from_utf8_lossy(bad));
+        }
+    }
+}

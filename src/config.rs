@@ -31,8 +31,15 @@ pub const KNOBS: &[Knob] = &[
     },
     Knob {
         env: crate::store::SECRET_ENV,
-        default: "unset",
-        doc: "shared secret for the store: clients must prove they hold it (HMAC-SHA256) before any operation",
+        default: "`symmem run`: random (one host), the user's key (hosts)",
+        doc: "the job's secret: the store's clients prove it (HMAC-SHA256), except this user's processes on the \
+              store's host; also keys the ranks' links",
+    },
+    Knob {
+        env: crate::store::JOB_SECRET_ENV,
+        default: "SYMMEM_STORE_SECRET",
+        doc: "the secret symmem's links between ranks require (both ends prove it), for jobs whose store cannot \
+              carry one (torchrun)",
     },
     Knob {
         env: crate::store::TIMEOUT_ENV,

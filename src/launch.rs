@@ -52,8 +52,14 @@ pub struct LaunchOptions {
     pub master_port: u16,
     /// Stop the job (exit code 124) if it runs longer than this.
     pub timeout: Option<Duration>,
-    /// The store's shared secret, passed to the ranks in `SYMMEM_STORE_SECRET`.
+    /// The job's secret: the store's (ranks and other hosts' launchers must prove it) and the
+    /// key of the ranks' links, passed to the ranks in `SYMMEM_STORE_SECRET`. `None`: drawn at
+    /// random for a job on one host, [`Secret::resolve`]d (`SYMMEM_STORE_SECRET`, else this
+    /// user's key) for one spanning hosts, so that every host finds the same.
     pub secret: Option<Secret>,
+    /// Run the job's store without a secret (for PyTorch ranks on other hosts, which cannot
+    /// authenticate): anyone who reaches it can read and change the job's keys.
+    pub no_auth: bool,
     /// The program each rank runs.
     pub program: OsString,
     /// Its arguments.
@@ -76,6 +82,7 @@ impl LaunchOptions {
             master_port: 0,
             timeout: None,
             secret: None,
+            no_auth: false,
             program: program.into(),
             args,
             env: Vec::new(),
@@ -222,6 +229,12 @@ pub fn run_hosts(options: &LaunchOptions, hosts: usize) -> Result<Outcome> {
         .and_then(|l| l.local_addr())
         .map_err(|e| Error::io("pick a port for the store", e))?
         .port();
+    // The played hosts share one process, so they share a secret without any file.
+    let secret = match (&options.secret, options.no_auth) {
+        (Some(s), _) => Some(s.clone()),
+        (None, true) => None,
+        (None, false) => Some(Secret::random()?),
+    };
     let outcomes: Vec<Result<Outcome>> = std::thread::scope(|s| {
         let handles: Vec<_> = (0..hosts)
             .map(|i| {
@@ -230,6 +243,7 @@ pub fn run_hosts(options: &LaunchOptions, hosts: usize) -> Result<Outcome> {
                 o.node_rank = i;
                 o.master_addr = "127.0.0.1".into();
                 o.master_port = port;
+                o.secret = secret.clone();
                 o.env.push((crate::symm::HOST_ID_ENV.into(), format!("host{i}").into()));
                 s.spawn(move || run(&o))
             })
@@ -249,12 +263,49 @@ pub fn run_hosts(options: &LaunchOptions, hosts: usize) -> Result<Outcome> {
     Ok(first)
 }
 
+/// The job's secret (see [`LaunchOptions::secret`]).
+fn job_secret(o: &LaunchOptions) -> Result<Option<Secret>> {
+    if o.no_auth {
+        return Ok(None);
+    }
+    if let Some(s) = &o.secret {
+        return Ok(Some(s.clone()));
+    }
+    if o.nnodes == 1 {
+        return Ok(Some(match Secret::from_env() {
+            Some(s) => s,
+            None => Secret::random()?,
+        }));
+    }
+    let (secret, from) = Secret::resolve(None)?;
+    tracing::info!("the job's secret is {from}");
+    Ok(Some(secret))
+}
+
+/// Where node 0's store listens: where the job needs it. One host: `master_addr` (loopback by
+/// default). Several: `master_addr` if it is an address of this host, else every interface
+/// (the store is authenticated; a name this host resolves to loopback, as Debian's
+/// `127.0.1.1 hostname` does, is not what the other hosts reach).
+fn store_bind_host(o: &LaunchOptions) -> String {
+    use std::net::ToSocketAddrs;
+    if o.nnodes == 1 {
+        return o.master_addr.clone();
+    }
+    let literal = o.master_addr.trim_start_matches('[').trim_end_matches(']').parse::<std::net::IpAddr>().ok();
+    let resolved = (o.master_addr.as_str(), 0).to_socket_addrs().ok().and_then(|mut a| a.next()).map(|a| a.ip());
+    match resolved {
+        Some(ip) if (!ip.is_loopback() || literal.is_some()) && std::net::UdpSocket::bind((ip, 0)).is_ok() => {
+            if ip.is_ipv6() { format!("[{ip}]") } else { ip.to_string() }
+        }
+        _ => "0.0.0.0".into(),
+    }
+}
+
 async fn run_async(o: &LaunchOptions) -> Result<Outcome> {
+    let secret = job_secret(o)?;
     let server = if o.node_rank == 0 {
-        let host = if o.nnodes > 1 { "0.0.0.0" } else { o.master_addr.as_str() };
-        let addr = format!("{host}:{}", o.master_port);
-        let secret = o.secret.clone().or_else(Secret::from_env);
-        Some(StoreServer::start(&addr, ServerOptions { secret, ..Default::default() })?)
+        let addr = format!("{}:{}", store_bind_host(o), o.master_port);
+        Some(StoreServer::start(&addr, ServerOptions { secret: secret.clone(), ..Default::default() })?)
     } else {
         None
     };
@@ -272,7 +323,7 @@ async fn run_async(o: &LaunchOptions) -> Result<Outcome> {
     // Across hosts: one connection to report, one to watch for other hosts' failures (a
     // pending WAIT occupies its connection).
     let (mut coordinator, watcher) = if o.nnodes > 1 {
-        let opts = ClientOptions { secret: o.secret.clone().or_else(Secret::from_env), ..ClientOptions::default() };
+        let opts = ClientOptions { secret: secret.clone(), ..ClientOptions::default() };
         (
             Some(AsyncStoreClient::connect(&store_addr, &opts).await?),
             Some(AsyncStoreClient::connect(&store_addr, &opts).await?),
@@ -312,9 +363,10 @@ async fn run_async(o: &LaunchOptions) -> Result<Outcome> {
             .stderr(Stdio::piped())
             .process_group(0)
             .kill_on_drop(true);
-        if let Some(secret) = &o.secret {
-            cmd.env(SECRET_ENV, secret.expose_os());
-        }
+        match &secret {
+            Some(secret) => cmd.env(SECRET_ENV, secret.expose_os()),
+            None => cmd.env_remove(SECRET_ENV),
+        };
         crate::sys::die_with_parent(&mut cmd);
         let mut child = match cmd.spawn() {
             Ok(c) => c,

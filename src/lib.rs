@@ -52,6 +52,20 @@ pub mod tensor;
 pub mod transport;
 pub mod wire;
 
+/// Sends symmem's logs to stderr, filtered by `SYMMEM_LOG` (warnings by default), unless the
+/// process already has a tracing subscriber: for hosts with no logging of their own, such as
+/// the Python extension. Colour only on a terminal.
+pub fn log_to_stderr() {
+    use std::io::IsTerminal;
+    let filter = tracing_subscriber::EnvFilter::try_from_env("SYMMEM_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_ansi(std::io::stderr().is_terminal())
+        .with_writer(std::io::stderr)
+        .try_init();
+}
+
 // The paved path.
 pub use error::{Error, Result};
 pub use group::Group;

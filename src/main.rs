@@ -127,6 +127,14 @@ struct RunArgs {
     /// Stop the job and exit 124 if it runs longer than this many seconds.
     #[arg(long)]
     timeout: Option<f64>,
+    /// The job's secret, from this file (mode 0600) [default: SYMMEM_STORE_SECRET; else a random
+    /// one on one host, this user's key (~/.config/symmem/secret) across hosts].
+    #[arg(long, conflicts_with = "no_auth")]
+    secret_file: Option<std::path::PathBuf>,
+    /// Run the job's store without a secret, for PyTorch ranks on other hosts (which cannot
+    /// authenticate): anyone who reaches it can read and change the job's keys.
+    #[arg(long)]
+    no_auth: bool,
     /// The program and its arguments.
     #[arg(required = true, trailing_var_arg = true, allow_hyphen_values = true)]
     command: Vec<OsString>,
@@ -198,6 +206,10 @@ struct StoreAt {
     /// The store's HOST:PORT.
     #[arg(long, env = "SYMMEM_STORE_ADDR")]
     addr: String,
+    /// Prove the secret in this file (mode 0600) [default: SYMMEM_STORE_SECRET, if set]. Not
+    /// needed by this user's processes on the store's host.
+    #[arg(long)]
+    secret_file: Option<std::path::PathBuf>,
     /// Seconds to wait (for keys, and for the store to answer).
     #[arg(long, default_value_t = 30.0)]
     timeout: f64,
@@ -469,7 +481,8 @@ fn run(args: RunArgs) -> Result<ExitCode> {
         master_addr: args.master_addr,
         master_port: args.master_port,
         timeout,
-        secret: None,
+        secret: args.secret_file.as_deref().map(Secret::from_file).transpose()?,
+        no_auth: args.no_auth,
         program,
         args: command.collect(),
         env: Vec::new(),
@@ -765,7 +778,11 @@ fn store_client(cmd: StoreClientCommand) -> Result<ExitCode> {
     let connect = |at: &StoreAt| -> Result<(symmem::TcpStore, Duration)> {
         let timeout =
             Duration::try_from_secs_f64(at.timeout).context("--timeout must be a non-negative number of seconds")?;
-        let options = symmem::store::ClientOptions { timeout, secret: Secret::for_client() };
+        let secret = match &at.secret_file {
+            Some(p) => Some(Secret::from_file(p)?),
+            None => Secret::from_env(),
+        };
+        let options = symmem::store::ClientOptions { timeout, secret };
         Ok((symmem::TcpStore::connect(&at.addr, options)?, timeout))
     };
     match cmd {

@@ -207,12 +207,15 @@ fn the_demo_plays_two_hosts() {
 
 #[test]
 fn a_multi_host_job_runs_as_two_launchers() {
-    // Two launchers on this host play two hosts of one job.
+    // Two launchers on this host play two hosts of one job. They share a home directory, so
+    // this user's key (made by whichever comes first) is the job's secret, with no setting.
     let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port().to_string();
+    let config = tempfile::tempdir().unwrap();
     let node = |i: &str| {
         Command::new(BIN)
             .args(["run", "-n", "2", "--nnodes", "2", "--node-rank", i, "--master-port", &port, "--", "sh", "-c"])
             .arg("echo $RANK/$WORLD_SIZE/$LOCAL_RANK")
+            .env("XDG_CONFIG_HOME", config.path())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .spawn()
@@ -229,10 +232,12 @@ fn a_multi_host_job_runs_as_two_launchers() {
 #[test]
 fn a_failure_on_one_host_stops_the_other() {
     let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port().to_string();
+    let config = tempfile::tempdir().unwrap();
     let node = |i: &str, script: &str| {
         Command::new(BIN)
             .args(["run", "-n", "1", "--nnodes", "2", "--node-rank", i, "--master-port", &port, "--", "sh", "-c"])
             .arg(script)
+            .env("XDG_CONFIG_HOME", config.path())
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
             .spawn()

@@ -54,6 +54,9 @@ fn launch_with(
     let n = per_host.to_string();
     let total = (per_host * hosts).to_string();
     let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port().to_string();
+    // The launchers share this machine's file system, as hosts share a home directory: this
+    // user's key is the job's secret.
+    let config = tempfile::tempdir().unwrap();
     let node = |i: usize| {
         let mut c = match layout {
             Layout::Netns(h) => {
@@ -80,6 +83,7 @@ fn launch_with(
         }
         c.arg("--").arg(&me).args(rank_args);
         c.envs(env.iter().copied()).env("SYMMEM_TEST_HOSTS", hosts.to_string()).env("SYMMEM_TEST_WORLD", &total);
+        c.env("XDG_CONFIG_HOME", config.path());
         c.env_remove("SYMMEM_STORE_SECRET").stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap()
     };
     let children: Vec<Child> = (0..hosts).map(node).collect();

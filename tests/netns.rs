@@ -73,6 +73,9 @@ fn ranks_in_two_namespaces_move_tensors_over_tcp() {
         }
     };
     let me = std::env::current_exe().unwrap();
+    // The namespaces share this machine's file system, as hosts share a home directory: this
+    // user's key is the job's secret.
+    let config = tempfile::tempdir().unwrap();
     let node = |i: usize| {
         Command::new("ip")
             .args(["netns", "exec", &hosts.names[i], BIN, "run", "-n", "1", "--nnodes", "2"])
@@ -82,6 +85,8 @@ fn ranks_in_two_namespaces_move_tensors_over_tcp() {
             .args(["--exact", "netns_rank", "--include-ignored", "--nocapture"])
             .env("SYMMEM_TRANSPORT_TCP_HOST", format!("10.213.0.{}", i + 1))
             .env("SYMMEM_HOST_ID", format!("host{i}"))
+            .env("XDG_CONFIG_HOME", config.path())
+            .env_remove("SYMMEM_STORE_SECRET")
             .output()
             .unwrap()
     };

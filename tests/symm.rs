@@ -275,6 +275,7 @@ fn other_hosts_are_reached_but_not_addressed() {
     // Two launchers play two hosts of one job.
     let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port().to_string();
     let me = std::env::current_exe().unwrap();
+    let config = Arc::new(tempfile::tempdir().unwrap());
     let node = move |i: &str| {
         Command::new(BIN)
             .args(["run", "-n", "1", "--nnodes", "2", "--node-rank", i, "--master-port", &port, "--timeout", "60"])
@@ -282,6 +283,8 @@ fn other_hosts_are_reached_but_not_addressed() {
             .arg(&me)
             .args(["--exact", "rank_other_host", "--include-ignored", "--nocapture"])
             .env("SYMMEM_HOST_ID", format!("host{i}"))
+            .env("XDG_CONFIG_HOME", config.path())
+            .env_remove("SYMMEM_STORE_SECRET")
             .output()
             .unwrap()
     };

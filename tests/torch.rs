@@ -238,8 +238,12 @@ fn rust_ranks_run_under_torchrun() {
         .output()
         .unwrap();
     let text = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "{text}\n{}", String::from_utf8_lossy(&out.stderr));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{text}\n{err}");
     assert_eq!(text.matches("saw rust rank 0,rust rank 1").count(), 2, "{text}");
+    // torchrun's store cannot be authenticated: each rank says so once, and what closes it.
+    assert_eq!(err.matches("is not authenticated").count(), 2, "{err}");
+    assert!(err.contains("SYMMEM_JOB_SECRET"), "{err}");
 }
 
 #[test]

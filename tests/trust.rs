@@ -6,6 +6,8 @@
 
 #![allow(clippy::print_stdout, clippy::print_stderr, reason = "rank programs report through stdout")]
 
+mod common;
+
 use std::process::Command;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -831,4 +833,167 @@ fn connections_without_a_handshake_get_no_thread() {
     let t = Instant::now();
     assert!(closed(&mut last), "a connection that never shakes hands is closed");
     assert!(t.elapsed() < Duration::from_secs(4), "after {:?}", t.elapsed());
+}
+
+/// A rank of a job launched with symmem's defaults: exposes a symmetric tensor through a tcp
+/// transport (as a symmetric-memory link does), prints where to find it, and checks that
+/// nobody changed it once told the attack is over.
+#[test]
+#[ignore = "a rank program; run by a_stranger_reaches_neither_the_store_nor_rank_memory"]
+fn rank_exposes_memory() {
+    use symmem::transport::{Options, new_transport};
+    if std::env::var("RANK").is_err() {
+        return;
+    }
+    let done = std::path::PathBuf::from(std::env::var("TRUST_DONE").unwrap());
+    let t = new_transport("tcp", None, &Options::new()).unwrap();
+    let url = t.bind(None).unwrap();
+    let x = symm::empty(&[4096], DType::U8, Device::Cpu).unwrap();
+    x.fill(0xABu8).unwrap();
+    let m = t.register_memory(&x).unwrap();
+    println!("URL {}", String::from_utf8(url).unwrap());
+    println!("DESC {}", String::from_utf8(m.to_remote_buffer().unwrap().serialize()).unwrap());
+    println!("STORE {}:{}", std::env::var("MASTER_ADDR").unwrap(), std::env::var("MASTER_PORT").unwrap());
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !done.exists() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let now = x.to_vec::<u8>().unwrap();
+    let changed = now.iter().filter(|&&b| b != 0xAB).count();
+    println!("CHANGED {changed}");
+    println!("rank 0 ok");
+}
+
+/// The attacker: knowing the job's store address, a rank's transport URL and a descriptor of
+/// its memory (as if read from an unprotected store), tries to list the job's keys and to
+/// read and write the memory. Prints what happened.
+#[test]
+#[ignore = "an attacker program; run by a_stranger_reaches_neither_the_store_nor_rank_memory"]
+fn attacker_job() {
+    use symmem::transport::{Options, RemoteBuffer, new_transport};
+    if std::env::var("SYMMEM_ATTACKER").is_err() {
+        return;
+    }
+    let var = |k: &str| std::env::var(k).unwrap();
+    let options = symmem::store::ClientOptions { timeout: Duration::from_secs(5), secret: None };
+    match symmem::TcpStore::connect(&var("STORE"), options).and_then(|s| s.list_keys()) {
+        Ok(keys) => println!("STORE listed {} keys", keys.len()),
+        Err(e) => println!("STORE refused: {e}"),
+    }
+    let t = new_transport("tcp", None, &Options::new()).unwrap();
+    let remote = RemoteBuffer::deserialize(var("DESC").as_bytes()).unwrap();
+    let result = t.connect(var("URL").as_bytes(), Some(Duration::from_secs(5))).and_then(|()| {
+        let mine = Tensor::zeros(&[4096], DType::U8)?;
+        let m = t.register_memory(&mine)?;
+        t.read(&m.to_mutable_view(0, None)?, &remote, Some(Duration::from_secs(5)))?;
+        let seen = mine.to_vec::<u8>()?.iter().filter(|&&b| b == 0xAB).count();
+        mine.fill(0u8)?;
+        t.write(&m.to_view(0, None)?, &remote, Some(Duration::from_secs(5)))?;
+        Ok(seen)
+    });
+    match result {
+        Ok(seen) => println!("MEMORY read {seen} bytes and wrote"),
+        Err(e) => println!("MEMORY refused: {e}"),
+    }
+}
+
+/// Launches `rank_exposes_memory` as a one-rank job through `launch` (a `symmem run` command
+/// line, maybe inside a namespace), runs `attack` with its store address, URL and descriptor,
+/// and returns the attack's output and the rank's.
+fn expose_and_attack(
+    launch: Command,
+    attack: impl FnOnce(&[(&str, &str)]) -> Option<std::process::Output>,
+) -> Option<(String, String)> {
+    use std::io::BufRead;
+    let dir = tempfile::tempdir().unwrap();
+    let done = dir.path().join("done");
+    let mut launch = launch;
+    let mut job = launch
+        .arg(std::env::current_exe().unwrap())
+        .args(["--exact", "rank_exposes_memory", "--include-ignored", "--nocapture", "--test-threads=1"])
+        .env("TRUST_DONE", &done)
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = std::io::BufReader::new(job.stdout.take().unwrap()).lines();
+    let mut found = std::collections::HashMap::new();
+    while found.len() < 3 {
+        let l = lines.next().expect("the rank reports its addresses").unwrap();
+        for tag in ["URL", "DESC", "STORE"] {
+            if let Some((_, v)) = l.split_once(&format!("{tag} ")) {
+                found.insert(tag, v.to_string());
+            }
+        }
+    }
+    let env = [("STORE", found["STORE"].as_str()), ("URL", found["URL"].as_str()), ("DESC", found["DESC"].as_str())];
+    let attacked = attack(&env);
+    std::fs::write(&done, b"").unwrap();
+    let rest: Vec<String> = lines.map_while(Result::ok).collect();
+    job.wait().unwrap();
+    let out = attacked?;
+    Some((String::from_utf8_lossy(&out.stdout).into_owned(), rest.join("\n")))
+}
+
+// Item 1: a process of another user on the same machine, and a process in a network
+// namespace playing another host, listed the store's keys, connected to a rank's tcp transport
+// and read and wrote its symmetric buffer. By default now: refused, unless it is the job (the
+// same user on this host, or a process holding the job's secret).
+#[test]
+fn a_stranger_reaches_neither_the_store_nor_rank_memory() {
+    let job = || {
+        let mut c = Command::new(BIN);
+        c.args(["run", "-n", "1", "--timeout", "90", "--"]).env_remove("SYMMEM_STORE_SECRET");
+        c
+    };
+    // Another user on this host.
+    let attack = |env: &[(&str, &str)]| as_nobody("attacker_job", env);
+    if let Some((attacker, rank)) = expose_and_attack(job(), attack) {
+        assert!(attacker.contains("STORE refused"), "another user reached the store:\n{attacker}");
+        assert!(attacker.contains("MEMORY refused") && attacker.contains("another user"), "{attacker}");
+        assert!(rank.contains("CHANGED 0"), "{rank}");
+    }
+    // Another "host": a network namespace, the same user, without the job's secret; then with it.
+    let hosts = match common::Hosts::create() {
+        Ok(h) => h,
+        Err(why) => {
+            eprintln!("SKIPPED the other-host half: cannot create network namespaces here ({why})");
+            return;
+        }
+    };
+    let in_ns = |i: usize, program: &std::path::Path| {
+        let mut c = Command::new("ip");
+        c.args(["netns", "exec", &hosts.names[i]]).arg(program);
+        c
+    };
+    let secret = "the job's own secret";
+    let ns_job = || {
+        let mut c = in_ns(0, std::path::Path::new(BIN));
+        c.args(["run", "-n", "1", "--master-addr", "10.213.0.1", "--timeout", "90", "--"])
+            .env("SYMMEM_TRANSPORT_TCP_HOST", "10.213.0.1")
+            .env("SYMMEM_STORE_SECRET", secret);
+        c
+    };
+    let from_host_b = |with: Option<&'static str>| {
+        let me = std::env::current_exe().unwrap();
+        move |env: &[(&str, &str)]| {
+            let mut c = in_ns(1, &me);
+            c.args(["--exact", "attacker_job", "--include-ignored", "--nocapture", "--test-threads=1"])
+                .env("SYMMEM_ATTACKER", "1")
+                .env_remove("SYMMEM_STORE_SECRET")
+                .env_remove("SYMMEM_JOB_SECRET")
+                .envs(env.iter().copied());
+            if let Some(s) = with {
+                c.env("SYMMEM_JOB_SECRET", s);
+            }
+            Some(c.output().unwrap())
+        }
+    };
+    let (attacker, rank) = expose_and_attack(ns_job(), from_host_b(None)).unwrap();
+    assert!(attacker.contains("STORE refused"), "a stranger on another host reached the store:\n{attacker}");
+    assert!(attacker.contains("MEMORY refused") && attacker.contains("job's secret"), "{attacker}");
+    assert!(rank.contains("CHANGED 0"), "{rank}");
+    // The job's own process on another host, holding the secret, gets through.
+    let (member, rank) = expose_and_attack(ns_job(), from_host_b(Some(secret))).unwrap();
+    assert!(member.contains("MEMORY read 4096 bytes and wrote"), "{member}");
+    assert!(rank.contains("CHANGED 4096"), "{rank}");
 }

@@ -244,6 +244,7 @@ fn new_transport_rank(
     py.detach(|| {
         let mut client = symmem::store::ClientOptions::from_env()?;
         client.timeout = client.timeout.min(timeout);
+        symmem::store::warn_if_unauthenticated(store_addr, &client);
         let store: std::sync::Arc<dyn symmem::store::Store> =
             std::sync::Arc::new(symmem::store::TcpStore::connect(store_addr, client)?);
         transport::new_transport_rank(backend, None, &store, peer_rank, rank, timeout, &options)
@@ -260,6 +261,8 @@ fn available_transports() -> Vec<String> {
 
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    // Warnings (an unauthenticated store, a lost peer) reach the user's stderr.
+    symmem::log_to_stderr();
     m.add_class::<PyTransport>()?;
     m.add_class::<PyMemory>()?;
     m.add_class::<PyView>()?;

@@ -203,6 +203,7 @@ impl Group {
         } else {
             None
         };
+        crate::store::warn_if_unauthenticated(&addr, &options);
         let store: Arc<dyn Store> = Arc::new(TcpStore::connect(&addr, options)?);
         let mut group = Group::with_name(env.rank, env.world_size, store, WORLD)?;
         group.local_rank = env.local_rank;

@@ -244,15 +244,6 @@ impl Secret {
         let (s, p) = Secret::user_key()?;
         Ok((s, SecretSource::UserKey(p)))
     }
-
-    /// What a client presents by default: `SYMMEM_STORE_SECRET`, else this user's key if it
-    /// exists (never made by a client), else nothing.
-    pub fn for_client() -> Option<Secret> {
-        Secret::from_env().or_else(|| {
-            let path = Secret::user_key_path().ok()?;
-            path.exists().then(|| Secret::from_file(&path).ok()).flatten()
-        })
-    }
 }
 
 /// 32 fresh random bytes.

@@ -250,7 +250,12 @@ impl<C: Conn> StoreClient<C> {
             Err(Error::ConnectionClosed { .. }) => {
                 return Err(Error::Auth {
                     peer: self.peer.clone(),
-                    reason: "the store does not accept authentication (it has no secret, or is a PyTorch store)".into(),
+                    reason: format!(
+                        "the store does not accept authentication: it has no secret, or is PyTorch's (under torchrun, \
+                         unset {} and set {} instead, which keys symmem's links and leaves the store alone)",
+                        auth::SECRET_ENV,
+                        auth::JOB_SECRET_ENV
+                    ),
                 });
             }
             Err(e) => return Err(e),

@@ -20,6 +20,46 @@ pub use server::{ServerOptions, StoreServer};
 use crate::error::{Error, Result};
 use state::State;
 
+/// Warns, once per process, that the job's store at `addr` is not authenticated when a rank
+/// joins it without a secret (under torchrun, or `symmem run --no-auth`), naming what that
+/// exposes and the setting that closes what can be closed.
+pub fn warn_if_unauthenticated(addr: &str, options: &ClientOptions) {
+    if options.secret.is_none() {
+        warn_unauthenticated(addr);
+    }
+}
+
+fn warn_unauthenticated(addr: &str) {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        let links = if Secret::job_from_env().is_some() {
+            "symmem's links between ranks still require the job's secret (SYMMEM_JOB_SECRET)".to_string()
+        } else {
+            format!(
+                "and symmem's links between ranks accept any process that presents their URL from it, so it can \
+                 read and write the ranks' registered and symmetric memory; set {JOB_SECRET_ENV} to one random value \
+                 on every rank (e.g. `export {JOB_SECRET_ENV}=$(head -c 16 /dev/urandom | od -An -tx1 | tr -d ' \\n')`) \
+                 to require it on the links"
+            )
+        };
+        let msg = format!(
+            "the job's store at {addr} is not authenticated (PyTorch's TCPStore, torchrun's, or `symmem run \
+             --no-auth`): any process that can reach it can read and change the job's keys; {links}. Other users' \
+             processes on this host are refused by symmem's own endpoints in any case. `symmem run` authenticates its \
+             store by default"
+        );
+        // A program with no log subscriber still hears of it.
+        if tracing::dispatcher::has_been_set() {
+            tracing::warn!("{msg}");
+        } else {
+            #[allow(clippy::print_stderr, reason = "a security warning must reach a program that logs nothing")]
+            {
+                eprintln!("symmem: warning: {msg}");
+            }
+        }
+    });
+}
+
 /// A key-value store shared by the ranks of a job: the rendezvous point of every group.
 ///
 /// Keys are strings and values bytes. Every operation is bounded in time: those that wait for

@@ -997,3 +997,111 @@ fn a_stranger_reaches_neither_the_store_nor_rank_memory() {
     assert!(member.contains("MEMORY read 4096 bytes and wrote"), "{member}");
     assert!(rank.contains("CHANGED 4096"), "{rank}");
 }
+
+// Item 15 (and the build's item 6): operators on views of different sizes (or other
+// arguments) on different ranks returned silently inconsistent results. Now every rank gets
+// the same error, and the group stays usable.
+#[test]
+#[ignore = "a rank program; run by ranks_that_disagree_get_the_same_error"]
+fn rank_disagree() {
+    use symmem::ops::ReduceOp;
+    let Some(g) = in_job() else { return };
+    let (me, ws) = (g.rank(), g.world_size());
+    let x = symm::empty(&[1024], DType::F32, Device::Cpu).unwrap();
+    x.fill(1.0f32).unwrap();
+    // A first rendezvous of views that differ is refused on every rank.
+    let e = symm::rendezvous(&x.narrow(0, 0, 64 * (1 + me % 2)).unwrap(), &g).unwrap_err().to_string();
+    assert!(e.contains("rank 0 has [64] float32") && e.contains("rank 1 has [128] float32"), "{e}");
+    // Once the allocation is rendezvoused, views of it are not exchanged again: the operators
+    // check what each call passes.
+    let y = symm::empty(&[1024], DType::F32, Device::Cpu).unwrap();
+    symm::rendezvous(&y, &g).unwrap();
+    let x = y;
+    x.fill(1.0f32).unwrap();
+    let expect_disagreement = |what: &str, r: symmem::Result<()>| {
+        let e = invalid(r, what);
+        assert!(e.contains("disagree") && e.contains("rank 0 ") && e.contains("rank 1 pass"), "{what}: {e}");
+        e
+    };
+    // all_reduce, small messages (64 or 128 floats): one algorithm, different sizes.
+    let n = 64 * (1 + me % 2);
+    let e = expect_disagreement("all_reduce", ops::all_reduce(&x.narrow(0, 0, n).unwrap(), ReduceOp::Sum, &g));
+    assert!(e.contains("64 float32") && e.contains("128 float32"), "{e}");
+    // One-shot, different view sizes.
+    let y = x.narrow(0, 0, 256 * (1 + me % 2)).unwrap();
+    let out = Tensor::zeros(y.shape(), DType::F32).unwrap();
+    expect_disagreement("one_shot", ops::one_shot_all_reduce_out(&y, ReduceOp::Sum, &g, &out));
+    // Broadcast from different roots; all-gather of views at different offsets.
+    expect_disagreement("broadcast", ops::broadcast_(&x, me % 2, &g));
+    let part = x.narrow(0, 4 * (me % 2), 4).unwrap();
+    let gathered = Tensor::zeros(&[4 * ws], DType::F32).unwrap();
+    expect_disagreement("all_gather", ops::all_gather_into(&part, &g, &gathered));
+    // All-to-all of views of different sizes.
+    let rows = ws * (1 + me % 2);
+    let a2a_in = x.narrow(0, 0, rows * 8).unwrap().view(&[rows, 8]).unwrap();
+    let a2a_out = Tensor::zeros(&[rows, 8], DType::F32).unwrap();
+    expect_disagreement("all_to_all", ops::all_to_all(&a2a_in, &a2a_out, &g));
+    // Reductions that differ.
+    let op = if me % 2 == 0 { ReduceOp::Sum } else { ReduceOp::Max };
+    let e = expect_disagreement("two_shot", ops::two_shot_all_reduce_(&x, op, &g));
+    assert!(e.contains("different arguments"), "{e}");
+    // The group is still usable, and agreeing calls are exact.
+    ops::all_reduce(&x.narrow(0, 0, 64).unwrap(), ReduceOp::Sum, &g).unwrap();
+    assert!(x.narrow(0, 0, 64).unwrap().to_vec::<f32>().unwrap().iter().all(|&v| v == ws as f32));
+    ops::two_shot_all_reduce_(&x, ReduceOp::Max, &g).unwrap();
+    let a2a_in = x.narrow(0, 0, ws * 8).unwrap().view(&[ws, 8]).unwrap();
+    let a2a_out = Tensor::zeros(&[ws, 8], DType::F32).unwrap();
+    ops::all_to_all(&a2a_in, &a2a_out, &g).unwrap();
+    g.barrier(Duration::from_secs(30)).unwrap();
+    println!("rank {me} ok");
+}
+
+#[test]
+fn ranks_that_disagree_get_the_same_error() {
+    for n in [2, 3] {
+        let text = assert_job(n, "rank_disagree", &[]);
+        assert!(!text.contains("timed out"), "{text}");
+    }
+}
+
+/// Runs `scenario` as a job of `per_host` ranks on each of two hosts played on this machine
+/// (two launchers, their own SYMMEM_HOST_ID each); returns both launchers' output.
+fn two_hosts_job(per_host: usize, scenario: &str) -> String {
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port().to_string();
+    let config = tempfile::tempdir().unwrap();
+    let me = std::env::current_exe().unwrap();
+    let node = |i: usize| {
+        Command::new(BIN)
+            .args(["run", "-n", &per_host.to_string(), "--nnodes", "2", "--node-rank", &i.to_string()])
+            .args(["--master-port", &port, "--timeout", "120", "--"])
+            .arg(&me)
+            .args(["--exact", scenario, "--include-ignored", "--nocapture", "--test-threads=1"])
+            .env("SYMMEM_HOST_ID", format!("host{i}"))
+            .env("XDG_CONFIG_HOME", config.path())
+            .env_remove("SYMMEM_STORE_SECRET")
+            .output()
+            .unwrap()
+    };
+    let (a, b) = std::thread::scope(|s| {
+        let b = s.spawn(|| node(1));
+        (node(0), b.join().unwrap())
+    });
+    let text = |o: &std::process::Output| {
+        format!("{}\n{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr))
+    };
+    let all = format!("{}\n{}", text(&a), text(&b));
+    assert!(a.status.success() && b.status.success(), "{scenario} on two hosts failed:\n{all}");
+    for r in 0..2 * per_host {
+        let done = all.lines().any(|l| l.starts_with(&format!("[{r}] ")) && l.ends_with(&format!("rank {r} ok")));
+        assert!(done, "rank {r} did not finish {scenario}:\n{all}");
+    }
+    all
+}
+
+#[test]
+fn ranks_on_two_hosts_that_disagree_get_the_same_error() {
+    for per_host in [1, 2] {
+        let text = two_hosts_job(per_host, "rank_disagree");
+        assert!(!text.contains("timed out"), "{text}");
+    }
+}

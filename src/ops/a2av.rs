@@ -7,6 +7,7 @@
 //! rank that finds an error (a negative split, an output too small) still takes part in the
 //! final barrier, so no peer is left waiting, and then reports it.
 
+use super::check::{Stamp, enter};
 use super::{bad, barrier, fetch, fetch_shared, symmetric};
 use crate::error::Result;
 use crate::group::Group;
@@ -130,7 +131,7 @@ pub fn all_to_all_vdev(
     let hs = symmetric(OP, in_splits, group)?;
     let hs_bytes = in_splits.nbytes();
     let h = symmetric(OP, input, group)?;
-    barrier(&h)?;
+    enter(group, &h, &Stamp::new(OP, input, h.offset(), &[hs.offset() as u64, in_splits.numel() as u64]))?;
     let me = h.rank();
     let outcome = (|| {
         fetch_shared(&hs, |_| (0, hs_bytes))?;
@@ -194,7 +195,8 @@ pub fn all_to_all_vdev_2d(
     let hs = symmetric(OP, in_splits, group)?;
     let hs_bytes = in_splits.nbytes();
     let h = symmetric(OP, input, group)?;
-    barrier(&h)?;
+    let args = [hs.offset() as u64, n as u64, align as u64];
+    enter(group, &h, &Stamp::new(OP, input, h.offset(), &args))?;
     let me = h.rank();
     let outcome = (|| {
         fetch_shared(&hs, |_| (0, hs_bytes))?;
@@ -270,7 +272,7 @@ pub fn all_to_all_vdev_2d_offset(
     let hs = symmetric(OP, in_splits_offsets, group)?;
     let hs_bytes = in_splits_offsets.nbytes();
     let h = symmetric(OP, input, group)?;
-    barrier(&h)?;
+    enter(group, &h, &Stamp::new(OP, input, h.offset(), &[hs.offset() as u64, n as u64]))?;
     let me = h.rank();
     let outcome = (|| {
         fetch_shared(&hs, |_| (0, hs_bytes))?;

@@ -203,7 +203,7 @@ pub fn fused_all_gather_matmul(
     let a = Tensor::zeros(&gathered_shape, dtype)?;
     let outs: Vec<Tensor> =
         bs.iter().map(|b| Tensor::zeros(&[gathered_shape[0], b.shape()[1]], dtype)).collect::<Result<_>>()?;
-    barrier(&h)?;
+    super::check::enter(group, &h, &super::check::Stamp::new(OP, a_shard, h.offset(), &[gather_dim as u64]))?;
     // Shards on other hosts are fetched first; the gatherer then copies every shard alike.
     fetch_shared(&h, |_| (0, a_shard.nbytes()))?;
     let a_ptr = a.data_ptr() as usize;
@@ -325,6 +325,9 @@ pub fn fused_matmul_reduce_scatter(
         ));
     }
     let (dtype, es) = (a.dtype(), a.dtype().size());
+    // The workspace grows collectively with the product's size: ranks must agree on it first.
+    let args = [op.code(), scatter_dim as u64, k as u64, n as u64];
+    super::check::agree(group, &super::check::Stamp::new(OP, a, 0, &args))?;
     let (_ws_tensor, h) = workspace(group, m * n * es)?;
     let mine = (h.read_ptr(h.rank()) + h.offset()) as *mut u8;
     // SAFETY: the workspace holds at least m·n elements; no peer reads it before the barrier.

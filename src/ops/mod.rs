@@ -18,6 +18,7 @@
 //! Layer: uses `symm`, `tensor`, `group`.
 
 mod a2av;
+mod check;
 mod matmul;
 mod nd;
 mod reduce;
@@ -45,6 +46,8 @@ pub const TIMEOUT_ENV: &str = "SYMMEM_OP_TIMEOUT";
 fn timeout() -> Duration {
     op_timeout()
 }
+
+use check::{Stamp, enter};
 
 /// The bound on every operator's waits, and the default of every symmetric-memory wait given
 /// no timeout of its own (handle barriers and signals, rendezvous): `SYMMEM_OP_TIMEOUT`
@@ -182,7 +185,7 @@ pub fn one_shot_all_reduce_out(input: &Tensor, op: ReduceOp, group: &Group, out:
     if input.numel() == 0 {
         return Ok(());
     }
-    barrier(&h)?;
+    enter(group, &h, &Stamp::new(OP, input, h.offset(), &[op.code()]))?;
     fetch_shared(&h, |_| (0, input.nbytes()))?;
     // SAFETY: between the barriers no rank writes its input (the operator's contract), every
     // peer pointer addresses numel elements inside that peer's mapped buffer or its mirror
@@ -212,7 +215,7 @@ pub fn two_shot_all_reduce_(input: &Tensor, op: ReduceOp, group: &Group) -> Resu
     }
     let (es, ws) = (input.dtype().size(), h.world_size());
     let (start, len) = slice(input.numel(), ws, h.rank(), alignment(input.dtype()) / es);
-    barrier(&h)?;
+    enter(group, &h, &Stamp::new(OP, input, h.offset(), &[op.code()]))?;
     fetch(&h, |_| (start * es, len * es))?;
     let srcs = peers(&h, start * es);
     let mut inline = [std::ptr::null_mut::<u8>(); 64];
@@ -253,7 +256,7 @@ pub fn two_shot_all_reduce_out(input: &Tensor, op: ReduceOp, group: &Group, out:
     let (es, ws) = (input.dtype().size(), h.world_size());
     let per_align = alignment(input.dtype()) / es;
     let (start, len) = slice(input.numel(), ws, h.rank(), per_align);
-    barrier(&h)?;
+    enter(group, &h, &Stamp::new(OP, input, h.offset(), &[op.code()]))?;
     fetch(&h, |_| (start * es, len * es))?;
     let own = (h.read_ptr(h.rank()) + h.offset() + start * es) as *mut u8;
     // SAFETY: as in two_shot_all_reduce_; this rank writes only its own slice of its own buffer.
@@ -320,7 +323,7 @@ pub fn reduce_scatter_out(
         return Ok(());
     }
     let es = input.dtype().size();
-    barrier(&h)?;
+    enter(group, &h, &Stamp::new(OP, input, h.offset(), &[op.code(), u64::from(split_last_dim)]))?;
     if split_last_dim {
         // Each row's column block lies apart from the next, and the ranks' blocks interleave:
         // the host fetches whole inputs once.
@@ -366,7 +369,7 @@ pub fn all_gather_into(input: &Tensor, group: &Group, out: &Tensor) -> Result<()
     }
     let h = symmetric(OP, input, group)?;
     let n = input.nbytes();
-    barrier(&h)?;
+    enter(group, &h, &Stamp::new(OP, input, h.offset(), &[]))?;
     fetch_shared(&h, |_| (0, n))?;
     let ptrs = peers(&h, 0);
     for k in 0..ws {
@@ -384,7 +387,7 @@ pub fn broadcast_(input: &Tensor, root: usize, group: &Group) -> Result<()> {
         return Err(bad(OP, format!("root {root} is not a rank of a group of {}", group.world_size())));
     }
     let h = symmetric(OP, input, group)?;
-    barrier(&h)?;
+    enter(group, &h, &Stamp::new(OP, input, h.offset(), &[root as u64]))?;
     fetch_shared(&h, |r| if r == root { (0, input.nbytes()) } else { (0, 0) })?;
     if h.rank() != root {
         // SAFETY: root's buffer is not written between the barriers; ours is written only here.
@@ -410,7 +413,7 @@ pub fn all_to_all(input: &Tensor, out: &Tensor, group: &Group) -> Result<()> {
     if !h.all_local() && input.nbytes() <= ALL_TO_ALL_PUSH_MAX {
         return xhost::all_to_all(input, out, group, &h, timeout());
     }
-    barrier(&h)?;
+    enter(group, &h, &Stamp::new(OP, input, h.offset(), &[]))?;
     fetch(&h, |_| (h.rank() * block, block))?;
     for k in 0..ws {
         let j = (h.rank() + k) % ws;

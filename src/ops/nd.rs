@@ -2,6 +2,7 @@
 //! §3.6): block reductions and exchanges of 2-D symmetric inputs, pulled from the peers between
 //! two barriers.
 
+use super::check::{Stamp, enter};
 use super::reduce::{self, ReduceOp};
 use super::{bad, barrier, fetch_shared, symmetric};
 use crate::error::Result;
@@ -78,7 +79,9 @@ pub fn reduce_scatter_offset(
         }
     }
     let h = symmetric(OP, input, group)?;
-    barrier(&h)?;
+    let mut args = vec![dim as u64, op.code(), offsets.len() as u64];
+    args.extend(offsets.iter().chain(dst).map(|&v| v as u64));
+    enter(group, &h, &Stamp::new(OP, input, h.offset(), &args))?;
     let es = input.dtype().size();
     let cols = shape[1];
     let peer = |r: usize, elem: usize| (h.read_ptr(r) + h.offset() + elem * es) as *const u8;
@@ -154,7 +157,7 @@ pub fn all_to_all_nd(input: &Tensor, out: &Tensor, scatter_dim: usize, gather_di
         return Err(bad(OP, format!("out shape {os:?}; expected {:?} or {:?}", expected.0, expected.1)));
     }
     let h = symmetric(OP, input, group)?;
-    barrier(&h)?;
+    enter(group, &h, &Stamp::new(OP, input, h.offset(), &[scatter_dim as u64, gather_dim as u64]))?;
     fetch_shared(&h, |_| (0, input.nbytes()))?;
     let (me, es) = (h.rank(), input.dtype().size());
     let peer = |r: usize, elem: usize| (h.read_ptr(r) + h.offset() + elem * es) as *const u8;

@@ -24,6 +24,11 @@ pub enum ReduceOp {
 }
 
 impl ReduceOp {
+    /// A stable number for this reduction (collective checks compare it across ranks).
+    pub(crate) fn code(self) -> u64 {
+        self as u64 + 1
+    }
+
     /// Parses `sum`, `avg`, `min` or `max`.
     pub fn parse(s: &str) -> Result<ReduceOp> {
         Ok(match s.to_ascii_lowercase().as_str() {

@@ -2,10 +2,13 @@
 //! scheme, `reference/torch-symm-mem-internals.md` §4.1, with epoch counters).
 //!
 //! ```text
-//!   per group, a symmetric workspace:  [ epoch u64 | sleepers u32 ... (128 B) | buf 0 | buf 1 ]
+//!   per group, a symmetric workspace:
+//!     [ epoch u64 | (numel, dtype·op) u64×2 per parity | sleepers u32 at 64 (128 B) | buf 0 | buf 1 ]
 //!   call k:  wait until every peer's epoch >= k-1   (they finished reading buf k%2 of call k-2)
-//!            copy the input into my buf k%2; publish epoch = k
+//!            copy the input into my buf k%2 and what it is into my parity k%2 words;
+//!            publish epoch = k
 //!            wait until every peer's epoch >= k     (their inputs of call k are in place)
+//!            check every rank passed what rank 0 did (the same error on every rank if not)
 //!            reduce every rank's buf k%2, in rank order, into the output
 //! ```
 //!
@@ -43,6 +46,15 @@ fn workspaces() -> &'static Mutex<HashMap<String, Workspace>> {
     W.get_or_init(|| Mutex::new(HashMap::new()))
 }
 
+/// The words saying what `rank` passed to the call of parity `parity`: its element count, and
+/// its dtype and reduction.
+fn what(h: &SymmHandle, rank: usize, parity: u64) -> [&AtomicU64; 2] {
+    let base = h.read_ptr(rank) + h.offset() + 8 + 16 * parity as usize;
+    // SAFETY: bytes 8..40 of the 128-byte header, 8-aligned, mapped while `h` lives; touched
+    // only atomically by every process.
+    unsafe { [&*(base as *const AtomicU64), &*((base + 8) as *const AtomicU64)] }
+}
+
 /// The epoch word and the sleepers count of `rank`'s workspace.
 fn words(h: &SymmHandle, rank: usize) -> (&AtomicU64, &AtomicU32) {
     let base = h.read_ptr(rank) + h.offset();
@@ -72,7 +84,11 @@ fn wait_for(h: &SymmHandle, rank: usize, at_least: u64, deadline: Instant, timeo
         } else {
             if Instant::now() >= deadline {
                 return Err(Error::timeout(
-                    format!("all_reduce: rank {} waiting for rank {rank} to reach call {at_least}", h.rank()),
+                    format!(
+                        "all_reduce: rank {} waiting for rank {rank} to reach call {at_least} (is it in another \
+                         operator, or in an all_reduce of a size that takes another algorithm?)",
+                        h.rank()
+                    ),
                     timeout,
                 ));
             }
@@ -128,9 +144,21 @@ pub(crate) fn all_reduce(tensor: &Tensor, op: ReduceOp, group: &Group, timeout: 
     // SAFETY: buf k%2 of my workspace holds MAX >= bytes bytes, and no peer reads it now (each
     // has published k-1, so finished call k-2, the last to read it).
     unsafe { std::ptr::copy_nonoverlapping(tensor.data_ptr().cast_const(), mine, bytes) };
+    let sig = super::check::counts(tensor, Some(op));
+    for (w, v) in what(&h, h.rank(), k % 2).into_iter().zip(sig) {
+        // Relaxed: published by the epoch's Release store in `publish`.
+        w.store(v, Ordering::Relaxed);
+    }
     publish(&h, k);
     for r in (0..n).filter(|&r| r != h.rank()) {
         wait_for(&h, r, k, deadline, timeout)?;
+    }
+    // Every rank reads every rank's words, so every rank reaches the same verdict. Relaxed:
+    // ordered by the Acquire epoch loads above.
+    let of = |r: usize| what(&h, r, k % 2).map(|w| w.load(Ordering::Relaxed));
+    let first = of(0);
+    if let Some(r) = (1..n).find(|&r| of(r) != first) {
+        return Err(super::check::counts_disagree("all_reduce", first, r, of(r)));
     }
     // Source pointers on the stack: no allocation on the small-message path.
     let mut srcs = [std::ptr::null::<u8>(); 64];

@@ -2,6 +2,7 @@
 //! (`reference/torch-symm-mem-internals.md` §3.4): only the root's `out_tile` receives the
 //! reduction of every rank's tile; the other ranks contribute and synchronize.
 
+use super::check::{Stamp, enter};
 use super::reduce::{self, ReduceOp};
 use super::{bad, barrier, fetch};
 use crate::error::Result;
@@ -65,7 +66,7 @@ pub fn tile_reduce(in_tile: &Tensor, out_tile: &Tensor, root: usize, group: &Gro
         return Err(bad(OP, format!("root must be smaller than group size ({root} >= {})", group.world_size())));
     }
     let h = symm::rendezvous(in_tile, group)?;
-    barrier(&h)?;
+    enter(group, &h, &Stamp::new(OP, in_tile, h.offset(), &[root as u64, op.code()]))?;
     let outcome = if h.rank() == root { reduce_tile(&h, in_tile, out_tile, op) } else { Ok(()) };
     let b = barrier(&h);
     outcome.and(b)
@@ -99,7 +100,13 @@ pub fn multi_root_tile_reduce(
     }
     let handles = in_tiles.iter().map(|t| symm::rendezvous(t, group)).collect::<Result<Vec<_>>>()?;
     let Some(first) = handles.first() else { return Ok(()) };
-    barrier(first)?;
+    // Every tile's view and root count, not only the first's.
+    let mut args: Vec<u64> = vec![op.code()];
+    for ((t, hh), &r) in in_tiles.iter().zip(&handles).zip(roots) {
+        args.extend([r as u64, hh.offset() as u64]);
+        args.extend(t.shape().iter().chain(t.strides()).map(|&d| d as u64));
+    }
+    enter(group, first, &Stamp::new(OP, &in_tiles[0], first.offset(), &args))?;
     let mine = roots.iter().position(|&r| r == first.rank());
     let outcome = match mine {
         Some(i) => reduce_tile(&handles[i], &in_tiles[i], out_tile, op),

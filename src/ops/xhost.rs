@@ -26,6 +26,7 @@
 //! same rank order as on one host, so the results are bitwise the same.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -58,6 +59,68 @@ fn words_bytes(ws: usize) -> usize {
     (4 * (2 * ws + 1)).div_ceil(128) * 128
 }
 
+/// Bytes, after the words, of what every rank passed to the call of each parity (two words,
+/// `check::counts`) and each parity's verdict (a word: 0, or 1 + the first rank that disagrees
+/// with rank 0), before the buffers. Each rank sends its two words with its data; a leader has
+/// every rank's (its host's in their own workspaces, the others' in its own) and so does every
+/// other leader: all reach the same verdict, and hand it to their hosts with RELEASE.
+fn sigs_bytes(ws: usize) -> usize {
+    (2 * ws * 16 + 16).div_ceil(128) * 128
+}
+
+/// Where what rank `r` passed to the call of `parity` is, and that parity's verdict: byte
+/// offsets in a workspace whose words start at `words`.
+struct Sigs {
+    at: usize,
+    world: usize,
+    parity: usize,
+}
+
+impl Sigs {
+    fn new(words: usize, world: usize, parity: usize) -> Sigs {
+        Sigs { at: words + words_bytes(world), world, parity }
+    }
+
+    fn slot(&self, r: usize) -> usize {
+        self.at + (self.parity * self.world + r) * 16
+    }
+
+    fn verdict(&self) -> usize {
+        self.at + 2 * self.world * 16 + self.parity * 8
+    }
+}
+
+/// The 8-byte word at byte `at` of `rank`'s workspace (mapped on this host, or for this rank,
+/// its own).
+fn word(h: &SymmHandle, rank: usize, at: usize) -> &AtomicU64 {
+    assert!(at + 8 <= h.offset() + h.buffer_size() && at.is_multiple_of(8), "workspace word {at} out of place");
+    // SAFETY: `rank` is this rank or one on its host (callers read leaders and local ranks
+    // only), so its workspace is mapped while `h` lives; the word lies inside it and is
+    // 8-aligned (asserted; buffers are page-aligned); every process touches these words only
+    // atomically (remote writes land before the FROM word that publishes them).
+    unsafe { &*((h.read_ptr(rank) + at) as *const AtomicU64) }
+}
+
+fn read_sig(h: &SymmHandle, rank: usize, at: usize) -> [u64; 2] {
+    // Relaxed: ordered by the Acquire loads of the epoch words that published them.
+    [word(h, rank, at).load(Ordering::Relaxed), word(h, rank, at + 8).load(Ordering::Relaxed)]
+}
+
+/// Every rank's signature for this call, as the host's leader holds them: a local rank's in its
+/// own workspace, a remote one's in the leader's.
+fn verdict_of(h: &SymmHandle, leader: usize, sigs: &Sigs) -> u64 {
+    let of = |r: usize| read_sig(h, if h.is_local(r) { r } else { leader }, sigs.slot(r));
+    let first = of(0);
+    (1..sigs.world).find(|&r| of(r) != first).map_or(0, |r| r as u64 + 1)
+}
+
+#[cold]
+fn verdict_error(op: &str, h: &SymmHandle, leader: usize, sigs: &Sigs, verdict: u64) -> crate::Error {
+    let r = (verdict - 1) as usize;
+    let of = |r: usize| read_sig(h, if h.is_local(r) { r } else { leader }, sigs.slot(r));
+    super::check::counts_disagree(op, of(0), r, of(r))
+}
+
 /// Workspaces per (group, operator), each locked for the length of a call; the map itself only
 /// for a lookup, so calls on different groups never wait for each other.
 type Workspaces = HashMap<(String, &'static str), Arc<Mutex<Workspace>>>;
@@ -85,7 +148,8 @@ fn workspace(
         return Ok(w.clone());
     }
     let cap = cap.max(4096).next_power_of_two();
-    let t = symm::empty(&[words_bytes(group.world_size()) + bytes(cap)], DType::U8, Device::Cpu)?;
+    let world = group.world_size();
+    let t = symm::empty(&[words_bytes(world) + sigs_bytes(world) + bytes(cap)], DType::U8, Device::Cpu)?;
     let handle = symm::rendezvous(&t, group)?;
     handle.barrier(0, timeout)?;
     let words = Words::new(handle, 0);
@@ -163,7 +227,8 @@ pub(crate) fn all_reduce(tensor: &Tensor, op: ReduceOp, group: &Group, timeout: 
     let hw = w.words.h.clone();
     let p = hw.patience(timeout);
     let parity = (e % 2) as usize;
-    let base = hw.offset() + words_bytes(world);
+    let sigs = Sigs::new(hw.offset(), world, parity);
+    let base = hw.offset() + words_bytes(world) + sigs_bytes(world);
     let inbox = |r: usize| base + parity * world * w.cap + r * stride;
     let result = base + 2 * world * w.cap + parity * w.cap;
     let own = |at: usize| (hw.read_ptr(me) + at) as *mut u8;
@@ -179,17 +244,28 @@ pub(crate) fn all_reduce(tensor: &Tensor, op: ReduceOp, group: &Group, timeout: 
     // bytes per slot); nobody reads it before this rank's ARRIVE and FROM below, nobody still
     // reads it from call e-2, and its sends of call e-2 have landed (above).
     unsafe { std::ptr::copy_nonoverlapping(tensor.data_ptr().cast_const(), own(inbox(me)), n) };
+    for (i, v) in super::check::counts(tensor, Some(op)).into_iter().enumerate() {
+        // Relaxed: published with the input, by ARRIVE here and by FROM on other hosts.
+        word(&hw, me, sigs.slot(me) + 8 * i).store(v, Ordering::Relaxed);
+    }
     if !gathered {
         for &l in &other_leaders {
             for work in send_before_signal(&hw, l, inbox(me), inbox(me), n, timeout)? {
                 w.sent.push((l, e, work));
             }
+            w.sent.push((l, e, hw.start_push(l, sigs.slot(me), 16, sigs.slot(me), timeout)?));
             w.sent.push((l, e, w.words.start_remote(l, from(me), e, timeout)?));
         }
     }
     if me != leader {
         w.words.publish(leader, arrive(me), e);
         w.words.wait_for(release, e, leader, &p, timeout)?;
+        w.epoch = e;
+        // Relaxed: the leader stored it before RELEASE (Release, seen with Acquire above).
+        let verdict = word(&hw, leader, sigs.verdict()).load(Ordering::Relaxed);
+        if verdict != 0 {
+            return Err(verdict_error("all_reduce", &hw, leader, &sigs, verdict));
+        }
         let res = (hw.read_ptr(leader) + result) as *const u8;
         // SAFETY: the leader's result p is final (RELEASE e seen with Acquire) and is not
         // rewritten before this rank arrives for call e+2.
@@ -207,6 +283,10 @@ pub(crate) fn all_reduce(tensor: &Tensor, op: ReduceOp, group: &Group, timeout: 
             // for call e+2, after this leader's RELEASE e+1; this leader's copy of it is sent
             // from and rewritten only after the sends of call e-2 landed (settled above).
             unsafe { std::ptr::copy_nonoverlapping((hw.read_ptr(r) + inbox(r)) as *const u8, own(inbox(r)), n) };
+            let sig = read_sig(&hw, r, sigs.slot(r));
+            for (i, v) in sig.into_iter().enumerate() {
+                word(&hw, me, sigs.slot(r) + 8 * i).store(v, Ordering::Relaxed);
+            }
         }
         for &l in &other_leaders {
             for (a, b) in runs(locals) {
@@ -214,6 +294,8 @@ pub(crate) fn all_reduce(tensor: &Tensor, op: ReduceOp, group: &Group, timeout: 
                 for work in send_before_signal(&hw, l, inbox(first), inbox(first), len, timeout)? {
                     w.sent.push((l, e, work));
                 }
+                let at = sigs.slot(first);
+                w.sent.push((l, e, hw.start_push(l, at, (b - a) * 16, at, timeout)?));
             }
             w.sent.push((l, e, w.words.start_remote(l, from(leader), e, timeout)?));
         }
@@ -221,6 +303,17 @@ pub(crate) fn all_reduce(tensor: &Tensor, op: ReduceOp, group: &Group, timeout: 
     let senders: Vec<usize> = if gathered { other_leaders } else { (0..world).filter(|&r| !hw.is_local(r)).collect() };
     for r in senders {
         w.words.wait_for(from(r), e, r, &p, timeout)?;
+    }
+    // Every leader holds every rank's signature and reaches the same verdict; its host learns
+    // it with RELEASE.
+    let verdict = verdict_of(&hw, me, &sigs);
+    word(&hw, me, sigs.verdict()).store(verdict, Ordering::Relaxed);
+    if verdict != 0 {
+        for &r in &locals[1..] {
+            w.words.publish(r, release, e);
+        }
+        w.epoch = e;
+        return Err(verdict_error("all_reduce", &hw, me, &sigs, verdict));
     }
     // A local rank's input is in its own slot, a remote rank's in this leader's.
     let srcs: Vec<*const u8> =
@@ -261,7 +354,8 @@ pub(crate) fn all_to_all(input: &Tensor, out: &Tensor, group: &Group, h: &SymmHa
     let e = w.epoch.wrapping_add(1);
     let hw = w.words.h.clone();
     let p = hw.patience(timeout);
-    let base = hw.offset() + words_bytes(world) + (e % 2) as usize * per(w.cap);
+    let sigs = Sigs::new(hw.offset(), world, (e % 2) as usize);
+    let base = hw.offset() + words_bytes(world) + sigs_bytes(world) + (e % 2) as usize * per(w.cap);
     let stage = |d: usize| base + d * bs;
     let inbox = |host: usize, ls: usize, ld: usize| base + world * w.cap + ((host * lmax + ls) * lmax + ld) * bs;
     let outbox = |host: usize, ls: usize, ld: usize| inbox(host, ls, ld) + boxes(w.cap);
@@ -280,6 +374,10 @@ pub(crate) fn all_to_all(input: &Tensor, out: &Tensor, group: &Group, h: &SymmHa
         // sends of call e-2 have landed; the input is contiguous, world blocks of b bytes.
         unsafe { std::ptr::copy_nonoverlapping(input.data_ptr().add(d * b).cast_const(), at(me, stage(d)), b) };
     }
+    for (i, v) in super::check::counts(input, None).into_iter().enumerate() {
+        // Relaxed: published with the stage, by ARRIVE here and by FROM on other hosts.
+        word(&hw, me, sigs.slot(me) + 8 * i).store(v, Ordering::Relaxed);
+    }
     if !gathered {
         for &host in &other_hosts {
             let theirs = hw.ranks_on(host);
@@ -292,6 +390,7 @@ pub(crate) fn all_to_all(input: &Tensor, out: &Tensor, group: &Group, h: &SymmHa
                     w.sent.push((l, e, work));
                 }
             }
+            w.sent.push((l, e, hw.start_push(l, sigs.slot(me), 16, sigs.slot(me), timeout)?));
             w.sent.push((l, e, w.words.start_remote(l, from(me), e, timeout)?));
         }
     }
@@ -303,6 +402,12 @@ pub(crate) fn all_to_all(input: &Tensor, out: &Tensor, group: &Group, h: &SymmHa
             w.words.wait_for(arrive(r), e, r, &p, timeout)?;
         }
         if gathered {
+            for &r in &locals[1..] {
+                let sig = read_sig(&hw, r, sigs.slot(r));
+                for (i, v) in sig.into_iter().enumerate() {
+                    word(&hw, me, sigs.slot(r) + 8 * i).store(v, Ordering::Relaxed);
+                }
+            }
             for &host in &other_hosts {
                 let theirs = hw.ranks_on(host);
                 for (ls, &s) in locals.iter().enumerate() {
@@ -320,6 +425,10 @@ pub(crate) fn all_to_all(input: &Tensor, out: &Tensor, group: &Group, h: &SymmHa
                 for work in send_before_signal(&hw, l, src, dst, len, timeout)? {
                     w.sent.push((l, e, work));
                 }
+                for (a, end) in runs(locals) {
+                    let at = sigs.slot(locals[a]);
+                    w.sent.push((l, e, hw.start_push(l, at, (end - a) * 16, at, timeout)?));
+                }
                 w.sent.push((l, e, w.words.start_remote(l, from(leader), e, timeout)?));
             }
         }
@@ -331,9 +440,18 @@ pub(crate) fn all_to_all(input: &Tensor, out: &Tensor, group: &Group, h: &SymmHa
         for r in senders {
             w.words.wait_for(from(r), e, r, &p, timeout)?;
         }
+        // As in the all-reduce: the same verdict on every leader, handed on with RELEASE.
+        let verdict = verdict_of(&hw, me, &sigs);
+        word(&hw, me, sigs.verdict()).store(verdict, Ordering::Relaxed);
         for &r in &locals[1..] {
             w.words.publish(r, release, e);
         }
+    }
+    w.epoch = e;
+    // Relaxed: the leader stored it before RELEASE (or is this rank).
+    let verdict = word(&hw, leader, sigs.verdict()).load(Ordering::Relaxed);
+    if verdict != 0 {
+        return Err(verdict_error("all_to_all", &hw, leader, &sigs, verdict));
     }
     for s in 0..world {
         let src = if hw.is_local(s) { at(s, stage(me)) } else { at(leader, inbox(hw.host_of(s), local_index(s), ls)) };
@@ -342,6 +460,5 @@ pub(crate) fn all_to_all(input: &Tensor, out: &Tensor, group: &Group, h: &SymmHa
         // which the leader saw before releasing; out holds world blocks of b bytes.
         unsafe { std::ptr::copy_nonoverlapping(src.cast_const(), out.data_ptr().add(s * b), b) };
     }
-    w.epoch = e;
     Ok(())
 }

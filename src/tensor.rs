@@ -166,17 +166,20 @@ struct Heap {
 const HEAP_ALIGN: usize = 64;
 
 impl Heap {
-    fn zeroed(len: usize) -> Heap {
+    /// `len` zeroed bytes, or an error naming the size when the system will not give them (a
+    /// size from a caller must never abort the process).
+    fn zeroed(len: usize) -> Result<Heap> {
         if len == 0 {
-            return Heap { ptr: std::ptr::NonNull::<[u8; HEAP_ALIGN]>::dangling().cast(), len };
+            return Ok(Heap { ptr: std::ptr::NonNull::<[u8; HEAP_ALIGN]>::dangling().cast(), len });
         }
-        // `len > 0` and the alignment is a power of two, so the layout is valid unless `len`
-        // overflows isize, which no tensor can reach.
-        let layout = std::alloc::Layout::from_size_align(len, HEAP_ALIGN).expect("tensor size fits isize");
+        let layout = std::alloc::Layout::from_size_align(len, HEAP_ALIGN)
+            .map_err(|_| Error::InvalidArgument(format!("a tensor of {len} bytes is too large")))?;
         // SAFETY: the layout has a non-zero size.
         let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
-        let Some(ptr) = std::ptr::NonNull::new(ptr) else { std::alloc::handle_alloc_error(layout) };
-        Heap { ptr, len }
+        let ptr = std::ptr::NonNull::new(ptr).ok_or_else(|| {
+            Error::io(format!("allocate {len} bytes for a tensor"), std::io::ErrorKind::OutOfMemory.into())
+        })?;
+        Ok(Heap { ptr, len })
     }
 }
 
@@ -280,6 +283,16 @@ pub(crate) fn contiguous_strides(shape: &[usize]) -> Vec<usize> {
     strides
 }
 
+/// The bytes a contiguous tensor of `shape` and `dtype` holds: an error naming the shape when
+/// that does not fit in memory (at most `isize::MAX`, as Rust's allocations); 0 for a shape
+/// with a zero dimension, however large the others.
+pub fn nbytes_of(shape: &[usize], dtype: DType) -> Result<usize> {
+    numel_of(shape)?
+        .checked_mul(dtype.size())
+        .filter(|&b| b <= isize::MAX as usize)
+        .ok_or_else(|| Error::InvalidArgument(format!("shape {shape:?} of {dtype} is too large")))
+}
+
 fn numel_of(shape: &[usize]) -> Result<usize> {
     if shape.contains(&0) {
         return Ok(0);
@@ -300,10 +313,8 @@ impl Tensor {
     /// # Ok::<(), symmem::Error>(())
     /// ```
     pub fn zeros(shape: &[usize], dtype: DType) -> Result<Tensor> {
-        let bytes = numel_of(shape)?
-            .checked_mul(dtype.size())
-            .ok_or_else(|| Error::InvalidArgument(format!("shape {shape:?} of {dtype} is too large")))?;
-        Ok(Tensor::from_storage(Arc::new(Heap::zeroed(bytes)), shape, dtype))
+        let bytes = nbytes_of(shape, dtype)?;
+        Ok(Tensor::from_storage(Arc::new(Heap::zeroed(bytes)?), shape, dtype))
     }
 
     /// A 1-D `u8` tensor over `len` bytes at `ptr` that something else owns (a NumPy array, a
@@ -365,10 +376,7 @@ impl Tensor {
     ) -> Result<Tensor> {
         // Every element count and byte count of a tensor fits isize, as Rust's allocations do:
         // `numel`, `nbytes` and pointer offsets computed from them later never overflow.
-        numel_of(shape)?
-            .checked_mul(dtype.size())
-            .filter(|&b| b <= isize::MAX as usize)
-            .ok_or_else(|| Error::InvalidArgument(format!("shape {shape:?} of {dtype} is too large")))?;
+        nbytes_of(shape, dtype)?;
         let t = Tensor { storage, shape: shape.to_vec(), strides: strides.to_vec(), offset, dtype };
         let end = t.extent_bytes()?;
         if end > t.storage.len() {

@@ -236,12 +236,8 @@ unsafe impl Storage for Allocation {
 /// ```
 pub fn empty(shape: &[usize], dtype: DType, device: Device) -> Result<Tensor> {
     device.require_cpu("symmetric allocation")?;
-    let numel = shape
-        .iter()
-        .try_fold(1usize, |n, &d| n.checked_mul(d))
-        .and_then(|n| n.checked_mul(dtype.size()))
-        .ok_or_else(|| Error::InvalidArgument(format!("shape {shape:?} of {dtype} is too large")))?;
-    let alloc: Arc<dyn Storage> = Arc::new(Allocation::new(numel)?);
+    let bytes = crate::tensor::nbytes_of(shape, dtype)?;
+    let alloc: Arc<dyn Storage> = Arc::new(Allocation::new(bytes)?);
     Ok(Tensor::from_storage(alloc, shape, dtype))
 }
 

@@ -46,9 +46,8 @@ impl MemPool {
     /// A zeroed-on-first-use symmetric tensor from the pool (memory reused from freed tensors
     /// keeps its old contents, as with any caching allocator).
     pub fn empty(self: &Arc<Self>, shape: &[usize], dtype: DType) -> Result<Tensor> {
-        let bytes = shape
-            .iter()
-            .try_fold(dtype.size(), |n, &d| n.checked_mul(d))
+        let bytes = crate::tensor::nbytes_of(shape, dtype)
+            .ok()
             .and_then(|n| n.max(1).checked_add(ALIGN - 1))
             .map(|n| n / ALIGN * ALIGN)
             .ok_or_else(|| Error::InvalidArgument(format!("shape {shape:?} of {dtype} is too large")))?;

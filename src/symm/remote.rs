@@ -118,7 +118,10 @@ impl Mirror {
     /// A new mirror of `len` bytes (on the host's leader); memory is taken only for the ranges
     /// fetched into it.
     pub(crate) fn create(len: usize) -> Result<Mirror> {
-        let len = len.max(1).div_ceil(4096) * 4096;
+        let len = len
+            .max(1)
+            .checked_next_multiple_of(4096)
+            .ok_or_else(|| Error::Rendezvous(format!("a mirror of {len} bytes is too large")))?;
         let fd = shm::create_sparse("symmem-mirror", len)?;
         Ok(Mirror { map: Mapping::new(&fd, len)?, fd: Some(fd) })
     }

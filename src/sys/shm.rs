@@ -33,8 +33,23 @@ fn seal(fd: &OwnedFd, name: &str) -> Result<()> {
     rustix::fs::fcntl_add_seals(fd, SEALS).map_err(|e| Error::io(format!("seal memfd {name:?}"), e.into()))
 }
 
+/// Refuses a shared-memory file larger than this machine's memory and swap: memfds have no
+/// size limit of their own, so `fallocate` would take pages until the OOM killer stepped in.
+fn within_memory(name: &str, len: usize) -> Result<()> {
+    let info = rustix::system::sysinfo();
+    let unit = u64::from(info.mem_unit.max(1));
+    let total = (info.totalram as u64).saturating_add(info.totalswap as u64).saturating_mul(unit);
+    if len as u64 > total {
+        return Err(Error::InvalidArgument(format!(
+            "shared memory {name:?} of {len} bytes is more than this machine's memory and swap ({total} bytes)"
+        )));
+    }
+    Ok(())
+}
+
 /// Creates an anonymous shared-memory file of `len` bytes, all zero, mode 0600, its size sealed.
 pub(crate) fn create(name: &str, len: usize) -> Result<OwnedFd> {
+    within_memory(name, len)?;
     let fd = memfd(name)?;
     rustix::fs::fallocate(&fd, FallocateFlags::empty(), 0, len as u64).map_err(|e| {
         Error::io(format!("fallocate memfd {name:?} to {len} bytes (is /dev/shm or memory full?)"), e.into())
@@ -47,6 +62,7 @@ pub(crate) fn create(name: &str, len: usize) -> Result<OwnedFd> {
 /// only when first written (for mirrors that are filled piecemeal; a failed allocation then
 /// fails the write that needed it, which the transport reports). Mode 0600, size sealed.
 pub(crate) fn create_sparse(name: &str, len: usize) -> Result<OwnedFd> {
+    within_memory(name, len)?;
     let fd = memfd(name)?;
     rustix::fs::ftruncate(&fd, len as u64)
         .map_err(|e| Error::io(format!("size memfd {name:?} to {len} bytes"), e.into()))?;

@@ -346,11 +346,11 @@ impl ShmBackend {
 /// A tensor in a shared-memory file, so the `shm` backend moves it with one memcpy through a
 /// mapping instead of cross-memory attach. Symmetric tensors qualify too.
 pub fn alloc(shape: &[usize], dtype: DType) -> Result<Tensor> {
-    let bytes = shape
-        .iter()
-        .try_fold(dtype.size(), |n, &d| n.checked_mul(d))
+    let bytes = crate::tensor::nbytes_of(shape, dtype)?;
+    let len = bytes
+        .max(1)
+        .checked_next_multiple_of(PAGE as usize)
         .ok_or_else(|| Error::InvalidArgument(format!("shape {shape:?} of {dtype} is too large")))?;
-    let len = bytes.max(1).div_ceil(PAGE as usize) * PAGE as usize;
     let fd = shm::create("symmem-shm-tensor", len)?;
     let map = Mapping::new(&fd, len)?;
     Ok(Tensor::from_storage(Arc::new(ShmStorage { map, fd, len: bytes }), shape, dtype))
@@ -654,10 +654,18 @@ fn mapping(peer: &Peer, e: &Entry) -> std::result::Result<Arc<PeerRange>, String
     maps.retain(|(id, _), _| *id != e.id);
     let writable = e.flags & WRITABLE != 0;
     let fd = shm::open_peer_with(peer.pid as u32, e.fd(), writable).map_err(|err| err.to_string())?;
+    // The entry is the peer's word: its range must lie in the file it names (which is sealed
+    // against shrinking), or touching the mapping past the file's end would raise SIGBUS here.
+    let malformed = || format!("the peer's registration {} names a range outside its memory file", e.id);
+    let end = e.file_offset.checked_add(e.len).ok_or_else(malformed)?;
+    if end > shm::size(&fd).map_err(|err| err.to_string())? as u64 {
+        return Err(malformed());
+    }
     let start = e.file_offset / PAGE * PAGE;
     let lead = (e.file_offset - start) as usize;
-    let span = (lead as u64 + e.len).div_ceil(PAGE) * PAGE;
-    let map = Mapping::new_at(&fd, start, span as usize, writable).map_err(|err| err.to_string())?;
+    let span = (end - start).checked_next_multiple_of(PAGE).ok_or_else(malformed)?;
+    let span = usize::try_from(span).map_err(|_| malformed())?;
+    let map = Mapping::new_at(&fd, start, span, writable).map_err(|err| err.to_string())?;
     let m = Arc::new((map, lead));
     maps.insert((e.id, e.generation), m.clone());
     Ok(m)

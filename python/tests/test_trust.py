@@ -8,13 +8,23 @@ import sys
 WORKER = os.path.join(os.path.dirname(__file__), "trust_worker.py")
 
 
-def test_offsets_and_default_timeouts_under_torchrun():
-    env = dict(os.environ, SYMMEM_OP_TIMEOUT="2")
+def run_worker(part):
+    env = dict(os.environ, SYMMEM_OP_TIMEOUT="2", TRUST_PART=part)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", WORKER]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env)
     assert out.returncode == 0, out.stdout + out.stderr
     for r in range(2):
         assert f"trust worker ok {r}" in out.stdout, out.stdout + out.stderr
+
+
+def test_remote_tensors_of_a_view_address_the_peers_view():
+    # Item 14: get_remote_tensor of rendezvous(y[256:]) returned the peer's y[:256].
+    run_worker("offsets")
+
+
+def test_handle_waits_without_a_timeout_honour_the_operator_timeout():
+    # Item 13: the handle's barrier and signals waited 300 s whatever SYMMEM_OP_TIMEOUT said.
+    run_worker("timeouts")
 
 
 TARGET = """
@@ -48,6 +58,7 @@ def test_a_write_into_a_stopped_peer_returns_in_time_without_holding_the_gil():
         remote = symmem.RemoteBuffer.deserialize(desc.encode()).slice(0, 16 << 20)
         src = np.full(16 << 20, 5, dtype=np.uint8)
         view = t.register_memory(src).to_view()
+        small = t.register_memory(np.zeros(4096, dtype=np.uint8))
         t.write(view, remote, timeout=20)
         os.kill(target.pid, signal.SIGSTOP)
         ticks = []
@@ -60,28 +71,43 @@ def test_a_write_into_a_stopped_peer_returns_in_time_without_holding_the_gil():
 
         ticker = threading.Thread(target=tick)
         ticker.start()
-        stuck = None
-        for _ in range(8):
+
+        def timed_out(submit):
             start = time.monotonic()
-            work = t.write(view, remote, async_op=True, timeout=2)
+            work = submit()
             assert time.monotonic() - start < 0.5, "submitting waited for the stopped peer"
             try:
                 work.wait()
+                late = False
             except TimeoutError:
-                stuck = work
+                late = True
             took = time.monotonic() - start
-            assert took < 3, f"a write with a 2 s timeout took {took:.1f} s"
+            assert took < 3, f"a transfer with a 2 s timeout took {took:.1f} s"
+            return work if late else None
+
+        # Large writes until the buffers are full and one times out.
+        stuck = None
+        for _ in range(8):
+            stuck = timed_out(lambda: t.write(view, remote, async_op=True, timeout=2))
             if stuck:
                 break
+        assert stuck is not None, "writes to a stopped peer must time out once its buffers are full"
+        # Small transfers, which the caller sends itself, return within their timeouts too.
+        smalls = [
+            timed_out(lambda: t.write(small.to_view(), remote, async_op=True, timeout=2)),
+            timed_out(lambda: t.read(small.to_mutable_view(), remote, async_op=True, timeout=2)),
+        ]
+        assert all(smalls), "small transfers to a stopped peer with full buffers must time out"
         stop.set()
         ticker.join()
-        assert stuck is not None, "writes to a stopped peer must time out once its buffers are full"
-        # The GIL was free while the writes waited: the other thread kept ticking.
+        # The GIL was free while the transfers waited: the other thread kept ticking.
         gaps = [b - a for a, b in zip(ticks, ticks[1:])]
         assert max(gaps) < 0.5, f"another Python thread was held up for {max(gaps):.1f} s"
-        assert t.connected()
+        assert t.connected(), "a peer that stopped reading for a moment is not lost"
         os.kill(target.pid, signal.SIGCONT)
         stuck.wait(20)
+        for w in smalls:
+            w.wait(20)
         t.write(view, remote, timeout=20)
         t.close()
     finally:

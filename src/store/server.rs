@@ -264,13 +264,12 @@ async fn serve_conn(
     let o = &shared.options;
     // Peer credentials: a process on this host is trusted if it is this user's, and refused
     // outright by a store without a secret if it is another user's.
-    let local = stream.local_addr().ok();
-    let trusted = o.trust_local_user && local.is_some_and(|l| crate::sys::peercred::is_local_same_user(l, peer));
-    if o.secret.is_none()
-        && let Some(l) = local
-        && let Err(foreign) = crate::sys::peercred::same_user_or_remote(l, peer)
-    {
-        shared.closing(peer, &format!("a store without a secret serves no other user: {foreign}"));
+    let owner = stream.local_addr().ok().and_then(|l| crate::sys::peercred::tcp_peer_uid(l, peer));
+    let mine = rustix::process::geteuid().as_raw();
+    let trusted = o.trust_local_user && owner == Some(mine);
+    if let Some(uid) = owner.filter(|&u| u != mine && o.secret.is_none()) {
+        let why = format!("a store without a secret serves no other user (this connection is uid {uid}'s)");
+        shared.closing(peer, &why);
         lock(&shared.inner).pending.retain(|(p, _)| *p != id);
         return;
     }

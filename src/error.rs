@@ -4,7 +4,8 @@
 use std::io;
 use std::time::Duration;
 
-use crate::wire::store::DecodeError;
+/// Any error a lower layer's codec reports (`wire`'s decode errors), kept as the source.
+pub type Source = Box<dyn std::error::Error + Send + Sync>;
 
 /// Everything that can go wrong in symmem.
 #[derive(Debug, thiserror::Error)]
@@ -35,9 +36,9 @@ pub enum Error {
     Protocol {
         /// Who sent it.
         peer: String,
-        /// What was wrong.
+        /// What was wrong (the codec's error).
         #[source]
-        source: DecodeError,
+        source: Source,
     },
 
     /// A peer answered with a well-formed reply that the protocol does not allow here.
@@ -54,7 +55,7 @@ pub enum Error {
     /// A request is refused before it is sent, because the server would refuse it (a key or
     /// value beyond the protocol's limits).
     #[error("refused to send: {0}")]
-    TooLarge(DecodeError),
+    TooLarge(Source),
 
     /// The store server closed the connection, which is how TCPStore servers report a request
     /// they reject (an ADD on a non-integer value, a missing key on a legacy server) or a failed
@@ -103,14 +104,65 @@ pub enum Error {
     #[error("{0}")]
     Rendezvous(String),
 
-    /// A transfer failed: refused by the peer (unknown, stale or read-only descriptor, out of
-    /// bounds), or the connection to the peer was lost.
-    #[error("transfer failed: {0}")]
-    Transfer(String),
+    /// A transfer failed; `kind` says how, for code to decide on (retry a busy slot, give up on
+    /// a lost peer), and `message` says why, for people.
+    #[error("transfer failed: {message}")]
+    Transfer {
+        /// How it failed.
+        kind: TransferKind,
+        /// The exact cause, with who and what.
+        message: String,
+    },
+
+    /// Shared memory holds what its protocol never writes (user code wrote into a signal pad).
+    #[error("{0}")]
+    Corrupt(String),
 
     /// The object was used after `close`.
     #[error("{0} is closed")]
     Closed(&'static str),
+}
+
+/// How a transfer failed: the part of a failure that code acts on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TransferKind {
+    /// The memory's owner refused it: an unknown, stale or read-only descriptor, a range out
+    /// of bounds. Retrying the same transfer fails the same way.
+    Refused,
+    /// The peer is gone or unreachable: its process exited, its connection broke.
+    PeerLost,
+    /// A remote signal slot still holds an unconsumed signal: retry later.
+    Busy,
+    /// It did not complete within its timeout (it may still complete).
+    TimedOut,
+    /// The backend cannot do it (a remote atomic on a backend without them).
+    Unsupported,
+}
+
+/// What a backend completes a transfer with: success, or how and why it failed.
+pub type Completion = std::result::Result<(), Failed>;
+
+/// A failed transfer, as a backend reports it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Failed {
+    /// How.
+    pub kind: TransferKind,
+    /// Why, for people.
+    pub message: String,
+}
+
+impl Failed {
+    /// A failure of `kind`.
+    #[cold]
+    pub fn new(kind: TransferKind, message: impl Into<String>) -> Failed {
+        Failed { kind, message: message.into() }
+    }
+}
+
+impl From<Failed> for Error {
+    fn from(f: Failed) -> Error {
+        Error::Transfer { kind: f.kind, message: f.message }
+    }
 }
 
 /// symmem's result type.
@@ -131,6 +183,33 @@ impl Error {
 
     /// Whether this error is a timeout.
     pub fn is_timeout(&self) -> bool {
-        matches!(self, Error::Timeout { .. })
+        matches!(self, Error::Timeout { .. } | Error::Transfer { kind: TransferKind::TimedOut, .. })
+    }
+
+    /// A [`Error::Transfer`].
+    #[cold]
+    pub fn transfer(kind: TransferKind, message: impl Into<String>) -> Error {
+        Error::Transfer { kind, message: message.into() }
+    }
+
+    /// A transfer failure saying `message`, of this error's kind: its own for a transfer
+    /// failure, `TimedOut` for a timeout, `PeerLost` for I/O, `Refused` for anything else.
+    #[cold]
+    pub(crate) fn as_transfer(&self, message: impl Into<String>) -> Error {
+        let kind = match self {
+            Error::Transfer { kind, .. } => *kind,
+            Error::Timeout { .. } => TransferKind::TimedOut,
+            Error::Io { .. } | Error::Closed(_) => TransferKind::PeerLost,
+            _ => TransferKind::Refused,
+        };
+        Error::Transfer { kind, message: message.into() }
+    }
+
+    /// The kind of a transfer failure, if this is one.
+    pub fn transfer_kind(&self) -> Option<TransferKind> {
+        match self {
+            Error::Transfer { kind, .. } => Some(*kind),
+            _ => None,
+        }
     }
 }

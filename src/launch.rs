@@ -30,9 +30,10 @@ use tokio::io::{AsyncBufReadExt, AsyncRead, BufReader};
 use tokio::signal::unix::{SignalKind, signal};
 use tokio::time::Instant;
 
+use crate::config::env;
 use crate::error::{Error, Result};
 use crate::group;
-use crate::store::{AsyncStoreClient, ClientOptions, SECRET_ENV, Secret, ServerOptions, StoreServer};
+use crate::store::{AsyncStoreClient, ClientOptions, Secret, ServerOptions, StoreServer};
 
 /// How long ranks get between SIGTERM and SIGKILL once the job is being stopped.
 pub const GRACE: Duration = Duration::from_millis(500);
@@ -244,7 +245,7 @@ pub fn run_hosts(options: &LaunchOptions, hosts: usize) -> Result<Outcome> {
                 o.master_addr = "127.0.0.1".into();
                 o.master_port = port;
                 o.secret = secret.clone();
-                o.env.push((crate::symm::HOST_ID_ENV.into(), format!("host{i}").into()));
+                o.env.push((crate::config::env::HOST_ID.into(), format!("host{i}").into()));
                 s.spawn(move || run(&o))
             })
             .collect();
@@ -349,23 +350,23 @@ async fn run_async(o: &LaunchOptions) -> Result<Outcome> {
         };
         cmd.args(&o.args)
             .envs(o.env.iter().map(|(k, v)| (k, v)))
-            .env(group::RANK_ENV, rank.to_string())
-            .env(group::WORLD_SIZE_ENV, env.world_size.to_string())
-            .env(group::LOCAL_RANK_ENV, local.to_string())
-            .env(group::LOCAL_WORLD_SIZE_ENV, o.nproc_per_node.to_string())
+            .env(env::RANK, rank.to_string())
+            .env(env::WORLD_SIZE, env.world_size.to_string())
+            .env(env::LOCAL_RANK, local.to_string())
+            .env(env::LOCAL_WORLD_SIZE, o.nproc_per_node.to_string())
             .env("GROUP_RANK", o.node_rank.to_string())
             .env("GROUP_WORLD_SIZE", o.nnodes.to_string())
-            .env(group::MASTER_ADDR_ENV, &o.master_addr)
-            .env(group::MASTER_PORT_ENV, port.to_string())
-            .env(group::AGENT_STORE_ENV, "True")
+            .env(env::MASTER_ADDR, &o.master_addr)
+            .env(env::MASTER_PORT, port.to_string())
+            .env(env::AGENT_STORE, "True")
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .process_group(0)
             .kill_on_drop(true);
         match &secret {
-            Some(secret) => cmd.env(SECRET_ENV, secret.expose_os()),
-            None => cmd.env_remove(SECRET_ENV),
+            Some(secret) => cmd.env(env::STORE_SECRET, secret.expose_os()),
+            None => cmd.env_remove(env::STORE_SECRET),
         };
         crate::sys::die_with_parent(&mut cmd);
         let mut child = match cmd.spawn() {

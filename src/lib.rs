@@ -47,8 +47,10 @@ pub mod ops;
 mod rt;
 pub mod store;
 pub mod symm;
+pub(crate) mod sync;
 mod sys;
 pub mod tensor;
+pub mod topo;
 pub mod transport;
 pub mod wire;
 
@@ -67,6 +69,6 @@ pub fn log_to_stderr() {
 }
 
 // The paved path.
-pub use error::{Error, Result};
+pub use error::{Completion, Error, Failed, Result, TransferKind};
 pub use group::Group;
 pub use store::{MemoryStore, PrefixStore, Store, TcpStore};

@@ -12,6 +12,40 @@ use std::sync::Arc;
 
 use crate::error::{Error, Result};
 
+/// A device tensors can live on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Device {
+    /// Host memory.
+    Cpu,
+    /// A CUDA device (no backend yet).
+    Cuda(usize),
+}
+
+impl Device {
+    /// Parses `cpu`, `cuda` or `cuda:N`.
+    pub fn parse(s: &str) -> Result<Device> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "cpu" => Ok(Device::Cpu),
+            "cuda" => Ok(Device::Cuda(0)),
+            other => other
+                .strip_prefix("cuda:")
+                .and_then(|n| n.parse().ok())
+                .map(Device::Cuda)
+                .ok_or_else(|| Error::InvalidArgument(format!("unknown device {s:?} (expected cpu or cuda[:N])"))),
+        }
+    }
+
+    pub(crate) fn require_cpu(self, what: &str) -> Result<()> {
+        match self {
+            Device::Cpu => Ok(()),
+            Device::Cuda(n) => Err(Error::Unsupported {
+                what: format!("{what} on cuda:{n}"),
+                needs: "a CUDA device and symmem's CUDA backend; this build has the CPU backend only".into(),
+            }),
+        }
+    }
+}
+
 /// Element types.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum DType {

@@ -12,13 +12,13 @@ use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use symmem::Error;
 use symmem::store::{MemoryStore, Store};
 use symmem::tensor::{DType, Tensor};
 use symmem::transport::{
     self, Memory, Options, RemoteBuffer, Transport, available_transports, new_transport, new_transport_rank,
     register_transport, wait_all,
 };
+use symmem::{Error, TransferKind};
 
 fn opts(pairs: &[(&str, &str)]) -> Options {
     pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
@@ -161,12 +161,21 @@ fn forged_stale_and_out_of_bounds_descriptors_fail_only_themselves(backend: &str
     let view = ms.to_view(0, None).unwrap();
     let forged_key = forge(&good, "access_key", serde_json::Value::String("AAAAAAAAAAAAAAAAAAAAAA==".into()));
     let err = a.write(&view, &forged_key, None).unwrap_err();
-    assert!(matches!(err, Error::Transfer(_)) && err.to_string().contains("unknown remote buffer"), "{err}");
+    assert!(
+        err.transfer_kind() == Some(TransferKind::Refused) && err.to_string().contains("unknown remote buffer"),
+        "{err}"
+    );
     let forged_id = forge(&good, "buffer_id", serde_json::json!(12345));
-    assert!(a.write(&view, &forged_id, None).unwrap_err().to_string().contains("unknown remote buffer"));
+    let err = a.write(&view, &forged_id, None).unwrap_err();
+    assert!(
+        err.transfer_kind() == Some(TransferKind::Refused) && err.to_string().contains("unknown remote buffer"),
+        "{err}"
+    );
     let too_long = forge(&good, "length", serde_json::json!(1 << 20));
     let big = a.register_memory(&bytes(1 << 16, 0)).unwrap();
-    let err = a.write(&big.to_view(0, None).unwrap(), &too_long, None).unwrap_err().to_string();
+    let err = a.write(&big.to_view(0, None).unwrap(), &too_long, None).unwrap_err();
+    assert_eq!(err.transfer_kind(), Some(TransferKind::Refused), "{err}");
+    let err = err.to_string();
     assert!(err.contains("exceeds the registered buffer"), "{err}");
     let err = a.read(&big.to_mutable_view(0, None).unwrap(), &too_long, None).unwrap_err().to_string();
     assert!(err.contains("exceeds the registered buffer"), "{err}");

@@ -4,7 +4,7 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use pyo3::exceptions::{PyRuntimeError, PyTimeoutError, PyValueError};
+use pyo3::exceptions::{PyNotImplementedError, PyRuntimeError, PyTimeoutError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 use symmem::tensor::Tensor;
@@ -14,7 +14,12 @@ mod symm;
 
 fn err(e: symmem::Error) -> PyErr {
     match e {
-        symmem::Error::Timeout { .. } => PyTimeoutError::new_err(e.to_string()),
+        symmem::Error::Timeout { .. } | symmem::Error::Transfer { kind: symmem::TransferKind::TimedOut, .. } => {
+            PyTimeoutError::new_err(e.to_string())
+        }
+        symmem::Error::Transfer { kind: symmem::TransferKind::Unsupported, .. } => {
+            PyNotImplementedError::new_err(e.to_string())
+        }
         symmem::Error::InvalidArgument(_) => PyValueError::new_err(e.to_string()),
         e => PyRuntimeError::new_err(e.to_string()),
     }

@@ -30,7 +30,7 @@ fn op(name: &str) -> PyResult<ReduceOp> {
 
 /// A wait's timeout: the caller's, else `SYMMEM_OP_TIMEOUT` (what every operator waits).
 fn timeout(t: Option<f64>) -> PyResult<Duration> {
-    Ok(seconds(t)?.unwrap_or_else(ops::op_timeout))
+    Ok(seconds(t)?.unwrap_or_else(symmem::config::op_timeout))
 }
 
 /// Memory that Rust owns or maps (a symmetric allocation, a peer's buffer, an operator's

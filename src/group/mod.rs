@@ -13,40 +13,20 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use crate::config::{self, Rendezvous, env};
 use crate::error::{Error, Result};
 use crate::store::{ClientOptions, PrefixStore, ServerOptions, Store, StoreServer, TcpStore};
-
-/// `RANK`: this process's rank in the job.
-pub const RANK_ENV: &str = "RANK";
-/// `WORLD_SIZE`: the number of ranks in the job.
-pub const WORLD_SIZE_ENV: &str = "WORLD_SIZE";
-/// `LOCAL_RANK`: this process's rank among the ranks on its host.
-pub const LOCAL_RANK_ENV: &str = "LOCAL_RANK";
-/// How groups exchange rendezvous records: `gather` through rank 0
-/// ([`Group::set_gather_through_root`]), `store` with one multi-get per rank, or `auto` (the
-/// default): through rank 0 above [`GATHER_ABOVE`] ranks, where it wins (`symmem bench
-/// rendezvous`: 4x faster at 128 ranks, 7x at 4096).
-pub const RENDEZVOUS_ENV: &str = "SYMMEM_RENDEZVOUS";
 
 /// Above this many ranks, `auto` rendezvous exchanges go through rank 0.
 pub const GATHER_ABOVE: usize = 32;
 
 fn gather_by_default(world_size: usize) -> bool {
-    match std::env::var(RENDEZVOUS_ENV).map(|v| v.to_ascii_lowercase()) {
-        Ok(v) if v == "gather" => true,
-        Ok(v) if v == "store" => false,
-        _ => world_size > GATHER_ABOVE,
+    match config::rendezvous() {
+        Rendezvous::Gather => true,
+        Rendezvous::Store => false,
+        Rendezvous::Auto => world_size > GATHER_ABOVE,
     }
 }
-/// `LOCAL_WORLD_SIZE`: the number of ranks on this host.
-pub const LOCAL_WORLD_SIZE_ENV: &str = "LOCAL_WORLD_SIZE";
-/// `MASTER_ADDR`: the host of the job's store.
-pub const MASTER_ADDR_ENV: &str = "MASTER_ADDR";
-/// `MASTER_PORT`: the port of the job's store.
-pub const MASTER_PORT_ENV: &str = "MASTER_PORT";
-/// `TORCHELASTIC_USE_AGENT_STORE`: `True` when a launcher (torchrun, `symmem run`) hosts the
-/// store and every rank must connect to it as a client.
-pub const AGENT_STORE_ENV: &str = "TORCHELASTIC_USE_AGENT_STORE";
 
 /// The name of the group of every rank.
 pub const WORLD: &str = "world";
@@ -77,7 +57,7 @@ pub struct RankEnv {
 impl RankEnv {
     /// Reads the variables from the process environment.
     pub fn from_env() -> Result<RankEnv> {
-        RankEnv::from_lookup(|name| std::env::var(name).ok())
+        RankEnv::from_lookup(config::from_env)
     }
 
     /// Reads the variables through `lookup`, so tests need not touch the process environment.
@@ -90,33 +70,33 @@ impl RankEnv {
                 .parse::<usize>()
                 .map_err(|_| Error::Env { var, reason: format!("{s:?} is not a non-negative integer") })
         };
-        let rank = number(RANK_ENV, required(RANK_ENV)?)?;
-        let world_size = number(WORLD_SIZE_ENV, required(WORLD_SIZE_ENV)?)?;
+        let rank = number(env::RANK, required(env::RANK)?)?;
+        let world_size = number(env::WORLD_SIZE, required(env::WORLD_SIZE)?)?;
         if world_size == 0 {
-            return Err(Error::Env { var: WORLD_SIZE_ENV, reason: "must be at least 1".into() });
+            return Err(Error::Env { var: env::WORLD_SIZE, reason: "must be at least 1".into() });
         }
         if rank >= world_size {
-            return Err(Error::Env { var: RANK_ENV, reason: format!("{rank} is not below WORLD_SIZE {world_size}") });
+            return Err(Error::Env { var: env::RANK, reason: format!("{rank} is not below WORLD_SIZE {world_size}") });
         }
-        let local_rank = lookup(LOCAL_RANK_ENV).map(|s| number(LOCAL_RANK_ENV, s)).transpose()?.unwrap_or(rank);
+        let local_rank = lookup(env::LOCAL_RANK).map(|s| number(env::LOCAL_RANK, s)).transpose()?.unwrap_or(rank);
         let local_world_size =
-            lookup(LOCAL_WORLD_SIZE_ENV).map(|s| number(LOCAL_WORLD_SIZE_ENV, s)).transpose()?.unwrap_or(world_size);
+            lookup(env::LOCAL_WORLD_SIZE).map(|s| number(env::LOCAL_WORLD_SIZE, s)).transpose()?.unwrap_or(world_size);
         if local_rank >= local_world_size {
             return Err(Error::Env {
-                var: LOCAL_RANK_ENV,
+                var: env::LOCAL_RANK,
                 reason: format!("{local_rank} is not below LOCAL_WORLD_SIZE {local_world_size}"),
             });
         }
-        let master_addr = required(MASTER_ADDR_ENV)?;
+        let master_addr = required(env::MASTER_ADDR)?;
         if master_addr.trim().is_empty() {
-            return Err(Error::Env { var: MASTER_ADDR_ENV, reason: "is empty".into() });
+            return Err(Error::Env { var: env::MASTER_ADDR, reason: "is empty".into() });
         }
-        let port = required(MASTER_PORT_ENV)?;
+        let port = required(env::MASTER_PORT)?;
         let master_port = port.trim().parse::<u16>().ok().filter(|&p| p != 0).ok_or_else(|| Error::Env {
-            var: MASTER_PORT_ENV,
+            var: env::MASTER_PORT,
             reason: format!("{port:?} is not a port number (1-65535)"),
         })?;
-        let agent_store = lookup(AGENT_STORE_ENV).is_some_and(|v| v == "True");
+        let agent_store = lookup(env::AGENT_STORE).is_some_and(|v| v == "True");
         Ok(RankEnv { rank, world_size, local_rank, local_world_size, master_addr, master_port, agent_store })
     }
 
@@ -380,7 +360,7 @@ impl Group {
     /// Routes this group's rendezvous exchanges through rank 0 (PyTorch's
     /// `use_pg_for_symm_mem_rendezvous`, on a store): O(N) store requests in all instead of
     /// O(N²) key lookups. Every rank of the group must choose the same. The default comes from
-    /// [`RENDEZVOUS_ENV`].
+    /// [`env::RENDEZVOUS`].
     pub fn set_gather_through_root(&self, on: bool) {
         self.through_root.store(on, Ordering::Relaxed);
     }
@@ -521,7 +501,7 @@ mod tests {
         assert_eq!(e.store_addr(), "127.0.0.1:29500");
         assert!(!e.agent_store);
         let mut with_agent = OK.to_vec();
-        with_agent.push((AGENT_STORE_ENV, "True"));
+        with_agent.push((env::AGENT_STORE, "True"));
         assert!(RankEnv::from_lookup(env(&with_agent)).unwrap().agent_store);
     }
 

@@ -40,28 +40,11 @@ use crate::group::Group;
 use crate::symm::{self, SymmHandle};
 use crate::tensor::{DType, Tensor};
 
-/// The environment variable that bounds every operator's waits, in seconds.
-pub const TIMEOUT_ENV: &str = "SYMMEM_OP_TIMEOUT";
-
 fn timeout() -> Duration {
-    op_timeout()
+    crate::config::op_timeout()
 }
 
 use check::{Stamp, enter};
-
-/// The bound on every operator's waits, and the default of every symmetric-memory wait given
-/// no timeout of its own (handle barriers and signals, rendezvous): `SYMMEM_OP_TIMEOUT`
-/// seconds, 60 by default.
-pub fn op_timeout() -> Duration {
-    static T: std::sync::OnceLock<Duration> = std::sync::OnceLock::new();
-    *T.get_or_init(|| {
-        std::env::var(TIMEOUT_ENV)
-            .ok()
-            .and_then(|s| s.trim().parse::<f64>().ok())
-            .and_then(|s| Duration::try_from_secs_f64(s).ok())
-            .unwrap_or(Duration::from_secs(60))
-    })
-}
 
 /// Bytes that every offset and size must be a multiple of (PyTorch: `max(4, esize)`).
 fn alignment(dtype: DType) -> usize {
@@ -437,7 +420,7 @@ pub const ONE_SHOT_MAX: usize = 8 * 1024;
 /// context switch), `"two_shot"` above. Measured crossovers on 2 cores: 2 ranks ~1 KiB, 4 ranks
 /// ~8 KiB.
 pub fn all_reduce_algo(bytes: usize, world_size: usize) -> &'static str {
-    let max = if world_size > symm::cores() { ONE_SHOT_MAX } else { 1024 };
+    let max = if world_size > crate::topo::cores() { ONE_SHOT_MAX } else { 1024 };
     if bytes <= max { "one_shot" } else { "two_shot" }
 }
 

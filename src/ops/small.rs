@@ -66,7 +66,7 @@ fn words(h: &SymmHandle, rank: usize) -> (&AtomicU64, &AtomicU32) {
 fn wait_for(h: &SymmHandle, rank: usize, at_least: u64, deadline: Instant, timeout: Duration) -> Result<()> {
     let (epoch, sleepers) = words(h, rank);
     let start = Instant::now();
-    let oversubscribed = h.world_size() > symm::cores();
+    let oversubscribed = h.world_size() > crate::topo::cores();
     let spin = if oversubscribed { Duration::ZERO } else { Duration::from_micros(50) };
     let mut spins = 0u32;
     loop {

@@ -19,16 +19,9 @@ use std::path::{Path, PathBuf};
 use hmac::{Hmac, KeyInit, Mac};
 use sha2::Sha256;
 
+use crate::config::{self, env};
 use crate::error::{Error, Result};
 use crate::wire::store::{NONCE_LEN, PROOF_LEN};
-
-/// The environment variable that holds the store's shared secret.
-pub const SECRET_ENV: &str = "SYMMEM_STORE_SECRET";
-
-/// The environment variable that holds the job's secret for symmem's own connections between
-/// ranks (transport links), for jobs whose store cannot carry one (PyTorch's, under torchrun).
-/// Defaults to [`SECRET_ENV`].
-pub const JOB_SECRET_ENV: &str = "SYMMEM_JOB_SECRET";
 
 /// A shared secret. Its `Debug` form never shows the bytes.
 #[derive(Clone, PartialEq, Eq)]
@@ -43,13 +36,13 @@ impl Secret {
 
     /// The secret in `SYMMEM_STORE_SECRET`, if that is set and not empty.
     pub fn from_env() -> Option<Secret> {
-        std::env::var_os(SECRET_ENV).and_then(|v| Secret::new(v.into_encoded_bytes()))
+        config::store_secret().and_then(Secret::new)
     }
 
     /// The job's secret for links between ranks: `SYMMEM_JOB_SECRET`, else
     /// `SYMMEM_STORE_SECRET`, if either is set and not empty.
     pub fn job_from_env() -> Option<Secret> {
-        std::env::var_os(JOB_SECRET_ENV).and_then(|v| Secret::new(v.into_encoded_bytes())).or_else(Secret::from_env)
+        config::job_secret().and_then(Secret::new).or_else(Secret::from_env)
     }
 
     /// 32 fresh random bytes, as 64 hexadecimal characters (so it travels in environment
@@ -79,14 +72,10 @@ impl Secret {
     /// Where this user's key lives: `$XDG_CONFIG_HOME/symmem/secret`, by default
     /// `~/.config/symmem/secret`.
     pub fn user_key_path() -> Result<PathBuf> {
-        let config = std::env::var_os("XDG_CONFIG_HOME")
-            .filter(|v| !v.is_empty())
-            .map(PathBuf::from)
-            .or_else(|| std::env::var_os("HOME").filter(|v| !v.is_empty()).map(|h| PathBuf::from(h).join(".config")))
-            .ok_or_else(|| Error::Env {
-                var: "HOME",
-                reason: "not set, so there is no place for the user's key".into(),
-            })?;
+        let config = config::config_home().ok_or_else(|| Error::Env {
+            var: env::HOME,
+            reason: "not set, so there is no place for the user's key".into(),
+        })?;
         Ok(config.join("symmem").join("secret"))
     }
 
@@ -222,7 +211,7 @@ pub enum SecretSource {
 impl std::fmt::Display for SecretSource {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            SecretSource::Env => write!(f, "{SECRET_ENV}"),
+            SecretSource::Env => f.write_str(env::STORE_SECRET),
             SecretSource::File(p) => write!(f, "the file {}", p.display()),
             SecretSource::UserKey(p) => write!(f, "this user's key {}", p.display()),
             SecretSource::Random => f.write_str("a random secret for this job"),

@@ -20,9 +20,6 @@ use crate::store::Store;
 use crate::store::auth::{self, Role, Secret};
 use crate::wire::store::{self as wire, DecodeError, Limits, Reply, ReplyShape, Request};
 
-/// The environment variable that overrides the default store timeout, in seconds.
-pub const TIMEOUT_ENV: &str = "SYMMEM_STORE_TIMEOUT";
-
 /// The default timeout of store operations and of connecting (torch's is also 300 s).
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
 
@@ -45,20 +42,8 @@ impl Default for ClientOptions {
 impl ClientOptions {
     /// Options from the environment: `SYMMEM_STORE_TIMEOUT` (seconds) and `SYMMEM_STORE_SECRET`.
     pub fn from_env() -> Result<ClientOptions> {
-        let timeout = match std::env::var(TIMEOUT_ENV) {
-            Ok(s) => parse_seconds(&s).ok_or_else(|| Error::Env {
-                var: TIMEOUT_ENV,
-                reason: format!("{s:?} is not a non-negative number of seconds"),
-            })?,
-            Err(_) => DEFAULT_TIMEOUT,
-        };
-        Ok(ClientOptions { timeout, secret: Secret::from_env() })
+        Ok(ClientOptions { timeout: crate::config::store_timeout()?, secret: Secret::from_env() })
     }
-}
-
-fn parse_seconds(s: &str) -> Option<Duration> {
-    let secs: f64 = s.trim().parse().ok()?;
-    Duration::try_from_secs_f64(secs).ok()
 }
 
 /// The wire form of a user key: torch's client prefixes every key with `/`.
@@ -236,7 +221,7 @@ impl<C: Conn> StoreClient<C> {
                     peer: self.peer.clone(),
                     reason: format!(
                         "the store closed the connection after the handshake; it may require a shared secret ({})",
-                        auth::SECRET_ENV
+                        crate::config::env::STORE_SECRET
                     ),
                 }),
                 Err(e) => Err(e),
@@ -253,8 +238,8 @@ impl<C: Conn> StoreClient<C> {
                     reason: format!(
                         "the store does not accept authentication: it has no secret, or is PyTorch's (under torchrun, \
                          unset {} and set {} instead, which keys symmem's links and leaves the store alone)",
-                        auth::SECRET_ENV,
-                        auth::JOB_SECRET_ENV
+                        crate::config::env::STORE_SECRET,
+                        crate::config::env::JOB_SECRET
                     ),
                 });
             }
@@ -473,7 +458,7 @@ impl<C: Conn> StoreClient<C> {
                 Ok(None) => {}
                 Err(source) => {
                     self.broken = true;
-                    return Err(Error::Protocol { peer: self.peer.clone(), source });
+                    return Err(Error::Protocol { peer: self.peer.clone(), source: Box::new(source) });
                 }
             }
             match self.stream.read_some(&mut self.buf, deadline).await {
@@ -535,19 +520,22 @@ fn check_limits(req: &Request) -> Result<()> {
     let l = Limits::SERVER;
     let key = |k: &Vec<u8>| {
         if k.len() as u64 > l.max_key_len {
-            return Err(Error::TooLarge(DecodeError::KeyTooLong { len: k.len() as u64, max: l.max_key_len }));
+            return Err(Error::TooLarge(Box::new(DecodeError::KeyTooLong { len: k.len() as u64, max: l.max_key_len })));
         }
         Ok(())
     };
     let value = |v: &Vec<u8>| {
         if v.len() as u64 > l.max_value_len {
-            return Err(Error::TooLarge(DecodeError::ValueTooLong { len: v.len() as u64, max: l.max_value_len }));
+            return Err(Error::TooLarge(Box::new(DecodeError::ValueTooLong {
+                len: v.len() as u64,
+                max: l.max_value_len,
+            })));
         }
         Ok(())
     };
     let count = |n: usize| {
         if n as u64 > l.max_keys {
-            return Err(Error::TooLarge(DecodeError::TooManyKeys { count: n as u64, max: l.max_keys }));
+            return Err(Error::TooLarge(Box::new(DecodeError::TooManyKeys { count: n as u64, max: l.max_keys })));
         }
         Ok(())
     };

@@ -11,9 +11,9 @@ mod state;
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
-pub use auth::{JOB_SECRET_ENV, SECRET_ENV, Secret, SecretSource};
+pub use auth::{Secret, SecretSource};
 pub use client::{
-    AsyncStoreClient, BlockingConn, ClientOptions, Conn, DEFAULT_TIMEOUT, StoreClient, TIMEOUT_ENV, TcpStore, TokioConn,
+    AsyncStoreClient, BlockingConn, ClientOptions, Conn, DEFAULT_TIMEOUT, StoreClient, TcpStore, TokioConn,
 };
 pub use server::{ServerOptions, StoreServer};
 
@@ -37,9 +37,10 @@ fn warn_unauthenticated(addr: &str) {
         } else {
             format!(
                 "and symmem's links between ranks accept any process that presents their URL from it, so it can \
-                 read and write the ranks' registered and symmetric memory; set {JOB_SECRET_ENV} to one random value \
-                 on every rank (e.g. `export {JOB_SECRET_ENV}=$(head -c 16 /dev/urandom | od -An -tx1 | tr -d ' \\n')`) \
-                 to require it on the links"
+                 read and write the ranks' registered and symmetric memory; set {job} to one random value \
+                 on every rank (e.g. `export {job}=$(head -c 16 /dev/urandom | od -An -tx1 | tr -d ' \\n')`) \
+                 to require it on the links",
+                job = crate::config::env::JOB_SECRET
             )
         };
         let msg = format!(

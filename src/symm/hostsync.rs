@@ -20,11 +20,11 @@
 
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use super::signal::{Patience, Spinner};
 use super::{SymmHandle, lock};
-use crate::error::{Error, Result};
+use crate::error::{Error, Result, TransferKind};
+use crate::sync::{Patience, Stop, wait_until};
 use crate::tensor::Tensor;
 use crate::transport::Work;
 
@@ -75,40 +75,36 @@ impl Words {
     /// is watched when it is on another host).
     pub(crate) fn wait_for(&self, i: usize, e: u32, from: usize, p: &Patience, timeout: Duration) -> Result<()> {
         let w = self.word(self.h.rank(), i);
-        let mut spinner = Spinner::new();
-        loop {
-            // Acquire: pairs with the Release store of `publish` or of the remote atomic.
-            let v = w.load(Ordering::Acquire);
-            if reached(v, e) {
-                return Ok(());
-            }
-            if spinner.keep_spinning(p, w) {
-                continue;
-            }
-            let now = Instant::now();
-            if now >= p.deadline {
-                return Err(Error::timeout(
+        let lost = || match self.h.remote(from) {
+            Some(r) => match r.link.lost() {
+                Some(why) => Err(Error::transfer(
+                    TransferKind::PeerLost,
                     format!(
-                        "rank {} of group {:?} waiting for rank {from}{}{}",
+                        "rank {} of group {:?} lost rank {from} on host {}: {why}",
                         self.h.rank(),
                         self.h.group_name(),
-                        self.h.remote(from).map(|r| format!(" on host {}", r.link.host)).unwrap_or_default(),
-                        self.h.diagnose()
+                        r.link.host
                     ),
-                    timeout,
-                ));
-            }
-            if let Some(r) = self.h.remote(from)
-                && let Some(why) = r.link.lost()
-            {
-                return Err(Error::Transfer(format!(
-                    "rank {} of group {:?} lost rank {from} on host {}: {why}",
+                )),
+                None => Ok(()),
+            },
+            None => Ok(()),
+        };
+        // Acquire: pairs with the Release store of `publish` or of the remote atomic.
+        let done = || reached(w.load(Ordering::Acquire), e);
+        match wait_until(w, done, p, lost, |seen, nap| crate::sys::futex::wait(w, seen, nap)) {
+            Ok(()) => Ok(()),
+            Err(Stop::Failed(err)) => Err(err),
+            Err(Stop::TimedOut) => Err(Error::timeout(
+                format!(
+                    "rank {} of group {:?} waiting for rank {from}{}{}",
                     self.h.rank(),
                     self.h.group_name(),
-                    r.link.host
-                )));
-            }
-            crate::sys::futex::wait(w, v, (p.deadline - now).min(Duration::from_millis(50)));
+                    self.h.remote(from).map(|r| format!(" on host {}", r.link.host)).unwrap_or_default(),
+                    self.h.diagnose()
+                ),
+                timeout,
+            )),
         }
     }
 
@@ -180,7 +176,7 @@ impl HostSync {
         let leader = locals[0];
         let what = |e: Error| match e {
             Error::Timeout { what, after } => Error::timeout(format!("SymmetricMemory::barrier: {what}"), after),
-            Error::Transfer(m) => Error::Transfer(format!("SymmetricMemory::barrier: {m}")),
+            Error::Transfer { kind, message } => Error::transfer(kind, format!("SymmetricMemory::barrier: {message}")),
             e => e,
         };
         if me != leader {

@@ -29,7 +29,6 @@ pub(crate) mod hostsync;
 mod pool;
 mod remote;
 mod segment;
-pub(crate) mod signal;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -37,60 +36,21 @@ use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
 use crate::group::Group;
+use crate::sync::Patience;
+use crate::sync::slot::{self, Failure};
+pub use crate::tensor::Device;
 use crate::tensor::{DType, Storage, Tensor};
 use crate::transport::Memory;
 use crate::wire::symm::{PeerRecord, RECORD_VERSION};
 pub use pool::MemPool;
 use remote::{Link, Links, Mirror, Remote};
 use segment::{Pad, Segment};
-use signal::{Failure, Patience};
 
 /// The name of the CPU shared-memory backend.
 pub const BACKEND: &str = "CPU";
 
 /// PyTorch's default signal pad: 32 channels × 72 ranks × 4 bytes.
 pub const DEFAULT_SIGNAL_PAD_SIZE: usize = 9216;
-
-/// The environment variable that sets how long signal waits spin before sleeping (µs).
-pub const SPIN_ENV: &str = "SYMMEM_SPIN_US";
-
-/// Default spin before sleeping: longer than a futex wake (about 30 µs here), so the common
-/// case never sleeps.
-pub const DEFAULT_SPIN: Duration = Duration::from_micros(100);
-
-/// A device tensors can live on.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Device {
-    /// Host memory.
-    Cpu,
-    /// A CUDA device (no backend yet).
-    Cuda(usize),
-}
-
-impl Device {
-    /// Parses `cpu`, `cuda` or `cuda:N`.
-    pub fn parse(s: &str) -> Result<Device> {
-        match s.trim().to_ascii_lowercase().as_str() {
-            "cpu" => Ok(Device::Cpu),
-            "cuda" => Ok(Device::Cuda(0)),
-            other => other
-                .strip_prefix("cuda:")
-                .and_then(|n| n.parse().ok())
-                .map(Device::Cuda)
-                .ok_or_else(|| Error::InvalidArgument(format!("unknown device {s:?} (expected cpu or cuda[:N])"))),
-        }
-    }
-
-    fn require_cpu(self, what: &str) -> Result<()> {
-        match self {
-            Device::Cpu => Ok(()),
-            Device::Cuda(n) => Err(Error::Unsupported {
-                what: format!("{what} on cuda:{n}"),
-                needs: "a CUDA device and symmem's CUDA backend; this build has the CPU backend only".into(),
-            }),
-        }
-    }
-}
 
 /// Process-wide settings and bookkeeping.
 struct Globals {
@@ -119,23 +79,6 @@ fn globals() -> MutexGuard<'static, Globals> {
     });
     // The bookkeeping stays consistent even if a holder panicked.
     G.lock().unwrap_or_else(|p| p.into_inner())
-}
-
-/// The CPUs this process may use. Cached: `available_parallelism` reads cgroup files, far too
-/// slow for the signal path.
-pub(crate) fn cores() -> usize {
-    static CORES: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *CORES.get_or_init(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
-}
-
-fn spin() -> Duration {
-    static SPIN: std::sync::OnceLock<Duration> = std::sync::OnceLock::new();
-    *SPIN.get_or_init(|| {
-        std::env::var(SPIN_ENV)
-            .ok()
-            .and_then(|s| s.trim().parse::<u64>().ok())
-            .map_or(DEFAULT_SPIN, Duration::from_micros)
-    })
 }
 
 /// Sets the backend. `"CPU"` is the only one on this machine; GPU backends answer with an
@@ -365,24 +308,6 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-/// The environment variable that overrides which host this rank is on: ranks with the same host
-/// identity map each other's memory; others reach each other through the transport.
-pub const HOST_ID_ENV: &str = "SYMMEM_HOST_ID";
-
-/// This host's identity: ranks with the same identity map each other's memory. By default the
-/// hostname and the kernel's boot id; `SYMMEM_HOST_ID` overrides it (for hosts whose names
-/// collide, or to make one machine play several hosts).
-pub(crate) fn this_host() -> String {
-    if let Ok(id) = std::env::var(HOST_ID_ENV)
-        && !id.is_empty()
-    {
-        return id;
-    }
-    let name = rustix::system::uname().nodename().to_string_lossy().into_owned();
-    let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap_or_default();
-    format!("{name}/{}", boot.trim())
-}
-
 fn describe(r: &PeerRecord) -> String {
     let dtype = DType::from_code(r.dtype).map_or_else(|| format!("dtype#{}", r.dtype), |d| d.to_string());
     format!("{:?} {dtype} ({} bytes at offset {}, pad {} bytes)", r.shape, r.buffer_size, r.offset, r.pad_size)
@@ -398,7 +323,7 @@ fn exchange(alloc: &Allocation, tensor: &Tensor, offset: usize, group: &Group) -
     };
     let me = PeerRecord {
         version: RECORD_VERSION,
-        host: this_host(),
+        host: crate::topo::this_host(),
         pid: std::process::id(),
         fd: alloc.segment.fd_number(),
         segment_len: alloc.segment.len() as u64,
@@ -408,7 +333,7 @@ fn exchange(alloc: &Allocation, tensor: &Tensor, offset: usize, group: &Group) -
         dtype: tensor.dtype().code(),
         offset: offset as u64,
     };
-    let timeout = crate::ops::op_timeout();
+    let timeout = crate::config::op_timeout();
     let raw = group.exchange_bytes(&format!("symm/{step}"), &me.encode(), timeout).map_err(|e| match e {
         Error::Timeout { what, after } => Error::timeout(format!("symmetric rendezvous step {step}: {what}"), after),
         e => e,
@@ -656,7 +581,7 @@ impl SymmHandle {
     fn not_addressable(&self, what: &str, rank: usize) -> Error {
         let host = match &self.peers.peers[rank] {
             Peer::Remote(r) => r.link.host.clone(),
-            Peer::Local(_) => this_host(),
+            Peer::Local(_) => crate::topo::this_host(),
         };
         Error::InvalidArgument(format!(
             "{what}: rank {rank} is on host {host}, so its memory cannot be addressed from this host; reach it \
@@ -890,14 +815,7 @@ impl SymmHandle {
     }
 
     pub(crate) fn patience(&self, timeout: Duration) -> Patience {
-        // When ranks outnumber cores, spinning only steals time from the rank being waited for:
-        // yield the core to it instead, and sleep only after that.
-        let (spin, yield_for) = if self.world_size() > cores() {
-            (Duration::ZERO, Duration::from_millis(2))
-        } else {
-            (spin(), Duration::from_micros(100))
-        };
-        Patience { spin, yield_for, deadline: Instant::now() + timeout }
+        Patience::new(timeout, self.world_size() > crate::topo::cores())
     }
 
     /// Raises a signal at `dst_rank` on `channel`; blocks while the previous signal on that
@@ -1002,7 +920,7 @@ impl SymmHandle {
         }
         for &dst in dsts {
             if let Some(seg) = self.local(dst) {
-                signal::put(seg.slot(slot), p)
+                slot::put(seg.slot(slot), p)
                     .map_err(|f| self.signal_error(f, op, "send a signal to", dst, channel, timeout))?;
             }
         }
@@ -1012,24 +930,27 @@ impl SymmHandle {
     fn wait(&self, src: usize, channel: usize, p: &Patience, op: &str, timeout: Duration) -> Result<()> {
         let slot = self.peers.own.slot(channel * self.world_size() + src);
         let Some(r) = self.remote(src) else {
-            return signal::wait(slot, p)
+            return slot::wait(slot, p)
                 .map_err(|f| self.signal_error(f, op, "receive a signal from", src, channel, timeout));
         };
         // A peer on another host: wait in slices, watching its link between them, so a lost
         // host is reported at once rather than at the timeout.
         loop {
-            let slice = Patience { deadline: p.deadline.min(Instant::now() + Duration::from_millis(50)), ..*p };
-            match signal::wait(slot, &slice) {
+            let slice = p.until(Instant::now() + crate::sync::MAX_NAP);
+            match slot::wait(slot, &slice) {
                 Ok(()) => return Ok(()),
                 Err(Failure::TimedOut) if Instant::now() < p.deadline => {
                     if let Some(why) = r.link.lost() {
-                        return Err(Error::Transfer(format!(
-                            "SymmetricMemory::{op}: rank {} of group {:?} lost rank {src} on host {} while waiting \
+                        return Err(Error::transfer(
+                            crate::error::TransferKind::PeerLost,
+                            format!(
+                                "SymmetricMemory::{op}: rank {} of group {:?} lost rank {src} on host {} while waiting \
                              for its signal on channel {channel}: {why}",
-                            self.rank(),
-                            self.peers.group,
-                            r.link.host
-                        )));
+                                self.rank(),
+                                self.peers.group,
+                                r.link.host
+                            ),
+                        ));
                     }
                 }
                 Err(f) => return Err(self.signal_error(f, op, "receive a signal from", src, channel, timeout)),
@@ -1070,7 +991,7 @@ impl SymmHandle {
                 ),
                 t,
             ),
-            Failure::Corrupt(v) => Error::Rendezvous(format!(
+            Failure::Corrupt(v) => Error::Corrupt(format!(
                 "SymmetricMemory::{op}: signal slot of channel {channel} between ranks {} and {peer} holds {v}; \
                  something other than the signal protocol wrote into the pad",
                 self.rank()
@@ -1122,7 +1043,7 @@ fn get_bytes(op: &str, dst: &Tensor, hdl: &SymmHandle, peer: usize, offset: usiz
             Ok(())
         }
         Peer::Remote(r) => {
-            let t = crate::ops::op_timeout();
+            let t = crate::config::op_timeout();
             let (own, into) = (hdl.own_ptr(), dst.data_ptr() as usize);
             // Into this rank's own buffer, use its long-lived registration (registering the
             // same range again would alias it, and unregistering would withdraw it from the
@@ -1174,7 +1095,7 @@ fn put_bytes(op: &str, src: &Tensor, hdl: &SymmHandle, peer: usize, at: usize) -
             Ok(())
         }
         Peer::Remote(r) => {
-            let t = crate::ops::op_timeout();
+            let t = crate::config::op_timeout();
             let own = hdl.own_ptr();
             let from = src.data_ptr() as usize;
             // From this rank's own buffer, use its long-lived registration; otherwise register
@@ -1202,14 +1123,14 @@ pub fn put_signal(src: &Tensor, hdl: &SymmHandle, peer: usize) -> Result<()> {
     // PyTorch, the caller must not overwrite data the peer has not read: signals say "data is
     // here", not "data was consumed".
     let _g = lock(&hdl.peers.lock);
-    let t = crate::ops::op_timeout();
+    let t = crate::config::op_timeout();
     hdl.put_all(&[peer], 0, &hdl.patience(t), "put_signal", t)
 }
 
-/// Waits (up to [`crate::ops::op_timeout`]) for a signal from `peer` on channel 0, as raised by
+/// Waits (up to [`crate::config::op_timeout`]) for a signal from `peer` on channel 0, as raised by
 /// [`put_signal`].
 pub fn wait_signal(hdl: &SymmHandle, peer: usize) -> Result<()> {
-    hdl.wait_signal(peer, 0, crate::ops::op_timeout())
+    hdl.wait_signal(peer, 0, crate::config::op_timeout())
 }
 
 /// The one handle of a symmetric tensor: the group it was rendezvoused on, at its offset.
@@ -1275,7 +1196,7 @@ fn signal_word(op: &str, sigpad: &Tensor) -> Result<(Arc<SymmHandle>, usize)> {
 pub fn nvshmem_put_with_signal(tensor: &Tensor, sigpad: &Tensor, signal: u64, peer: usize) -> Result<()> {
     let (sh, width) = signal_word("nvshmem_put_with_signal", sigpad)?;
     nvshmem_put(tensor, peer)?;
-    let t = crate::ops::op_timeout();
+    let t = crate::config::op_timeout();
     match &sh.peers.peers[peer] {
         Peer::Local(seg) => {
             let at = seg.data_ptr().wrapping_add(sh.offset);
@@ -1306,7 +1227,7 @@ pub fn nvshmem_put_with_signal(tensor: &Tensor, sigpad: &Tensor, signal: u64, pe
 /// (`SYMMEM_OP_TIMEOUT`). `peer` names who is expected to signal, for the error message.
 pub fn nvshmem_wait_for_signal(sigpad: &Tensor, signal: u64, peer: usize) -> Result<()> {
     let (h, width) = signal_word("nvshmem_wait_for_signal", sigpad)?;
-    let timeout = crate::ops::op_timeout();
+    let timeout = crate::config::op_timeout();
     let deadline = Instant::now() + timeout;
     let at = h.own_ptr() + h.offset;
     let read = || {
@@ -1340,11 +1261,14 @@ pub fn nvshmem_wait_for_signal(sigpad: &Tensor, signal: u64, peer: usize) -> Res
             if let Some(r) = h.remote(peer)
                 && let Some(why) = r.link.lost()
             {
-                return Err(Error::Transfer(format!(
-                    "nvshmem_wait_for_signal: rank {} lost rank {peer} on host {}: {why}",
-                    h.rank(),
-                    r.link.host
-                )));
+                return Err(Error::transfer(
+                    crate::error::TransferKind::PeerLost,
+                    format!(
+                        "nvshmem_wait_for_signal: rank {} lost rank {peer} on host {}: {why}",
+                        h.rank(),
+                        r.link.host
+                    ),
+                ));
             }
             std::thread::sleep(Duration::from_micros(50));
         }

@@ -25,7 +25,7 @@ use crate::error::{Error, Result};
 use crate::group::Group;
 use crate::sys::shm::{self, Mapping};
 use crate::tensor::{DType, Storage, Tensor};
-use crate::transport::{ATOMIC_BUSY, Memory, Options, RemoteBuffer, Transport, Work, new_transport};
+use crate::transport::{Memory, Options, RemoteBuffer, Transport, Work, new_transport};
 use crate::wire::tcp::Atomic;
 
 /// A connection from this rank to one rank on another host.
@@ -46,7 +46,7 @@ impl Link {
 
     /// The error for a failed transfer to this link's peer.
     pub(crate) fn error(&self, what: &str, e: &Error) -> Error {
-        Error::Transfer(format!("{what} rank {} on host {}: {e}", self.peer, self.host))
+        e.as_transfer(format!("{what} rank {} on host {}: {e}", self.peer, self.host))
     }
 
     /// Starts a remote atomic on the word at the start of `remote`.
@@ -61,7 +61,7 @@ pub(crate) type Links = HashMap<usize, Arc<Link>>;
 
 /// How long link bootstrap may take, and the links' transfer timeout.
 fn link_timeout() -> Duration {
-    crate::ops::op_timeout()
+    crate::config::op_timeout()
 }
 
 /// Connects this rank to each of `remote` (ranks of `group` on other hosts; `hosts[r]` names
@@ -247,7 +247,7 @@ impl Drop for Remote {
 
 /// Whether a completed atomic failed only because the slot was busy.
 pub(crate) fn is_busy(e: &Error) -> bool {
-    e.to_string().contains(ATOMIC_BUSY)
+    e.transfer_kind() == Some(crate::error::TransferKind::Busy)
 }
 
 /// Raises signals on remote slots, retrying busy ones (the previous signal not yet consumed)
@@ -269,7 +269,7 @@ pub(crate) fn slot_puts(puts: &[(&Remote, usize)], timeout: Duration, what: &dyn
                 Ok(()) => {}
                 Err(e) if is_busy(&e) => busy.push(i),
                 Err(e) => {
-                    return Err(Error::Transfer(format!("{} (on host {}): {e}", what(r.link.peer), r.link.host)));
+                    return Err(e.as_transfer(format!("{} (on host {}): {e}", what(r.link.peer), r.link.host)));
                 }
             }
         }

@@ -80,7 +80,7 @@ impl Backend for AutoBackend {
         }
         let tcp = tcp.ok_or_else(bad)?;
         if let (Some(shm_url), Some(shm_backend)) = (shm_url, &self.shm) {
-            let same_host = shm::url_host(&shm_url).is_some_and(|h| h == crate::symm::this_host());
+            let same_host = shm::url_host(&shm_url).is_some_and(|h| h == crate::topo::this_host());
             if same_host {
                 match shm_backend.connect(&shm_url, timeout) {
                     Ok(()) => {

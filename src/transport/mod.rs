@@ -31,7 +31,7 @@ use std::time::{Duration, Instant};
 pub(crate) use work::WorkState;
 pub use work::{Work, WorkFuture, wait_all};
 
-use crate::error::{Error, Result};
+use crate::error::{Completion, Error, Failed, Result, TransferKind};
 use crate::store::{PrefixStore, Store};
 use crate::symm::Device;
 use crate::tensor::{Storage, Tensor};
@@ -109,7 +109,7 @@ pub struct Request {
 
 impl Request {
     /// Completes the transfer; the backend calls this exactly once.
-    pub fn complete(&self, result: std::result::Result<(), String>) {
+    pub fn complete(&self, result: Completion) {
         self.work.complete(result);
     }
 
@@ -118,9 +118,6 @@ impl Request {
         self.local.ptr.wrapping_add(self.local_offset)
     }
 }
-
-/// The error a remote slot put completes with when the slot still holds a signal.
-pub(crate) const ATOMIC_BUSY: &str = "the remote signal slot still holds an unconsumed signal";
 
 static NEXT_TRANSPORT: AtomicU64 = AtomicU64::new(1);
 
@@ -688,7 +685,7 @@ impl Transport {
             work: state.clone(),
         };
         if let Err(e) = self.backend.submit(req) {
-            state.complete(Err(e.to_string()));
+            state.complete(Err(Failed::new(e.transfer_kind().unwrap_or(TransferKind::Refused), e.to_string())));
             return Err(e);
         }
         // Backends that copy on the caller's thread complete before returning; only work still
@@ -718,7 +715,7 @@ impl Transport {
 
     /// Starts a remote atomic `op` with `operand` on the word at the start of `remote`.
     /// `scratch` is any local view of the word's size (it carries no data; the bookkeeping of
-    /// a transfer wants one). Completes with [`ATOMIC_BUSY`] as its error when a slot put found
+    /// a transfer wants one). Fails with [`TransferKind::Busy`] when a slot put found
     /// the previous signal unconsumed.
     pub(crate) fn start_atomic(
         &self,

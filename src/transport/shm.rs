@@ -30,7 +30,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use super::{Backend, Direction, Options, Registration, Request};
-use crate::error::{Error, Result};
+use crate::error::{Completion, Error, Failed, Result, TransferKind};
 use crate::sys::cma::{self, CmaError};
 use crate::sys::shm::{self, Mapping, PAGE};
 use crate::tensor::{DType, Storage, Tensor};
@@ -61,7 +61,7 @@ fn split_copy<E: Send>(
     parallel: bool,
     copy: impl Fn(usize, usize) -> std::result::Result<(), E> + Sync,
 ) -> std::result::Result<(), E> {
-    let threads = if parallel && len >= PARALLEL_MIN { crate::symm::cores().clamp(1, PARALLEL_MAX) } else { 1 };
+    let threads = if parallel && len >= PARALLEL_MIN { crate::topo::cores().clamp(1, PARALLEL_MAX) } else { 1 };
     if threads == 1 {
         return copy(0, len);
     }
@@ -328,7 +328,7 @@ impl ShmBackend {
         Ok(ShmBackend {
             own: Mutex::new(OwnTable::create(&token)?),
             token,
-            host: crate::symm::this_host(),
+            host: crate::topo::this_host(),
             peer: Mutex::new(None),
             timeout,
         })
@@ -564,36 +564,52 @@ mod reaper {
     }
 }
 
+#[cold]
+fn refused(message: impl Into<String>) -> Failed {
+    Failed::new(TransferKind::Refused, message)
+}
+
+#[cold]
+fn gone(peer: &Peer) -> Failed {
+    Failed::new(TransferKind::PeerLost, format!("connection to the peer lost: process {} has exited", peer.pid))
+}
+
 /// Checks the request against the peer's table and moves the bytes.
-fn transfer(peer: &Peer, req: &Request) -> std::result::Result<(), String> {
+fn transfer(peer: &Peer, req: &Request) -> Completion {
     if !peer.check_alive() {
-        return Err(format!("connection to the peer lost: process {} has exited", peer.pid));
+        return Err(gone(peer));
     }
     peer.prune();
     let write = match req.direction {
         Direction::Write => true,
         Direction::Read => false,
-        Direction::Atomic(..) => return Err("the shm transport has no remote atomics".into()),
+        Direction::Atomic(..) => {
+            return Err(Failed::new(TransferKind::Unsupported, "the shm transport has no remote atomics"));
+        }
     };
     let r = &req.remote;
-    let e = peer.table.find(r.buffer_id).filter(|e| e.key == r.access_key).ok_or("unknown remote buffer")?;
+    let e = peer
+        .table
+        .find(r.buffer_id)
+        .filter(|e| e.key == r.access_key)
+        .ok_or_else(|| refused("unknown remote buffer"))?;
     let len = req.len as u64;
     if r.offset.checked_add(len).is_none_or(|end| end > e.len) {
         let what = if write { "write" } else { "read" };
-        return Err(format!(
+        return Err(refused(format!(
             "{what} of {len} bytes at offset {} exceeds the registered buffer of {} bytes",
             r.offset, e.len
-        ));
+        )));
     }
     if write && e.flags & WRITABLE == 0 {
-        return Err("remote buffer is registered read-only".into());
+        return Err(refused("remote buffer is registered read-only"));
     }
     if req.len == 0 {
         return Ok(());
     }
     let local = req.local_ptr();
     if e.flags & SHARED != 0 {
-        let m = mapping(peer, &e)?;
+        let m = mapping(peer, &e).map_err(refused)?;
         let at = m.0.ptr().wrapping_add(m.1 + r.offset as usize);
         // Both ranges are valid: [offset, offset+len) is inside the registered range (checked
         // above), which lies inside the mapping `m` keeps alive; the local range lies inside
@@ -638,9 +654,9 @@ fn transfer(peer: &Peer, req: &Request) -> std::result::Result<(), String> {
     outcome.map_err(|err| match err {
         CmaError::Gone => {
             peer.alive.store(false, Ordering::Release);
-            format!("connection to the peer lost: process {} has exited", peer.pid)
+            gone(peer)
         }
-        other => other.to_string(),
+        other => refused(other.to_string()),
     })
 }
 

@@ -14,7 +14,7 @@ use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant};
 
-use crate::error::{Error, Result};
+use crate::error::{Completion, Error, Failed, Result, TransferKind};
 
 const PENDING: u8 = 0;
 const SUCCEEDED: u8 = 1;
@@ -27,7 +27,7 @@ const SPIN: Duration = Duration::from_micros(50);
 #[derive(Default)]
 pub(crate) struct WorkState {
     state: AtomicU8,
-    error: OnceLock<String>,
+    error: OnceLock<Failed>,
     waiters: Mutex<Vec<Waker>>,
     cv: Condvar,
     keep: Mutex<Option<super::InFlight>>,
@@ -49,7 +49,7 @@ impl WorkState {
     }
 
     /// Completes the work; later calls are ignored.
-    pub(crate) fn complete(&self, result: std::result::Result<(), String>) {
+    pub(crate) fn complete(&self, result: Completion) {
         // Release what the transfer held before anyone can see it complete: a waiter that wakes
         // must find its registration no longer in use.
         let kept = self.keep.lock().unwrap_or_else(|p| p.into_inner()).take();
@@ -85,7 +85,12 @@ impl WorkState {
         match self.poll_state() {
             PENDING => None,
             SUCCEEDED => Some(Ok(())),
-            _ => Some(Err(Error::Transfer(self.error.get().cloned().unwrap_or_default()))),
+            _ => Some(Err(self
+                .error
+                .get()
+                .cloned()
+                .unwrap_or_else(|| Failed::new(TransferKind::PeerLost, "failed"))
+                .into())),
         }
     }
 
@@ -238,7 +243,7 @@ mod tests {
             let st = st.clone();
             move || {
                 std::thread::sleep(Duration::from_millis(20));
-                st.complete(Err("boom".into()));
+                st.complete(Err(Failed::new(TransferKind::Refused, "boom")));
             }
         });
         let err = w.wait(Some(Duration::from_secs(5))).unwrap_err().to_string();
@@ -259,7 +264,7 @@ mod tests {
         let r = futures::executor::block_on(wait_all(works.clone(), Some(Duration::from_millis(20))));
         assert!(r.unwrap_err().is_timeout());
         a.complete(Ok(()));
-        b.complete(Err("second failed".into()));
+        b.complete(Err(Failed::new(TransferKind::PeerLost, "second failed")));
         let r = futures::executor::block_on(wait_all(works, None));
         assert!(r.unwrap_err().to_string().contains("second failed"));
         assert!(futures::executor::block_on(wait_all(Vec::new(), Some(Duration::ZERO))).is_ok());

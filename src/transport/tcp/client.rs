@@ -22,7 +22,7 @@ use std::time::Duration;
 use rustix::event::{PollFd, PollFlags, poll};
 
 use super::{CLIENT_PROOF, INLINE, SERVER_PROOF, STRIPE_MIN, TcpOptions, Url, lock, tune};
-use crate::error::{Error, Result};
+use crate::error::{Error, Failed, Result, TransferKind};
 use crate::transport::{Direction, Request};
 use crate::wire::tcp::{
     ATOMIC_BUSY, Auth, CHALLENGE_LEN, Challenge, HEADER_LEN, Header, Hello, MAX_ERROR_LEN, Op, Refused, transcript,
@@ -32,11 +32,11 @@ use crate::wire::tcp::{
 struct Pending {
     req: Request,
     remaining: AtomicUsize,
-    error: Mutex<Option<String>>,
+    error: Mutex<Option<Failed>>,
 }
 
 impl Pending {
-    fn chunk_done(&self, error: Option<String>) -> bool {
+    fn chunk_done(&self, error: Option<Failed>) -> bool {
         if let Some(e) = error {
             lock(&self.error).get_or_insert(e);
         }
@@ -429,7 +429,7 @@ impl Client {
                 .ok_or_else(|| std::io::Error::other(format!("reply to unknown request {}", h.request)))?;
             let error = match h.op {
                 Op::Ack if h.status == ATOMIC_BUSY && matches!(p.req.direction, Direction::Atomic(..)) => {
-                    Some(crate::transport::ATOMIC_BUSY.to_string())
+                    Some(Failed::new(TransferKind::Busy, "the remote signal slot still holds an unconsumed signal"))
                 }
                 Op::Ack => None,
                 Op::Data => {
@@ -454,7 +454,10 @@ impl Client {
                     if !read_full(s, &mut msg, &self.alive)? {
                         return Err(std::io::ErrorKind::UnexpectedEof.into());
                     }
-                    Some(format!("the peer refused it: {}", String::from_utf8_lossy(&msg)))
+                    Some(Failed::new(
+                        TransferKind::Refused,
+                        format!("the peer refused it: {}", String::from_utf8_lossy(&msg)),
+                    ))
                 }
                 other => return Err(std::io::Error::other(format!("unexpected {other:?} frame from the target"))),
             };
@@ -468,10 +471,13 @@ impl Client {
 
     #[cold]
     fn lost(&self) -> Error {
-        Error::Transfer(format!(
-            "tcp transport is not connected: {}",
-            self.why.get().map_or("the connection was lost", String::as_str)
-        ))
+        Error::transfer(
+            TransferKind::PeerLost,
+            format!(
+                "tcp transport is not connected: {}",
+                self.why.get().map_or("the connection was lost", String::as_str)
+            ),
+        )
     }
 
     /// Marks the connection dead and fails everything pending.
@@ -488,7 +494,7 @@ impl Client {
         let pending: Vec<Arc<Pending>> = lock(&self.pending).drain().map(|(_, p)| p).collect();
         let why = self.why.get().cloned().unwrap_or_default();
         for p in pending {
-            p.req.complete(Err(format!("connection to the peer lost: {why}")));
+            p.req.complete(Err(Failed::new(TransferKind::PeerLost, format!("connection to the peer lost: {why}"))));
         }
     }
 }

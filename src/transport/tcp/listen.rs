@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 use rustix::event::{PollFd, PollFlags, poll};
 
 use super::{CLIENT_PROOF, Inner, MAX_CHUNK, MAX_FLOWS, SERVER_PROOF, lock, tune};
-use crate::symm::signal::{self, Patience};
+use crate::sync::{Patience, slot as signal};
 use crate::wire::tcp::{
     ATOMIC_BUSY, Atomic, Auth, Challenge, HEADER_LEN, HELLO_LEN, Header, Hello, MAX_ERROR_LEN, Op, PROOF_LEN, Refused,
     transcript,
@@ -327,8 +327,7 @@ fn atomic(inner: &Inner, s: &TcpStream, h: &Header) -> std::io::Result<()> {
             let slot = unsafe { &*at.cast::<AtomicU32>() };
             // One attempt, no waiting: a busy slot is the initiator's to retry, so this
             // thread never blocks on a peer.
-            let now = Patience { spin: Duration::ZERO, yield_for: Duration::ZERO, deadline: Instant::now() };
-            match signal::put(slot, &now) {
+            match signal::put(slot, &Patience::once()) {
                 Ok(()) => false,
                 Err(signal::Failure::TimedOut) => true,
                 Err(signal::Failure::Corrupt(v)) => {

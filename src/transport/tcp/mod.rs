@@ -45,17 +45,11 @@ use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
 use super::{Backend, Options, Registration, Request};
+use crate::config;
 use crate::error::{Error, Result};
 use crate::store::Secret;
 use crate::wire::tcp::Auth;
 use client::Client;
-
-/// Environment variable: default number of connections per endpoint.
-pub const FLOWS_ENV: &str = "SYMMEM_TRANSPORT_TCP_FLOWS";
-/// Environment variable: the address peers reach this endpoint at.
-pub const HOST_ENV: &str = "SYMMEM_TRANSPORT_TCP_HOST";
-/// Environment variable: the largest chunk of a striped request, in bytes.
-pub const CHUNK_ENV: &str = "SYMMEM_TRANSPORT_TCP_CHUNK_SIZE";
 
 /// Requests up to this size go whole on one flow, written by the caller.
 const INLINE: usize = 64 * 1024;
@@ -85,11 +79,10 @@ fn parse_opt<T: std::str::FromStr>(name: &str, v: &str) -> Result<T> {
 
 impl TcpOptions {
     fn from(o: &Options) -> Result<TcpOptions> {
-        let env = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
         let mut t = TcpOptions {
-            flows: env(FLOWS_ENV).map(|v| parse_opt(FLOWS_ENV, &v)).transpose()?.unwrap_or(4),
-            host: env(HOST_ENV).unwrap_or_else(|| "127.0.0.1".into()),
-            chunk: env(CHUNK_ENV).map(|v| parse_opt(CHUNK_ENV, &v)).transpose()?.unwrap_or(1 << 20),
+            flows: config::tcp_flows()?.unwrap_or(4),
+            host: config::tcp_host().unwrap_or("127.0.0.1").to_string(),
+            chunk: config::tcp_chunk_size()?.unwrap_or(1 << 20),
             timeout: Duration::from_secs(30),
             secret: Secret::job_from_env(),
         };

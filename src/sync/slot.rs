@@ -1,4 +1,4 @@
-//! The signal-pad protocol: PyTorch's self-resetting slots, plus sleeping.
+//! The signal-pad slot protocol: PyTorch's self-resetting slots, plus sleeping.
 //!
 //! A pad is an array of `u32` slots; the slot that rank `src` signals on channel `c` of rank
 //! `dst`'s pad is `pad_dst[c * world_size + src]` (`reference/torch-symm-mem-internals.md`
@@ -31,43 +31,7 @@
 //! The protocol is generic over [`SlotWord`] so that a loom test explores every interleaving of
 //! the same code with model-checked atomics.
 
-use std::time::{Duration, Instant};
-
-/// No signal.
-pub(crate) const EMPTY: u32 = 0;
-/// A signal not yet consumed.
-pub(crate) const SIGNALED: u32 = 1;
-/// No signal, and the waiter sleeps on the slot.
-pub(crate) const WAITER: u32 = 2;
-/// A signal, and the putter sleeps on the slot until it is consumed.
-pub(crate) const PUTTER: u32 = 3;
-
-/// A slot: an atomic word that can be slept on.
-pub(crate) trait SlotWord {
-    /// The current value (Acquire).
-    fn load(&self) -> u32;
-    /// Compare-and-swap (AcqRel on success, Acquire on failure).
-    fn cas(&self, current: u32, new: u32) -> Result<u32, u32>;
-    /// Sleeps while the word is `expected`, at most `timeout`; may return early.
-    fn sleep(&self, expected: u32, timeout: Duration);
-    /// Wakes whoever sleeps on the word.
-    fn wake(&self);
-    /// One step of busy waiting.
-    fn relax(&self);
-    /// Gives the core to another runnable thread or process.
-    fn yield_now(&self);
-}
-
-/// How long to spin, then yield the core, before sleeping; and when to give up.
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct Patience {
-    pub(crate) spin: Duration,
-    /// After spinning: how long to keep yielding the core (`sched_yield`) before sleeping.
-    /// When ranks outnumber cores, the rank being waited for is often runnable on this very
-    /// core, and yielding lets it run at once instead of after a futex round trip.
-    pub(crate) yield_for: Duration,
-    pub(crate) deadline: Instant,
-}
+use super::{Patience, SlotWord, Spinner};
 
 /// Why a put or wait did not complete.
 #[derive(Debug, PartialEq, Eq)]
@@ -78,48 +42,14 @@ pub(crate) enum Failure {
     Corrupt(u32),
 }
 
-/// Longest single futex sleep, so a sleeper rechecks its deadline regularly.
-const MAX_NAP: Duration = Duration::from_millis(100);
-
-/// Busy-waiting by a [`Patience`]: spin, then yield the core, then say it is time to sleep.
-pub(crate) struct Spinner {
-    start: Instant,
-    spins: u32,
-    yielding: bool,
-}
-
-impl Spinner {
-    pub(crate) fn new() -> Spinner {
-        Spinner { start: Instant::now(), spins: 0, yielding: false }
-    }
-
-    /// Whether to keep busy-waiting (spinning or yielding) rather than sleep; yields the core
-    /// itself once past the spinning phase.
-    pub(crate) fn keep_spinning<W: SlotWord>(&mut self, p: &Patience, slot: &W) -> bool {
-        self.spins += 1;
-        // Reading the clock costs ~20 ns; while spinning, do it every 64 spins.
-        if self.spins < 64 || !self.spins.is_multiple_of(64) && !self.yielding {
-            slot.relax();
-            return true;
-        }
-        let elapsed = self.start.elapsed();
-        if elapsed < p.spin {
-            slot.relax();
-            return true;
-        }
-        if elapsed < p.spin + p.yield_for {
-            self.yielding = true;
-            slot.yield_now();
-            return true;
-        }
-        false
-    }
-}
-
-fn nap(p: &Patience) -> Option<Duration> {
-    let left = p.deadline.saturating_duration_since(Instant::now());
-    (!left.is_zero()).then(|| left.min(MAX_NAP))
-}
+/// No signal.
+pub(crate) const EMPTY: u32 = 0;
+/// A signal not yet consumed.
+pub(crate) const SIGNALED: u32 = 1;
+/// No signal, and the waiter sleeps on the slot.
+pub(crate) const WAITER: u32 = 2;
+/// A signal, and the putter sleeps on the slot until it is consumed.
+pub(crate) const PUTTER: u32 = 3;
 
 /// Raises the signal in `slot`, waiting while the previous one is unconsumed.
 pub(crate) fn put<W: SlotWord>(slot: &W, p: &Patience) -> Result<(), Failure> {
@@ -141,12 +71,12 @@ pub(crate) fn put<W: SlotWord>(slot: &W, p: &Patience) -> Result<(), Failure> {
                 if spinner.keep_spinning(p, slot) {
                     continue;
                 }
-                let Some(t) = nap(p) else { return Err(Failure::TimedOut) };
+                let Some(t) = p.nap() else { return Err(Failure::TimedOut) };
                 if slot.cas(SIGNALED, PUTTER).is_ok() {
                     slot.sleep(PUTTER, t);
                 }
             }
-            PUTTER => match nap(p) {
+            PUTTER => match p.nap() {
                 Some(t) => slot.sleep(PUTTER, t),
                 // Withdraw the sleeping mark; if the waiter consumed meanwhile, try again.
                 None if slot.cas(PUTTER, SIGNALED).is_ok() => return Err(Failure::TimedOut),
@@ -177,12 +107,12 @@ pub(crate) fn wait<W: SlotWord>(slot: &W, p: &Patience) -> Result<(), Failure> {
                 if spinner.keep_spinning(p, slot) {
                     continue;
                 }
-                let Some(t) = nap(p) else { return Err(Failure::TimedOut) };
+                let Some(t) = p.nap() else { return Err(Failure::TimedOut) };
                 if slot.cas(EMPTY, WAITER).is_ok() {
                     slot.sleep(WAITER, t);
                 }
             }
-            WAITER => match nap(p) {
+            WAITER => match p.nap() {
                 Some(t) => slot.sleep(WAITER, t),
                 None if slot.cas(WAITER, EMPTY).is_ok() => return Err(Failure::TimedOut),
                 None => {}
@@ -192,41 +122,12 @@ pub(crate) fn wait<W: SlotWord>(slot: &W, p: &Patience) -> Result<(), Failure> {
     }
 }
 
-/// A slot in shared memory, slept on with a process-shared futex.
-impl SlotWord for std::sync::atomic::AtomicU32 {
-    fn load(&self) -> u32 {
-        // Acquire: pairs with the AcqRel CAS of the other side.
-        self.load(std::sync::atomic::Ordering::Acquire)
-    }
-
-    fn cas(&self, current: u32, new: u32) -> Result<u32, u32> {
-        use std::sync::atomic::Ordering::{AcqRel, Acquire};
-        // AcqRel: see the module docs for the pairs.
-        self.compare_exchange(current, new, AcqRel, Acquire)
-    }
-
-    fn sleep(&self, expected: u32, timeout: Duration) {
-        crate::sys::futex::wait(self, expected, timeout);
-    }
-
-    fn wake(&self) {
-        crate::sys::futex::wake(self);
-    }
-
-    fn relax(&self) {
-        std::hint::spin_loop();
-    }
-
-    fn yield_now(&self) {
-        std::thread::yield_now();
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use std::sync::Arc;
     use std::sync::atomic::AtomicU32;
+    use std::time::{Duration, Instant};
 
     fn patience(spin_us: u64, timeout_ms: u64) -> Patience {
         Patience {
@@ -277,6 +178,7 @@ mod tests {
         use super::super::*;
         use loom::sync::Arc;
         use loom::sync::atomic::{AtomicU32, Ordering};
+        use std::time::{Duration, Instant};
 
         struct LoomSlot(AtomicU32);
 

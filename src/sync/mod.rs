@@ -1,0 +1,182 @@
+//! Waiting, once for the whole crate: the one patience policy (spin, then yield the core, then
+//! sleep on a futex, until a deadline), the signal-pad slot protocol ([`slot`]), and waiting for
+//! a word to reach a value (epoch words, flags).
+//!
+//! ```text
+//!   Patience::new(timeout, crowded)   spin SYMMEM_SPIN_US (none when ranks outnumber cores),
+//!                                     yield 100 µs (2 ms when crowded), sleep until the deadline
+//!   slot::put / slot::wait            PyTorch's signal protocol with sleeping (loom-checked)
+//!   wait_until(word, done, p, check)  spin/yield by the policy, then nap on the word's futex,
+//!                                     `check` between naps (a lost peer fails the wait at once)
+//! ```
+//!
+//! Every wait has a deadline and honours it. Code written against [`SlotWord`] runs on real
+//! atomics and futexes, and under loom on model-checked ones.
+//!
+//! Layer: above `sys` (futexes) and `config` (the spin budget); below everything that waits.
+
+pub(crate) mod slot;
+
+use std::sync::atomic::AtomicU32;
+use std::time::{Duration, Instant};
+
+/// A slot: an atomic word that can be slept on.
+pub(crate) trait SlotWord {
+    /// The current value (Acquire).
+    fn load(&self) -> u32;
+    /// Compare-and-swap (AcqRel on success, Acquire on failure).
+    fn cas(&self, current: u32, new: u32) -> Result<u32, u32>;
+    /// Sleeps while the word is `expected`, at most `timeout`; may return early.
+    fn sleep(&self, expected: u32, timeout: Duration);
+    /// Wakes whoever sleeps on the word.
+    fn wake(&self);
+    /// One step of busy waiting.
+    fn relax(&self);
+    /// Gives the core to another runnable thread or process.
+    fn yield_now(&self);
+}
+
+/// How long to spin, then yield the core, before sleeping; and when to give up.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Patience {
+    pub(crate) spin: Duration,
+    /// After spinning: how long to keep yielding the core (`sched_yield`) before sleeping.
+    /// When ranks outnumber cores, the rank being waited for is often runnable on this very
+    /// core, and yielding lets it run at once instead of after a futex round trip.
+    pub(crate) yield_for: Duration,
+    pub(crate) deadline: Instant,
+}
+
+impl Patience {
+    /// The policy for a wait of at most `timeout`. `crowded`: the processes that must make
+    /// progress outnumber the cores, so spinning only steals time from the one waited for:
+    /// yield the core to it at once instead, and sleep only after that.
+    pub(crate) fn new(timeout: Duration, crowded: bool) -> Patience {
+        let (spin, yield_for) = if crowded {
+            (Duration::ZERO, Duration::from_millis(2))
+        } else {
+            (crate::config::spin(), Duration::from_micros(100))
+        };
+        Patience { spin, yield_for, deadline: Instant::now() + timeout }
+    }
+
+    /// One look, no waiting (a remote atomic that must never block its serving thread).
+    pub(crate) fn once() -> Patience {
+        Patience { spin: Duration::ZERO, yield_for: Duration::ZERO, deadline: Instant::now() }
+    }
+
+    /// The same policy, giving up at `deadline` if that comes first.
+    pub(crate) fn until(&self, deadline: Instant) -> Patience {
+        Patience { deadline: self.deadline.min(deadline), ..*self }
+    }
+
+    /// How long to sleep next: the time left, at most [`MAX_NAP`]; `None` once it is past.
+    pub(crate) fn nap(&self) -> Option<Duration> {
+        let left = self.deadline.saturating_duration_since(Instant::now());
+        (!left.is_zero()).then(|| left.min(MAX_NAP))
+    }
+}
+
+/// Longest single futex sleep, so a sleeper rechecks its deadline (and its peers) regularly.
+pub(crate) const MAX_NAP: Duration = Duration::from_millis(50);
+
+/// Busy-waiting by a [`Patience`]: spin, then yield the core, then say it is time to sleep.
+pub(crate) struct Spinner {
+    start: Instant,
+    spins: u32,
+    yielding: bool,
+}
+
+impl Spinner {
+    pub(crate) fn new() -> Spinner {
+        Spinner { start: Instant::now(), spins: 0, yielding: false }
+    }
+
+    /// Whether to keep busy-waiting (spinning or yielding) rather than sleep; yields the core
+    /// itself once past the spinning phase.
+    pub(crate) fn keep_spinning<W: SlotWord>(&mut self, p: &Patience, slot: &W) -> bool {
+        self.spins += 1;
+        // Reading the clock costs ~20 ns; while spinning, do it every 64 spins.
+        if self.spins < 64 || !self.spins.is_multiple_of(64) && !self.yielding {
+            slot.relax();
+            return true;
+        }
+        let elapsed = self.start.elapsed();
+        if elapsed < p.spin {
+            slot.relax();
+            return true;
+        }
+        if elapsed < p.spin + p.yield_for {
+            self.yielding = true;
+            slot.yield_now();
+            return true;
+        }
+        false
+    }
+}
+
+/// Why [`wait_until`] stopped without its condition.
+pub(crate) enum Stop<E> {
+    /// The deadline passed.
+    TimedOut,
+    /// `check` failed (a peer was lost).
+    Failed(E),
+}
+
+/// Waits until `done()` holds. `word` is the atomic whose changes may make it hold: the wait
+/// spins and yields by `p`, then naps on the word's futex (through `sleep`, given the value
+/// last seen and the nap's length, so a caller can announce itself to wakers first), calling
+/// `check` before each nap.
+pub(crate) fn wait_until<E>(
+    word: &AtomicU32,
+    mut done: impl FnMut() -> bool,
+    p: &Patience,
+    mut check: impl FnMut() -> Result<(), E>,
+    mut sleep: impl FnMut(u32, Duration),
+) -> Result<(), Stop<E>> {
+    let mut spinner = Spinner::new();
+    loop {
+        // Acquire (of the caller's load in `done`): pairs with the Release store that makes
+        // it hold; the word's own load below only picks the futex value.
+        let seen = word.load(std::sync::atomic::Ordering::Acquire);
+        if done() {
+            return Ok(());
+        }
+        if spinner.keep_spinning(p, word) {
+            continue;
+        }
+        let Some(nap) = p.nap() else { return Err(Stop::TimedOut) };
+        check().map_err(Stop::Failed)?;
+        sleep(seen, nap);
+    }
+}
+
+/// A slot in shared memory, slept on with a process-shared futex.
+impl SlotWord for AtomicU32 {
+    fn load(&self) -> u32 {
+        // Acquire: pairs with the AcqRel CAS of the other side.
+        self.load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    fn cas(&self, current: u32, new: u32) -> Result<u32, u32> {
+        use std::sync::atomic::Ordering::{AcqRel, Acquire};
+        // AcqRel: see the slot protocol's docs for the pairs.
+        self.compare_exchange(current, new, AcqRel, Acquire)
+    }
+
+    fn sleep(&self, expected: u32, timeout: Duration) {
+        crate::sys::futex::wait(self, expected, timeout);
+    }
+
+    fn wake(&self) {
+        crate::sys::futex::wake(self);
+    }
+
+    fn relax(&self) {
+        std::hint::spin_loop();
+    }
+
+    fn yield_now(&self) {
+        std::thread::yield_now();
+    }
+}

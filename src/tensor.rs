@@ -179,9 +179,10 @@ pub unsafe trait Storage: Send + Sync + fmt::Debug {
     fn is_empty(&self) -> bool {
         self.len() == 0
     }
-    /// For symmetric memory: the allocation this storage belongs to, and the byte offset of
-    /// this storage's first byte in the allocation's data buffer.
-    fn as_symm(&self) -> Option<(&crate::symm::Allocation, usize)> {
+    /// For storage that is a window into a larger object owned by a layer above (a symmetric
+    /// allocation): that object, and the byte offset of this storage's first byte in it. Only
+    /// the layer that made it knows its type, and downcasts; this layer never looks.
+    fn parent(&self) -> Option<(&(dyn std::any::Any + Send + Sync), usize)> {
         None
     }
     /// For memory in a shared-memory file owned by this process: the descriptor number and
@@ -663,12 +664,6 @@ impl Tensor {
             unsafe { std::ptr::copy(src_base.add(s), dst_base.add(d), es) };
         }
         Ok(())
-    }
-
-    /// The symmetric allocation behind this tensor, if any, with the byte offset of this
-    /// view's first element in the allocation's data buffer.
-    pub fn symm_allocation(&self) -> Option<(&crate::symm::Allocation, usize)> {
-        self.storage.as_symm().map(|(a, base)| (a, base + self.offset * self.dtype.size()))
     }
 }
 

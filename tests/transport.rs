@@ -403,6 +403,9 @@ fn the_registry_follows_the_contract() {
         fn name(&self) -> &str {
             "unusable"
         }
+        fn caps(&self) -> transport::Caps {
+            transport::Caps::NONE
+        }
         fn bind(&self, t: Duration) -> symmem::Result<Vec<u8>> {
             self.0.bind(t)
         }
@@ -660,4 +663,51 @@ fn another_user_reaches_a_transport_through_neither_backend() {
     assert!(shm_line.contains("unsupported") && shm_line.contains("same user"), "{shm_line}");
     let auto = text.lines().find_map(|l| l.split_once("AUTO ").map(|(_, r)| r.to_string())).unwrap();
     assert!(auto.contains("another user"), "{auto}");
+}
+
+/// `auto` composes its members by asking them: a peer on this host is reached through shm
+/// (same-host backends first), and the connected transport reports its path's capabilities;
+/// a member a peer offers that this build lacks is skipped, and one that cannot reach the
+/// peer says why.
+#[test]
+fn auto_composes_its_members_and_reports_the_chosen_paths_caps() {
+    let a = new_transport("auto", None, &Options::new()).unwrap();
+    assert_eq!(a.caps(), transport::Caps::NONE, "nothing is promised before connecting");
+    let (a, b) = pair("auto");
+    assert_eq!(a.describe(), "auto via shm");
+    assert_eq!(a.caps(), transport::shm::CAPS);
+    assert!(!a.caps().remote_atomics && a.caps().reach == transport::Reach::SameHost);
+    drop((a, b));
+
+    // A peer that offers tcp and a backend this build does not know.
+    let peer = new_transport("tcp", None, &Options::new()).unwrap();
+    let tcp_url = peer.bind(None).unwrap();
+    let b64 = |u: &[u8]| base64::Engine::encode(&base64::engine::general_purpose::URL_SAFE_NO_PAD, u);
+    let url = format!("auto://?ucx={}&tcp={}", b64(b"ucx://elsewhere"), b64(&tcp_url));
+    let a = new_transport("auto", None, &Options::new()).unwrap();
+    a.bind(None).unwrap();
+    a.connect(url.as_bytes(), None).unwrap();
+    assert!(a.describe().starts_with("auto via tcp"), "{}", a.describe());
+    assert_eq!(a.caps(), transport::tcp::CAPS);
+
+    // Only unknown members, or a duplicated one: a clear error.
+    let a = new_transport("auto", None, &Options::new()).unwrap();
+    let err = a.connect(format!("auto://?ucx={}", b64(b"x")).as_bytes(), None).unwrap_err().to_string();
+    assert!(err.contains("invalid auto transport URL"), "{err}");
+    let err = a.connect(format!("auto://?tcp={0}&tcp={0}", b64(&tcp_url)).as_bytes(), None).unwrap_err().to_string();
+    assert!(err.contains("invalid auto transport URL"), "{err}");
+
+    // An shm URL naming another host is passed over without being tried.
+    let shm = new_transport("shm", None, &Options::new()).unwrap();
+    let shm_url = String::from_utf8(shm.bind(None).unwrap()).unwrap();
+    let host = shm_url.strip_prefix("shm://").unwrap().split('?').next().unwrap().to_string();
+    let elsewhere = shm_url.replacen(&host, "another-host", 1);
+    let a = new_transport("auto", None, &Options::new()).unwrap();
+    let err = a.connect(format!("auto://?shm={}", b64(elsewhere.as_bytes())).as_bytes(), None).unwrap_err();
+    assert!(err.to_string().contains("shm: the peer is on another host"), "{err}");
+
+    // Options go to the members that take them; one no member takes is refused.
+    let err = new_transport("auto", None, &opts(&[("flows", "2"), ("bogus", "1")])).unwrap_err().to_string();
+    assert!(err.contains("unknown auto transport option \"bogus\""), "{err}");
+    new_transport("auto", None, &opts(&[("flows", "2"), ("timeout", "5")])).unwrap();
 }

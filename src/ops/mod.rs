@@ -65,7 +65,7 @@ fn symmetric(op: &str, input: &Tensor, group: &Group) -> Result<Arc<SymmHandle>>
         return Err(bad(op, "input must be contiguous"));
     }
     let a = alignment(input.dtype());
-    let (_, offset) = input.symm_allocation().ok_or_else(|| bad(op, "input is not symmetric"))?;
+    let (_, offset) = symm::allocation_of(input).ok_or_else(|| bad(op, "input is not symmetric"))?;
     if offset % a != 0 {
         return Err(bad(op, format!("input ptr + offset must be at least {a}-byte aligned")));
     }

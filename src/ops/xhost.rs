@@ -42,9 +42,6 @@ use crate::transport::Work;
 /// the work over every rank).
 const HOST_BLOCK_MAX: usize = 256 * 1024;
 
-/// The transport keeps writes of at most this size in order with the atomic that follows.
-const IN_ORDER: usize = 64 * 1024;
-
 struct Workspace {
     _tensor: Tensor,
     words: Words,
@@ -172,7 +169,9 @@ fn send_before_signal(
     len: usize,
     timeout: Duration,
 ) -> Result<Vec<Work>> {
-    if len > STRIPED {
+    // Writes the link's backend keeps in order with the atomic that follows need no wait.
+    let in_order = h.remote(leader).map_or(0, |r| r.link.in_order_up_to());
+    if len > STRIPED || in_order == 0 {
         let w = h.start_push(leader, src, len, dst, timeout)?;
         w.wait(None).map_err(|e| match h.remote(leader) {
             Some(r) => r.link.error("writing to", &e),
@@ -181,8 +180,8 @@ fn send_before_signal(
         return Ok(Vec::new());
     }
     (0..len)
-        .step_by(IN_ORDER)
-        .map(|at| h.start_push(leader, src + at, IN_ORDER.min(len - at), dst + at, timeout))
+        .step_by(in_order)
+        .map(|at| h.start_push(leader, src + at, in_order.min(len - at), dst + at, timeout))
         .collect()
 }
 

@@ -159,7 +159,7 @@ unsafe impl Storage for Allocation {
     fn len(&self) -> usize {
         self.segment.data_size()
     }
-    fn as_symm(&self) -> Option<(&Allocation, usize)> {
+    fn parent(&self) -> Option<(&(dyn std::any::Any + Send + Sync), usize)> {
         Some((self, 0))
     }
     fn shared_file(&self) -> Option<(i32, u64)> {
@@ -186,7 +186,15 @@ pub fn empty(shape: &[usize], dtype: DType, device: Device) -> Result<Tensor> {
 
 /// Whether `t` lives in symmetric memory (O(1), not collective).
 pub fn is_symm_mem_tensor(t: &Tensor) -> bool {
-    t.storage().as_symm().is_some()
+    allocation_of(t).is_some()
+}
+
+/// The symmetric allocation behind `t`, if any, with the byte offset of `t`'s first element in
+/// the allocation's data buffer.
+pub fn allocation_of(t: &Tensor) -> Option<(&Allocation, usize)> {
+    let (parent, base) = t.storage().parent()?;
+    let alloc = parent.downcast_ref::<Allocation>()?;
+    Some((alloc, base + t.storage_offset() * t.dtype().size()))
 }
 
 /// One peer's copy of an allocation: mapped (same host) or reached through a link.
@@ -244,13 +252,12 @@ pub struct SymmHandle {
 /// it, in the same order relative to its other rendezvous on the group, with a tensor of the
 /// same shape and dtype. Later calls return the cached handle.
 pub fn rendezvous(tensor: &Tensor, group: &Group) -> Result<Arc<SymmHandle>> {
-    let Some((alloc, base)) = tensor.storage().as_symm() else {
+    let Some((alloc, offset)) = allocation_of(tensor) else {
         return Err(Error::InvalidArgument(
             "rendezvous: the tensor is not inside a symmetric allocation; allocate it with symm::empty or a MemPool"
                 .into(),
         ));
     };
-    let offset = base + tensor.storage_offset() * tensor.dtype().size();
     // The hot path (every operator rendezvouses its input): find the cached handle without
     // allocating a key.
     if let Some(h) =
@@ -1135,10 +1142,9 @@ pub fn wait_signal(hdl: &SymmHandle, peer: usize) -> Result<()> {
 
 /// The one handle of a symmetric tensor: the group it was rendezvoused on, at its offset.
 fn handle_of(op: &str, t: &Tensor) -> Result<Arc<SymmHandle>> {
-    let Some((alloc, base)) = t.storage().as_symm() else {
+    let Some((alloc, offset)) = allocation_of(t) else {
         return Err(Error::InvalidArgument(format!("{op}: the tensor is not in symmetric memory")));
     };
-    let offset = base + t.storage_offset() * t.dtype().size();
     let handles = lock(&alloc.handles);
     let mut found = handles.iter().filter(|((_, o), _)| *o == offset).map(|(_, h)| h.clone());
     match (found.next(), found.next()) {
@@ -1293,20 +1299,33 @@ pub fn get_mem_pool(device: Device) -> Result<Arc<MemPool>> {
 mod tests {
     use super::*;
 
-    fn symmem_mappings() -> usize {
-        std::fs::read_to_string("/proc/self/maps").unwrap().lines().filter(|l| l.contains("memfd:symmem")).count()
+    /// The inode of the symmem memfd mapped at `addr`, if one is.
+    fn memfd_at(addr: usize) -> Option<u64> {
+        let maps = std::fs::read_to_string("/proc/self/maps").unwrap();
+        maps.lines().filter(|l| l.contains("memfd:symmem")).find_map(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            let (lo, hi) = f[0].split_once('-')?;
+            let (lo, hi) = (usize::from_str_radix(lo, 16).ok()?, usize::from_str_radix(hi, 16).ok()?);
+            (lo..hi).contains(&addr).then(|| f[4].parse().ok())?
+        })
+    }
+
+    /// Whether any mapping of this process is of inode `ino`.
+    fn mapped(ino: u64) -> bool {
+        let maps = std::fs::read_to_string("/proc/self/maps").unwrap();
+        maps.lines().any(|l| l.contains("memfd:symmem") && l.split_whitespace().nth(4) == Some(&ino.to_string()))
     }
 
     #[test]
     fn a_segment_lives_exactly_as_long_as_its_tensors() {
-        let before = symmem_mappings();
+        // Other tests map segments concurrently: follow this one by its inode.
         let t = empty(&[1 << 16], DType::U8, Device::Cpu).unwrap();
+        let ino = memfd_at(t.data_ptr() as usize).expect("the tensor is in a symmem memfd");
         let view = t.narrow(0, 10, 100).unwrap();
-        assert_eq!(symmem_mappings(), before + 1);
         drop(t);
-        assert_eq!(symmem_mappings(), before + 1, "a view keeps the segment");
+        assert!(mapped(ino), "a view keeps the segment");
         drop(view);
-        assert_eq!(symmem_mappings(), before, "unmapped with the last view");
+        assert!(!mapped(ino), "unmapped with the last view");
     }
 
     #[test]

@@ -114,8 +114,8 @@ unsafe impl Storage for Slice {
     fn len(&self) -> usize {
         self.len
     }
-    fn as_symm(&self) -> Option<(&Allocation, usize)> {
-        Some((&self.alloc, self.offset))
+    fn parent(&self) -> Option<(&(dyn std::any::Any + Send + Sync), usize)> {
+        Some((&*self.alloc, self.offset))
     }
     fn shared_file(&self) -> Option<(i32, u64)> {
         self.alloc.shared_file().map(|(fd, at)| (fd, at + self.offset as u64))
@@ -131,7 +131,7 @@ mod tests {
         let pool = Arc::new(MemPool::new());
         let a = pool.empty(&[100], DType::F32).unwrap();
         let b = pool.empty(&[100], DType::F32).unwrap();
-        let off = |t: &Tensor| t.symm_allocation().unwrap().1;
+        let off = |t: &Tensor| crate::symm::allocation_of(t).unwrap().1;
         assert_eq!((off(&a), off(&b)), (0, 512));
         drop(a);
         let c = pool.empty(&[10], DType::F32).unwrap();
@@ -143,6 +143,6 @@ mod tests {
         assert_eq!(pool.blocks(), 1);
         let big = pool.empty(&[BLOCK_SIZE], DType::U8).unwrap();
         assert_eq!(pool.blocks(), 2);
-        assert_eq!(big.symm_allocation().unwrap().0.buffer_size(), BLOCK_SIZE);
+        assert_eq!(crate::symm::allocation_of(&big).unwrap().0.buffer_size(), BLOCK_SIZE);
     }
 }

@@ -25,8 +25,7 @@ use crate::error::{Error, Result};
 use crate::group::Group;
 use crate::sys::shm::{self, Mapping};
 use crate::tensor::{DType, Storage, Tensor};
-use crate::transport::{Memory, Options, RemoteBuffer, Transport, Work, new_transport};
-use crate::wire::tcp::Atomic;
+use crate::transport::{self, Atomic, Memory, Options, Reach, RemoteBuffer, Transport, Work, new_transport};
 
 /// A connection from this rank to one rank on another host.
 #[derive(Debug)]
@@ -47,6 +46,12 @@ impl Link {
     /// The error for a failed transfer to this link's peer.
     pub(crate) fn error(&self, what: &str, e: &Error) -> Error {
         e.as_transfer(format!("{what} rank {} on host {}: {e}", self.peer, self.host))
+    }
+
+    /// Transfers of at most this many bytes on this link take effect in the order started
+    /// (its backend's [`crate::transport::Caps::in_order_up_to`]).
+    pub(crate) fn in_order_up_to(&self) -> usize {
+        self.transport.caps().in_order_up_to
     }
 
     /// Starts a remote atomic on the word at the start of `remote`.
@@ -72,9 +77,13 @@ pub(crate) fn connect(group: &Group, step: u64, remote: &[usize], hosts: &[Strin
     let mut options = Options::new();
     options.insert("timeout".into(), format!("{}", timeout.as_secs_f64()));
     let store = group.store();
+    // Links signal peers with remote atomics, and cross hosts.
+    let backend = transport::pick(|c| c.remote_atomics && c.reach == Reach::AnyHost).ok_or_else(|| {
+        Error::Unsupported { what: "links between hosts".into(), needs: "a transport with remote atomics".into() }
+    })?;
     let mut bound = Vec::with_capacity(remote.len());
     for &peer in remote {
-        let t = new_transport("tcp", None, &options)?;
+        let t = new_transport(backend, None, &options)?;
         let url = t.bind(Some(timeout))?;
         store.set(&format!("symm-net/{step}/{me}/{peer}"), &url)?;
         bound.push((peer, t));

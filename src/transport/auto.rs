@@ -1,10 +1,12 @@
-//! The `auto` backend: `shm` when both endpoints are on one host and the kernel lets them share
-//! memory, `tcp` otherwise.
+//! The `auto` backend: composes the registry's member backends (`shm` and `tcp` today) and
+//! connects through the first that reaches the peer: same-host backends first, when both ends
+//! share a host and the kernel lets them share memory, a network backend otherwise.
 //!
-//! `bind` binds both and returns `auto://?shm=<url>&tcp=<url>` (each base64url); `connect`
-//! compares the peer's host with this one, tries `shm`, and falls back to `tcp` with the
-//! reason kept for [`Backend::describe`]. Registrations are exposed through both, so the peer
-//! reaches them whichever way it connected.
+//! `bind` binds every member and returns `auto://?shm=<url>&tcp=<url>` (each base64url, keyed by
+//! member name); `connect` asks each member the peer offered whether it reaches the peer
+//! ([`Backend::reaches`]), tries it, and falls back to the next with the reason kept for
+//! [`Backend::describe`]. Registrations are exposed through every member, so the peer reaches
+//! them whichever way it connected. It knows its members only through the registry.
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -12,40 +14,77 @@ use std::time::Duration;
 use base64::Engine;
 use base64::engine::general_purpose::URL_SAFE_NO_PAD;
 
-use super::shm::{self, ShmBackend};
-use super::tcp::TcpBackend;
+use super::registry::{self, Caps};
 use super::{Backend, Options, Registration, Request};
 use crate::error::{Error, Result};
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Path {
-    Shm,
-    Tcp,
+struct Member {
+    name: &'static str,
+    backend: Box<dyn Backend>,
 }
 
 /// The `auto` backend.
 pub struct AutoBackend {
-    shm: Option<ShmBackend>,
-    tcp: TcpBackend,
-    chosen: Mutex<Option<Path>>,
-    why_not_shm: Mutex<Option<String>>,
+    members: Vec<Member>,
+    /// The member connected through.
+    chosen: Mutex<Option<usize>>,
+    /// Why members were passed over: at construction (unsupported here) or at connect.
+    passed_over: Mutex<Vec<String>>,
 }
 
 impl AutoBackend {
-    /// A backend; options go to both (`timeout`) or to tcp (`flows`, `host`, `chunk_size`).
+    /// A backend; each option goes to the members that take it (`timeout` to all; `flows`,
+    /// `host`, `chunk_size`, `auth` to tcp). An option no member takes is an error.
     pub fn new(options: &Options) -> Result<AutoBackend> {
-        let shm_opts: Options =
-            options.iter().filter(|(k, _)| k.as_str() == "timeout").map(|(k, v)| (k.clone(), v.clone())).collect();
-        let (shm, why) = match ShmBackend::new(&shm_opts) {
-            Ok(s) => (Some(s), None),
-            Err(e) => (None, Some(e.to_string())),
-        };
-        Ok(AutoBackend { shm, tcp: TcpBackend::new(options)?, chosen: Mutex::new(None), why_not_shm: Mutex::new(why) })
+        let all: Vec<_> = registry::auto_members().collect();
+        if let Some(k) = options.keys().find(|k| !all.iter().any(|m| m.options.contains(&k.as_str()))) {
+            let known: Vec<_> = all.iter().flat_map(|m| m.options.iter().copied()).collect();
+            return Err(Error::InvalidArgument(format!(
+                "unknown auto transport option {k:?} (known: {})",
+                dedup(known).join(", ")
+            )));
+        }
+        let (mut members, mut passed_over) = (Vec::new(), Vec::new());
+        for m in all {
+            let own: Options = options
+                .iter()
+                .filter(|(k, _)| m.options.contains(&k.as_str()))
+                .map(|(k, v)| (k.clone(), v.clone()))
+                .collect();
+            match (m.build)(&own) {
+                Ok(backend) if backend.supported() => members.push(Member { name: m.name, backend }),
+                Ok(backend) => {
+                    backend.shutdown();
+                    passed_over.push(format!("{}: unsupported in this process", m.name));
+                }
+                // A bad option value is the caller's to fix, not a reason to fall back.
+                Err(e @ Error::InvalidArgument(_)) => return Err(e),
+                Err(e) => passed_over.push(format!("{}: {e}", m.name)),
+            }
+        }
+        if members.is_empty() {
+            return Err(Error::Unsupported {
+                what: "the auto transport".into(),
+                needs: format!("one working member backend ({})", passed_over.join("; ")),
+            });
+        }
+        Ok(AutoBackend { members, chosen: Mutex::new(None), passed_over: Mutex::new(passed_over) })
     }
 
-    fn chosen(&self) -> Option<Path> {
-        *self.chosen.lock().unwrap_or_else(|p| p.into_inner())
+    fn chosen(&self) -> Option<&Member> {
+        let i = (*self.chosen.lock().unwrap_or_else(|p| p.into_inner()))?;
+        self.members.get(i)
     }
+
+    fn pass_over(&self, why: String) {
+        self.passed_over.lock().unwrap_or_else(|p| p.into_inner()).push(why);
+    }
+}
+
+fn dedup(mut v: Vec<&str>) -> Vec<&str> {
+    let mut seen = std::collections::HashSet::new();
+    v.retain(|x| seen.insert(*x));
+    v
 }
 
 fn decode(v: &str) -> Option<Vec<u8>> {
@@ -57,11 +96,18 @@ impl Backend for AutoBackend {
         "auto"
     }
 
+    fn caps(&self) -> Caps {
+        // Before it connects, it promises nothing.
+        self.chosen().map_or(Caps::NONE, |m| m.backend.caps())
+    }
+
     fn bind(&self, timeout: Duration) -> Result<Vec<u8>> {
-        let tcp = self.tcp.bind(timeout)?;
-        let mut url = format!("auto://?tcp={}", URL_SAFE_NO_PAD.encode(tcp));
-        if let Some(s) = &self.shm {
-            url.push_str(&format!("&shm={}", URL_SAFE_NO_PAD.encode(s.bind(timeout)?)));
+        let mut url = String::from("auto://?");
+        for (i, m) in self.members.iter().enumerate() {
+            if i > 0 {
+                url.push('&');
+            }
+            url.push_str(&format!("{}={}", m.name, URL_SAFE_NO_PAD.encode(m.backend.bind(timeout)?)));
         }
         Ok(url.into_bytes())
     }
@@ -70,98 +116,86 @@ impl Backend for AutoBackend {
         let bad = || Error::InvalidArgument(format!("invalid auto transport URL {:?}", String::from_utf8_lossy(url)));
         let s = std::str::from_utf8(url).map_err(|_| bad())?;
         let query = s.strip_prefix("auto://?").ok_or_else(bad)?;
-        let (mut tcp, mut shm_url) = (None, None);
+        let mut offered: Vec<(&str, Vec<u8>)> = Vec::new();
         for kv in query.split('&') {
-            match kv.split_once('=').ok_or_else(bad)? {
-                ("tcp", v) => tcp = Some(decode(v).ok_or_else(bad)?),
-                ("shm", v) => shm_url = Some(decode(v).ok_or_else(bad)?),
-                _ => return Err(bad()),
+            let (name, v) = kv.split_once('=').ok_or_else(bad)?;
+            if offered.iter().any(|(n, _)| *n == name) {
+                return Err(bad());
             }
+            // A member this build does not have (a newer peer's) is skipped, but must be well formed.
+            offered.push((name, decode(v).ok_or_else(bad)?));
         }
-        let tcp = tcp.ok_or_else(bad)?;
-        if let (Some(shm_url), Some(shm_backend)) = (shm_url, &self.shm) {
-            let same_host = shm::url_host(&shm_url).is_some_and(|h| h == crate::topo::this_host());
-            if same_host {
-                match shm_backend.connect(&shm_url, timeout) {
-                    Ok(()) => {
-                        *self.chosen.lock().unwrap_or_else(|p| p.into_inner()) = Some(Path::Shm);
-                        return Ok(());
-                    }
-                    Err(e) => {
-                        tracing::info!("auto transport: shm refused, using tcp: {e}");
-                        *self.why_not_shm.lock().unwrap_or_else(|p| p.into_inner()) = Some(e.to_string());
-                    }
+        let mut last = None;
+        for (i, m) in self.members.iter().enumerate() {
+            let Some((_, peer)) = offered.iter().find(|(n, _)| *n == m.name) else { continue };
+            if let Err(why) = m.backend.reaches(peer) {
+                self.pass_over(format!("{}: {why}", m.name));
+                continue;
+            }
+            match m.backend.connect(peer, timeout) {
+                Ok(()) => {
+                    *self.chosen.lock().unwrap_or_else(|p| p.into_inner()) = Some(i);
+                    return Ok(());
                 }
-            } else {
-                *self.why_not_shm.lock().unwrap_or_else(|p| p.into_inner()) =
-                    Some("the peer is on another host".into());
+                Err(e) => {
+                    tracing::info!("auto transport: {} refused: {e}", m.name);
+                    self.pass_over(format!("{}: {e}", m.name));
+                    last = Some(e);
+                }
             }
         }
-        self.tcp.connect(&tcp, timeout)?;
-        *self.chosen.lock().unwrap_or_else(|p| p.into_inner()) = Some(Path::Tcp);
-        Ok(())
+        // The last member's own error when one was tried (it says most), else why none could be.
+        Err(last.unwrap_or_else(|| {
+            let why = self.passed_over.lock().unwrap_or_else(|p| p.into_inner()).join("; ");
+            if offered.iter().any(|(n, _)| self.members.iter().any(|m| m.name == *n)) {
+                Error::InvalidArgument(format!("no transport reaches the peer: {why}"))
+            } else {
+                bad()
+            }
+        }))
     }
 
     fn connected(&self) -> bool {
-        match self.chosen() {
-            Some(Path::Shm) => self.shm.as_ref().is_some_and(|s| s.connected()),
-            Some(Path::Tcp) => self.tcp.connected(),
-            None => false,
-        }
+        self.chosen().is_some_and(|m| m.backend.connected())
     }
 
     fn expose(&self, reg: &Arc<Registration>) -> Result<()> {
-        if let Some(s) = &self.shm {
-            s.expose(reg)?;
-        }
-        self.tcp.expose(reg)
+        self.members.iter().try_for_each(|m| m.backend.expose(reg))
     }
 
     fn withdraw(&self, reg: &Registration) {
-        if let Some(s) = &self.shm {
-            s.withdraw(reg);
-        }
-        self.tcp.withdraw(reg);
+        self.members.iter().for_each(|m| m.backend.withdraw(reg));
     }
 
     fn submit(&self, req: Request) -> Result<()> {
-        match (self.chosen(), &self.shm) {
-            (Some(Path::Shm), Some(s)) => s.submit(req),
-            (Some(Path::Tcp), _) => self.tcp.submit(req),
-            _ => Err(Error::InvalidArgument("auto transport is not connected".into())),
+        match self.chosen() {
+            Some(m) => m.backend.submit(req),
+            None => Err(Error::InvalidArgument("auto transport is not connected".into())),
         }
     }
 
     fn shutdown(&self) {
-        if let Some(s) = &self.shm {
-            s.shutdown();
-        }
-        self.tcp.shutdown();
+        self.members.iter().for_each(|m| m.backend.shutdown());
     }
 
     fn default_timeout(&self) -> Duration {
-        self.tcp.default_timeout()
+        self.members.iter().map(|m| m.backend.default_timeout()).max().unwrap_or(Duration::from_secs(30))
     }
 
     fn disconnect_reason(&self) -> Option<String> {
-        match (self.chosen(), &self.shm) {
-            (Some(Path::Shm), Some(s)) => s.disconnect_reason(),
-            (Some(Path::Tcp), _) => self.tcp.disconnect_reason(),
-            _ => None,
-        }
+        self.chosen().and_then(|m| m.backend.disconnect_reason())
     }
 
     fn describe(&self) -> String {
         match self.chosen() {
-            Some(Path::Shm) => "auto via shm".into(),
-            Some(Path::Tcp) => format!(
-                "auto via tcp ({})",
-                self.why_not_shm
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .clone()
-                    .unwrap_or_else(|| "shm unavailable".into())
-            ),
+            Some(m) => {
+                let passed = self.passed_over.lock().unwrap_or_else(|p| p.into_inner());
+                if passed.is_empty() {
+                    format!("auto via {}", m.name)
+                } else {
+                    format!("auto via {} ({})", m.name, passed.join("; "))
+                }
+            }
             None => "auto (not connected)".into(),
         }
     }

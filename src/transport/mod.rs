@@ -17,6 +17,7 @@
 //!
 //! Layer: uses `store` (bootstrap), `tensor`, `wire` and `sys`.
 
+mod registry;
 mod work;
 
 pub mod auto;
@@ -25,15 +26,17 @@ pub mod tcp;
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+pub(crate) use registry::pick;
+pub use registry::{Caps, Factory, Reach, available_transports, register_transport};
 pub(crate) use work::WorkState;
 pub use work::{Work, WorkFuture, wait_all};
 
 use crate::error::{Completion, Error, Failed, Result, TransferKind};
 use crate::store::{PrefixStore, Store};
-use crate::symm::Device;
+use crate::tensor::Device;
 use crate::tensor::{Storage, Tensor};
 use crate::wire::descriptor::{self, Kind, Value};
 
@@ -45,6 +48,13 @@ pub type Options = BTreeMap<String, String>;
 pub trait Backend: Send + Sync + 'static {
     /// The backend's registered name, as written into its descriptors.
     fn name(&self) -> &str;
+    /// What it can do (for a composite backend, what its connected path can do).
+    fn caps(&self) -> Caps;
+    /// Whether it can connect to the peer at `url`, without trying (a same-host backend and a
+    /// peer on another host); the reason when not.
+    fn reaches(&self, _url: &[u8]) -> std::result::Result<(), String> {
+        Ok(())
+    }
     /// Starts listening; returns the URL peers connect to. Idempotent.
     fn bind(&self, timeout: Duration) -> Result<Vec<u8>>;
     /// Connects to the peer at `url`.
@@ -87,7 +97,31 @@ pub enum Direction {
     /// A remote atomic on the word at the start of the remote range (crate-internal: the
     /// symmetric-memory layer signals peers on other hosts with it). Backends without remote
     /// atomics refuse it.
-    Atomic(crate::wire::tcp::Atomic, u64),
+    Atomic(Atomic, u64),
+}
+
+/// A remote atomic on one word of a peer's registered memory, as symmetric memory signals
+/// peers on other hosts. The target performs it with an atomic instruction and wakes whoever
+/// sleeps on the word.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Atomic {
+    /// Raise a symmetric-memory signal in a 4-byte slot (the signal-pad protocol's put, once):
+    /// fails [`TransferKind::Busy`] if the slot still holds an unconsumed signal.
+    SlotPut,
+    /// Store the operand's low 32 bits.
+    Set32,
+    /// Store the 64-bit operand.
+    Set64,
+}
+
+impl Atomic {
+    /// The size of the word it acts on.
+    pub fn width(self) -> u64 {
+        match self {
+            Atomic::SlotPut | Atomic::Set32 => 4,
+            Atomic::Set64 => 8,
+        }
+    }
 }
 
 /// One transfer handed to a backend.
@@ -537,6 +571,11 @@ impl Transport {
         self.backend.name()
     }
 
+    /// What the backend can do; for `auto`, what the path it connected through can do.
+    pub fn caps(&self) -> Caps {
+        self.backend.caps()
+    }
+
     /// Binds the endpoint and returns its opaque connection URL (idempotent).
     pub fn bind(&self, timeout: Option<Duration>) -> Result<Vec<u8>> {
         self.check_open()?;
@@ -721,10 +760,16 @@ impl Transport {
         &self,
         scratch: &MemoryView,
         remote: &RemoteBuffer,
-        op: crate::wire::tcp::Atomic,
+        op: Atomic,
         operand: u64,
         timeout: Option<Duration>,
     ) -> Result<Work> {
+        if !self.backend.caps().remote_atomics {
+            return Err(Error::transfer(
+                TransferKind::Unsupported,
+                format!("the {} transport has no remote atomics", self.backend.describe()),
+            ));
+        }
         if scratch.len as u64 != op.width() {
             return Err(Error::InvalidArgument(format!("a {op:?} acts on {} bytes", op.width())));
         }
@@ -811,50 +856,12 @@ impl Drop for Transport {
     }
 }
 
-/// Builds a backend from options.
-pub type Factory = Arc<dyn Fn(&Options) -> Result<Box<dyn Backend>> + Send + Sync>;
-
-fn registry() -> &'static Mutex<BTreeMap<String, Factory>> {
-    static R: OnceLock<Mutex<BTreeMap<String, Factory>>> = OnceLock::new();
-    R.get_or_init(|| {
-        let mut m: BTreeMap<String, Factory> = BTreeMap::new();
-        m.insert("tcp".into(), Arc::new(|o: &Options| Ok(Box::new(tcp::TcpBackend::new(o)?) as Box<dyn Backend>)));
-        m.insert("shm".into(), Arc::new(|o: &Options| Ok(Box::new(shm::ShmBackend::new(o)?) as Box<dyn Backend>)));
-        m.insert("auto".into(), Arc::new(|o: &Options| Ok(Box::new(auto::AutoBackend::new(o)?) as Box<dyn Backend>)));
-        // The name PyTorch knows symmem by (its transport entry point): `auto` underneath, so
-        // a Rust process and a PyTorch process pairing through `new_transport_rank("symmem")`
-        // meet under the same store keys and speak the same URLs.
-        m.insert("symmem".into(), Arc::new(|o: &Options| Ok(Box::new(auto::AutoBackend::new(o)?) as Box<dyn Backend>)));
-        Mutex::new(m)
-    })
-}
-
-/// Registers a backend factory under `name` (case-insensitive) for this process.
-pub fn register_transport(name: &str, factory: Factory, replace: bool) -> Result<()> {
-    let name = name.to_ascii_lowercase();
-    if name.is_empty() {
-        return Err(Error::InvalidArgument("transport name cannot be empty".into()));
-    }
-    let mut r = registry().lock().unwrap_or_else(|p| p.into_inner());
-    if r.contains_key(&name) && !replace {
-        return Err(Error::InvalidArgument(format!("transport {name:?} is already registered")));
-    }
-    r.insert(name, factory);
-    Ok(())
-}
-
-/// The registered transport names, sorted.
-pub fn available_transports() -> Vec<String> {
-    registry().lock().unwrap_or_else(|p| p.into_inner()).keys().cloned().collect()
-}
-
 /// Constructs a transport of `backend` (case-insensitive), optionally restricted to `device`.
 ///
 /// `"auto"` (or an empty name) picks `shm` for a peer on this host and `tcp` otherwise.
 pub fn new_transport(backend: &str, device: Option<Device>, options: &Options) -> Result<Transport> {
     let name = if backend.is_empty() { "auto".to_string() } else { backend.to_ascii_lowercase() };
-    let factory = registry().lock().unwrap_or_else(|p| p.into_inner()).get(&name).cloned();
-    let Some(factory) = factory else {
+    let Some(factory) = registry::factory(&name) else {
         let list = available_transports();
         return Err(Error::InvalidArgument(format!(
             "unknown transport {name:?}; available: {}",

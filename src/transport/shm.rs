@@ -29,7 +29,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering, fence};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use super::{Backend, Direction, Options, Registration, Request};
+use super::{Backend, Caps, Direction, Options, Reach, Registration, Request};
 use crate::error::{Completion, Error, Failed, Result, TransferKind};
 use crate::sys::cma::{self, CmaError};
 use crate::sys::shm::{self, Mapping, PAGE};
@@ -299,6 +299,13 @@ pub struct ShmBackend {
     timeout: Duration,
 }
 
+/// What the shm backend can do: peers on this host only, no remote atomics; its copies are
+/// done by the initiator and complete in order.
+pub const CAPS: Caps = Caps { remote_atomics: false, in_order_up_to: usize::MAX, reach: Reach::SameHost };
+
+/// The options it takes.
+pub const OPTIONS: &[&str] = &["timeout"];
+
 impl ShmBackend {
     /// A backend; options: `timeout` (seconds).
     pub fn new(options: &Options) -> Result<ShmBackend> {
@@ -420,6 +427,18 @@ pub(crate) fn url_host(url: &[u8]) -> Option<String> {
 impl Backend for ShmBackend {
     fn name(&self) -> &str {
         "shm"
+    }
+
+    fn caps(&self) -> Caps {
+        CAPS
+    }
+
+    fn reaches(&self, url: &[u8]) -> std::result::Result<(), String> {
+        match url_host(url) {
+            Some(h) if h == self.host => Ok(()),
+            Some(_) => Err("the peer is on another host".into()),
+            None => Err("not an shm URL".into()),
+        }
     }
 
     fn bind(&self, _timeout: Duration) -> Result<Vec<u8>> {

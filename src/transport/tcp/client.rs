@@ -318,7 +318,7 @@ impl Client {
         let (op, status, operand) = match req.direction {
             Direction::Write => (Op::Write, 0, None),
             Direction::Read => (Op::Read, 0, None),
-            Direction::Atomic(a, v) => (Op::Atomic, a as u8, Some(v)),
+            Direction::Atomic(a, v) => (Op::Atomic, wire_atomic(a) as u8, Some(v)),
         };
         let (buffer, key, base) = (req.remote.buffer_id, req.remote.access_key, req.remote.offset);
         // Requests that carry no payload (reads, atomics) are written by the caller whatever
@@ -496,5 +496,16 @@ impl Client {
         for p in pending {
             p.req.complete(Err(Failed::new(TransferKind::PeerLost, format!("connection to the peer lost: {why}"))));
         }
+    }
+}
+
+/// The wire's code for a remote atomic.
+fn wire_atomic(a: crate::transport::Atomic) -> crate::wire::tcp::Atomic {
+    use crate::transport::Atomic as A;
+    use crate::wire::tcp::Atomic as W;
+    match a {
+        A::SlotPut => W::SlotPut,
+        A::Set32 => W::Set32,
+        A::Set64 => W::Set64,
     }
 }

@@ -44,7 +44,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
-use super::{Backend, Options, Registration, Request};
+use super::{Backend, Caps, Options, Reach, Registration, Request};
 use crate::config;
 use crate::error::{Error, Result};
 use crate::store::Secret;
@@ -53,6 +53,13 @@ use client::Client;
 
 /// Requests up to this size go whole on one flow, written by the caller.
 const INLINE: usize = 64 * 1024;
+
+/// What the tcp backend can do: any host, remote atomics; requests up to [`INLINE`] bytes all
+/// travel on flow 0, which the peer serves in order, so they take effect in the order started.
+pub const CAPS: Caps = Caps { remote_atomics: true, in_order_up_to: INLINE, reach: Reach::AnyHost };
+
+/// The options it takes.
+pub const OPTIONS: &[&str] = &["flows", "num_flows", "host", "chunk_size", "timeout", "auth"];
 /// Requests up to this size are not striped.
 const STRIPE_MIN: usize = 1 << 20;
 /// The largest chunk a server accepts; larger frames are protocol violations.
@@ -243,6 +250,10 @@ fn tune(s: &TcpStream, timeout: Duration) {
 impl Backend for TcpBackend {
     fn name(&self) -> &str {
         "tcp"
+    }
+
+    fn caps(&self) -> Caps {
+        CAPS
     }
 
     fn bind(&self, _timeout: Duration) -> Result<Vec<u8>> {

@@ -2,7 +2,7 @@
 
 A proxy in front of a symmem store (started by the caller) saves every client-to-server byte
 stream, one file per connection. Usage:
-    python fuzz/record_torch_traffic.py STORE_PORT OUT_DIR -- python tests/torch/client_ops.py 127.0.0.1 {port}
+    python fuzz/record_torch_traffic.py STORE_PORT OUT_DIR -- python cli/tests/torch/client_ops.py 127.0.0.1 {port}
 """
 import os
 import socket

@@ -47,6 +47,8 @@ knobs! {
     MASTER_ADDR = "MASTER_ADDR", "(required)", "host of the job's store";
     /// The store's port.
     MASTER_PORT = "MASTER_PORT", "(required)", "port of the job's store";
+    /// The number of hosts.
+    GROUP_WORLD_SIZE = "GROUP_WORLD_SIZE", "1", "the number of hosts (torchrun's node count); set by `symmem run`";
     /// Whether a launcher hosts the store.
     AGENT_STORE = "TORCHELASTIC_USE_AGENT_STORE", "unset",
         "\"True\": the launcher hosts the store and every rank connects as a client; otherwise rank 0 hosts it";
@@ -77,6 +79,10 @@ knobs! {
     TCP_HOST = "SYMMEM_TRANSPORT_TCP_HOST", "127.0.0.1", "the address a tcp transport endpoint listens on and publishes to its peers";
     /// The tcp transport's chunk size.
     TCP_CHUNK_SIZE = "SYMMEM_TRANSPORT_TCP_CHUNK_SIZE", "1048576", "the largest chunk of a striped tcp transfer, in bytes";
+    /// The store the `symmem store` client commands talk to.
+    STORE_ADDR = "SYMMEM_STORE_ADDR", "(none)", "HOST:PORT of the store `symmem store get|set|...` talks to (their --addr)";
+    /// Where a benchmark rank writes its results.
+    BENCH_OUT = "SYMMEM_BENCH_OUT", "(set by `symmem bench`)", "the file a launched benchmark rank appends its result rows to";
     /// The log filter.
     LOG = "SYMMEM_LOG", "warn", "log filter (tracing-subscriber EnvFilter syntax), e.g. `symmem=debug`";
     /// Where this user's configuration lives.
@@ -200,6 +206,11 @@ pub fn tcp_chunk_size() -> Result<Option<usize>> {
 /// `SYMMEM_TRANSPORT_TCP_HOST`, if set.
 pub fn tcp_host() -> Option<&'static str> {
     value(env::TCP_HOST)
+}
+
+/// `GROUP_WORLD_SIZE`: the number of hosts, 1 unless set (and valid).
+pub fn hosts() -> usize {
+    value(env::GROUP_WORLD_SIZE).and_then(|v| v.trim().parse().ok()).filter(|&n| n > 0).unwrap_or(1)
 }
 
 /// `SYMMEM_LOG`, if set.

@@ -355,7 +355,7 @@ async fn run_async(o: &LaunchOptions) -> Result<Outcome> {
             .env(env::LOCAL_RANK, local.to_string())
             .env(env::LOCAL_WORLD_SIZE, o.nproc_per_node.to_string())
             .env("GROUP_RANK", o.node_rank.to_string())
-            .env("GROUP_WORLD_SIZE", o.nnodes.to_string())
+            .env(env::GROUP_WORLD_SIZE, o.nnodes.to_string())
             .env(env::MASTER_ADDR, &o.master_addr)
             .env(env::MASTER_PORT, port.to_string())
             .env(env::AGENT_STORE, "True")

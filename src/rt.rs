@@ -25,7 +25,7 @@ pub(crate) fn runtime() -> &'static Runtime {
 }
 
 /// Runs `fut` to completion on the calling thread, with the shared runtime driving its I/O.
-pub(crate) fn block_on<F: std::future::Future>(fut: F) -> F::Output {
+pub fn block_on<F: std::future::Future>(fut: F) -> F::Output {
     let _ctx = runtime().enter();
     futures::executor::block_on(fut)
 }

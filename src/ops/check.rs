@@ -186,7 +186,7 @@ impl Posted {
 }
 
 #[cold]
-fn disagree(mine: &Stamp, first: &Stamp, r: usize, theirs: &Stamp) -> crate::Error {
+fn disagree(mine: &Stamp, first: &Stamp, r: usize, theirs: &Stamp) -> crate::error::Error {
     let what = if first.0[..11] == theirs.0[..11] && first.op() == theirs.op() {
         format!("rank 0 and rank {r} pass {} with different arguments", first.describe())
     } else {
@@ -210,7 +210,7 @@ pub(crate) fn counts(t: &Tensor, op: Option<ReduceOp>) -> [u64; 2] {
 
 /// The error every rank reports when rank `r`'s [`counts`] differ from rank 0's.
 #[cold]
-pub(crate) fn counts_disagree(op: &str, first: [u64; 2], r: usize, theirs: [u64; 2]) -> crate::Error {
+pub(crate) fn counts_disagree(op: &str, first: [u64; 2], r: usize, theirs: [u64; 2]) -> crate::error::Error {
     let show = |w: [u64; 2]| {
         let dtype = DType::from_code(w[1] as u8).map_or_else(|| "?".into(), |d| d.to_string());
         let reduction = ["", " (sum)", " (avg)", " (min)", " (max)"].get((w[1] >> 8) as usize).copied().unwrap_or("");

@@ -112,7 +112,7 @@ fn verdict_of(h: &SymmHandle, leader: usize, sigs: &Sigs) -> u64 {
 }
 
 #[cold]
-fn verdict_error(op: &str, h: &SymmHandle, leader: usize, sigs: &Sigs, verdict: u64) -> crate::Error {
+fn verdict_error(op: &str, h: &SymmHandle, leader: usize, sigs: &Sigs, verdict: u64) -> crate::error::Error {
     let r = (verdict - 1) as usize;
     let of = |r: usize| read_sig(h, if h.is_local(r) { r } else { leader }, sigs.slot(r));
     super::check::counts_disagree(op, of(0), r, of(r))

@@ -11,6 +11,7 @@ mod state;
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
+pub use crate::wire::store::Limits;
 pub use auth::{Secret, SecretSource};
 pub use client::{
     AsyncStoreClient, BlockingConn, ClientOptions, Conn, DEFAULT_TIMEOUT, StoreClient, TcpStore, TokioConn,

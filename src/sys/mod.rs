@@ -76,7 +76,7 @@ impl ChildExit {
 
 /// Raises the soft limit on open files to the hard limit, for servers and benchmarks that hold
 /// thousands of connections. Returns the new soft limit.
-pub(crate) fn raise_fd_limit() -> u64 {
+pub fn raise_fd_limit() -> u64 {
     use rustix::process::{Resource, getrlimit, setrlimit};
     let mut limit = getrlimit(Resource::Nofile);
     if limit.current < limit.maximum {

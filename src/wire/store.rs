@@ -208,14 +208,6 @@ pub enum DecodeError {
         /// The required length.
         expected: u64,
     },
-    /// A reply byte that the protocol does not allow here.
-    #[error("unexpected reply byte 0x{byte:02x} to {what}")]
-    UnexpectedReply {
-        /// What was being answered.
-        what: &'static str,
-        /// The byte received.
-        byte: u8,
-    },
     /// A count or length that is negative where only non-negative values make sense.
     #[error("negative {what}: {value}")]
     Negative {
@@ -550,11 +542,6 @@ impl Framer {
         self.query
     }
 
-    /// How many bytes of the message have been walked so far (a lower bound on its length).
-    pub fn walked(&self) -> u64 {
-        self.pos
-    }
-
     /// Walks `buf` (the message's bytes so far, from its first) as far as it goes. Returns the
     /// message's length once it is whole, `Ok(None)` while bytes are missing (call again with
     /// more), or why the bytes can never be a request. After `Some`, [`Framer::new`] a new one
@@ -753,6 +740,13 @@ impl Reply {
 pub mod reply {
     use super::put_bytes;
 
+    /// One `bytes`.
+    pub fn bytes(b: &[u8]) -> Vec<u8> {
+        let mut out = Vec::with_capacity(8 + b.len());
+        put_bytes(&mut out, b);
+        out
+    }
+
     /// A single byte (CHECK, WAIT, CANCEL_WAIT, BARRIER, AUTH_PROOF).
     pub fn u8(b: u8) -> Vec<u8> {
         vec![b]
@@ -766,13 +760,6 @@ pub mod reply {
     /// A `u32` (PING).
     pub fn u32(v: u32) -> Vec<u8> {
         v.to_le_bytes().to_vec()
-    }
-
-    /// One `bytes`.
-    pub fn bytes(b: &[u8]) -> Vec<u8> {
-        let mut out = Vec::with_capacity(8 + b.len());
-        put_bytes(&mut out, b);
-        out
     }
 }
 

@@ -10,8 +10,8 @@ use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
-use crate::error::{Error, Result};
-use crate::store::{AsyncStoreClient, ClientOptions, Secret, ServerOptions, StoreServer};
+use symmem::store::{AsyncStoreClient, ClientOptions, Secret, ServerOptions, StoreServer};
+use symmem::{Error, Result};
 
 /// One result line.
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -87,9 +87,9 @@ impl Default for StoreBenchOptions {
 ///
 /// The first two lines set the scale: `tcp_pingpong` is a plain blocking TCP round trip between
 /// two threads (the floor for any request/reply store on this machine), and `store_add_sync` is
-/// the same round trip through [`TcpStore`](crate::TcpStore), the path ranks use.
+/// the same round trip through [`TcpStore`](symmem::TcpStore), the path ranks use.
 pub fn store(options: &StoreBenchOptions, mut emit: impl FnMut(BenchResult)) -> Result<()> {
-    crate::sys::raise_fd_limit();
+    symmem::internals::raise_fd_limit();
     let server = match &options.addr {
         Some(_) => None,
         None => Some(StoreServer::start(
@@ -102,7 +102,7 @@ pub fn store(options: &StoreBenchOptions, mut emit: impl FnMut(BenchResult)) -> 
     let copts = ClientOptions { timeout: Duration::from_secs(120), secret: options.secret.clone() };
     emit(tcp_pingpong(options.ops_per_client)?);
     emit(sync_add(&addr, &copts, options.ops_per_client)?);
-    crate::rt::block_on(async {
+    symmem::internals::block_on(async {
         let mut run = 0u64;
         for op in [Op::Set, Op::Get, Op::Add] {
             for &k in &options.clients {
@@ -171,8 +171,8 @@ fn tcp_pingpong(iters: usize) -> Result<BenchResult> {
 
 /// One rank's synchronous store round trip, through `TcpStore`.
 fn sync_add(addr: &str, options: &ClientOptions, iters: usize) -> Result<BenchResult> {
-    use crate::store::Store;
-    let store = crate::store::TcpStore::connect(addr, options.clone())?;
+    use symmem::store::Store;
+    let store = symmem::store::TcpStore::connect(addr, options.clone())?;
     let mut lat = Vec::with_capacity(iters);
     for i in 0..iters + iters / 10 {
         let t = Instant::now();
@@ -334,12 +334,12 @@ async fn rendezvous(
                 Exchange::Gather if i == 0 => {
                     let mut got = vec![mine];
                     got.extend(c.multi_get(&refs, timeout).await?);
-                    c.set(&all, &crate::wire::symm::pack_gathered(&got)).await?;
+                    c.set(&all, &symmem::internals::wire::symm::pack_gathered(&got)).await?;
                 }
                 Exchange::Gather => {
                     c.set(&format!("{prefix}/{i}"), &mine).await?;
                     let blob = c.get(&all, timeout).await?;
-                    let got = crate::wire::symm::unpack_gathered(&blob, n).map_err(Error::Rendezvous)?;
+                    let got = symmem::internals::wire::symm::unpack_gathered(&blob, n).map_err(Error::Rendezvous)?;
                     debug_assert_eq!(got.len(), n);
                 }
                 Exchange::MultiGet => {
@@ -391,8 +391,8 @@ async fn rendezvous(
 /// A rank's symmetric-rendezvous record as a real job publishes it (JSON, about 200 bytes):
 /// 8 ranks per host, a 1 MiB float32 tensor.
 pub fn sample_record(rank: usize) -> Vec<u8> {
-    crate::wire::symm::PeerRecord {
-        version: crate::wire::symm::RECORD_VERSION,
+    symmem::internals::wire::symm::PeerRecord {
+        version: symmem::internals::wire::symm::RECORD_VERSION,
         host: format!("node{:04}/6f1d3c2a-9b8e-4c7d-a5f0-{:012x}", rank / 8, rank / 8),
         pid: 100_000 + rank as u32,
         fd: 17,
@@ -400,7 +400,7 @@ pub fn sample_record(rank: usize) -> Vec<u8> {
         pad_size: 9216,
         buffer_size: 1 << 20,
         shape: vec![512, 512],
-        dtype: crate::tensor::DType::F32.code(),
+        dtype: symmem::tensor::DType::F32.code(),
         offset: 0,
     }
     .encode()
@@ -410,11 +410,11 @@ pub fn sample_record(rank: usize) -> Vec<u8> {
 /// exchange real rendezvous records through a local store, each way in [`Exchange`]; per-key
 /// gets only up to `per_key_max` ranks (they cost N² requests).
 pub fn rendezvous_scaling(ranks: &[usize], per_key_max: usize, mut emit: impl FnMut(BenchResult)) -> Result<()> {
-    crate::sys::raise_fd_limit();
+    symmem::internals::raise_fd_limit();
     let server = StoreServer::start("127.0.0.1:0", ServerOptions::default())?;
     let addr = server.local_addr().to_string();
     let copts = ClientOptions { timeout: Duration::from_secs(600), secret: None };
-    crate::rt::block_on(async {
+    symmem::internals::block_on(async {
         let mut run = 1_000_000u64;
         for &n in ranks {
             for how in [Exchange::PerKey, Exchange::MultiGet, Exchange::Gather] {
@@ -456,10 +456,10 @@ pub struct SignalBenchOptions {
 }
 
 /// The environment variable through which a launched benchmark rank returns its results.
-const BENCH_OUT_ENV: &str = "SYMMEM_BENCH_OUT";
+const BENCH_OUT_ENV: &str = symmem::config::env::BENCH_OUT;
 
 /// Launches `ranks` ranks of `exe args`, split evenly over `hosts` played hosts
-/// ([`crate::launch::run_hosts`]), and hands `emit` every row the ranks report (through a file
+/// ([`symmem::launch::run_hosts`]), and hands `emit` every row the ranks report (through a file
 /// named by [`BENCH_OUT_ENV`], removed afterwards).
 fn launch_bench(
     exe: &std::path::Path,
@@ -478,11 +478,11 @@ fn launch_bench(
     let dir = std::env::temp_dir().join(format!("symmem-bench-{}-{job}", std::process::id()));
     std::fs::create_dir_all(&dir).map_err(|e| Error::io(format!("create {}", dir.display()), e))?;
     let out = dir.join("rows.jsonl");
-    let mut launch = crate::launch::LaunchOptions::local(ranks / hosts, exe, args);
+    let mut launch = symmem::launch::LaunchOptions::local(ranks / hosts, exe, args);
     launch.env.push((BENCH_OUT_ENV.into(), out.clone().into()));
     launch.timeout = Some(timeout);
-    let result = crate::launch::run_hosts(&launch, hosts).and_then(|outcome| {
-        if outcome != crate::launch::Outcome::Success {
+    let result = symmem::launch::run_hosts(&launch, hosts).and_then(|outcome| {
+        if outcome != symmem::launch::Outcome::Success {
             return Err(Error::InvalidArgument(format!("benchmark job of {ranks} ranks failed: {outcome}")));
         }
         let text = std::fs::read_to_string(&out).map_err(|e| Error::io(format!("read {}", out.display()), e))?;
@@ -511,14 +511,14 @@ pub fn signal(options: &SignalBenchOptions, mut emit: impl FnMut(BenchResult)) -
 }
 
 fn report(rows: &[BenchResult]) -> Result<()> {
-    let path = std::env::var_os(BENCH_OUT_ENV)
+    let path = symmem::config::value(BENCH_OUT_ENV)
         .ok_or(Error::Env { var: BENCH_OUT_ENV, reason: "not set (run through `symmem bench`)".into() })?;
     let mut text = String::new();
     for r in rows {
         text.push_str(&serde_json::to_string(r).unwrap_or_default());
         text.push('\n');
     }
-    std::fs::write(&path, text).map_err(|e| Error::io(format!("write {path:?}"), e))
+    std::fs::write(path, text).map_err(|e| Error::io(format!("write {path:?}"), e))
 }
 
 fn pin_to_cpu(cpu: usize) -> bool {
@@ -540,9 +540,9 @@ fn half_round_trips(mut rtt: Vec<Duration>, name: &str, ranks: usize, note: &str
 
 /// One rank of the signal benchmark (run by `symmem bench signal` through the launcher).
 pub fn signal_rank(iters: usize) -> Result<()> {
-    use crate::symm::{self, Device};
-    use crate::tensor::DType;
-    let group = crate::Group::from_env()?;
+    use symmem::symm::{self, Device};
+    use symmem::tensor::DType;
+    let group = symmem::Group::from_env()?;
     let (me, ws) = (group.rank(), group.world_size());
     let x = symm::empty(&[64], DType::U8, Device::Cpu)?;
     let h = symm::rendezvous(&x, &group)?;
@@ -589,9 +589,9 @@ pub fn signal_rank(iters: usize) -> Result<()> {
 pub fn flag_rank(iters: usize) -> Result<()> {
     use std::sync::atomic::{AtomicU32, Ordering};
 
-    use crate::symm::{self, Device};
-    use crate::tensor::DType;
-    let group = crate::Group::from_env()?;
+    use symmem::symm::{self, Device};
+    use symmem::tensor::DType;
+    let group = symmem::Group::from_env()?;
     let me = group.rank();
     let pinned = pin_to_cpu(me);
     // Two flags on separate cache lines.
@@ -675,9 +675,9 @@ const PINGS: usize = 2200;
 pub fn transport_rank(backend: &str, window: usize, sizes: &[usize]) -> Result<()> {
     use std::io::{Read, Write};
 
-    use crate::tensor::{DType, Tensor};
-    use crate::transport::{Options, RemoteBuffer, new_transport_rank};
-    let group = crate::Group::from_env()?;
+    use symmem::tensor::{DType, Tensor};
+    use symmem::transport::{Options, RemoteBuffer, new_transport_rank};
+    let group = symmem::Group::from_env()?;
     let (me, peer) = (group.rank() as u64, 1 - group.rank() as u64);
     let t = Duration::from_secs(60);
     let transport = new_transport_rank(backend, None, group.store(), peer, me, t, &Options::new())?;
@@ -690,7 +690,7 @@ pub fn transport_rank(backend: &str, window: usize, sizes: &[usize]) -> Result<(
     let mut mine = Vec::new();
     for kind in kinds {
         let buf = if *kind == "shared" {
-            crate::transport::shm::alloc(&[max], DType::U8)?
+            symmem::transport::shm::alloc(&[max], DType::U8)?
         } else {
             Tensor::zeros(&[max], DType::U8)?
         };
@@ -801,7 +801,7 @@ pub fn transport_rank(backend: &str, window: usize, sizes: &[usize]) -> Result<(
                         std::hint::black_box(&dst);
                         Ok(())
                     } else {
-                        crate::sys::cma::write(pid, &src[..size], addr)
+                        symmem::internals::cma_write(pid, &src[..size], addr)
                             .map_err(|e| Error::InvalidArgument(format!("process_vm_writev baseline: {e}")))
                     }
                 };
@@ -843,7 +843,7 @@ pub fn transport_rank(backend: &str, window: usize, sizes: &[usize]) -> Result<(
             let (mem, remote) = (&mems[k].1, &theirs[k]);
             for &size in sizes {
                 for dir in ["write", "read"] {
-                    let run = || -> Result<crate::transport::Work> {
+                    let run = || -> Result<symmem::transport::Work> {
                         // Like the baselines, every transfer targets the same region.
                         let r = remote.slice(0, size as u64)?;
                         if dir == "write" {
@@ -871,7 +871,7 @@ pub fn transport_rank(backend: &str, window: usize, sizes: &[usize]) -> Result<(
                         if inflight.len() == window
                             && let Some(w) = inflight.pop_front()
                         {
-                            crate::transport::Work::wait(&w, None)?;
+                            symmem::transport::Work::wait(&w, None)?;
                         }
                         inflight.push_back(run()?);
                     }
@@ -928,7 +928,7 @@ pub struct OpBenchOptions {
     pub hosts: usize,
 }
 
-use crate::tensor::DType;
+use symmem::tensor::DType;
 
 /// nccl-tests' bus-bandwidth factor for `op` on `n` ranks.
 fn bus_factor(op: &str, n: usize) -> f64 {
@@ -971,10 +971,10 @@ pub fn parse_dtype(s: &str) -> Result<DType> {
 
 /// One rank of `symmem bench <collective>`.
 pub fn collective_rank(op: &str, algo: &str, dtype: DType, iters: usize, warmup: usize, sizes: &[usize]) -> Result<()> {
-    use crate::ops::{self, ReduceOp};
-    use crate::symm::{self, Device};
-    use crate::tensor::Tensor;
-    let group = crate::Group::from_env()?;
+    use symmem::ops::{self, ReduceOp};
+    use symmem::symm::{self, Device};
+    use symmem::tensor::Tensor;
+    let group = symmem::Group::from_env()?;
     let ws = group.world_size();
     let es = dtype.size();
     let mut rows = Vec::new();
@@ -1028,19 +1028,16 @@ pub fn collective_rank(op: &str, algo: &str, dtype: DType, iters: usize, warmup:
         let (median, p99) = percentiles(&mut lat);
         let algbw = bytes as f64 / (median / 1e6) / 1e9;
         let mut extra = serde_json::Map::new();
-        let hosts: usize = std::env::var("GROUP_WORLD_SIZE").ok().and_then(|v| v.parse().ok()).unwrap_or(1);
+        let hosts = symmem::config::hosts();
         let used = match (op, algo) {
-            ("all_reduce", "auto") if hosts > 1 => crate::ops::all_reduce_algo_across_hosts(bytes, ws.div_ceil(hosts)),
-            ("all_reduce", "auto") => crate::ops::all_reduce_algo(bytes, ws),
+            ("all_reduce", "auto") if hosts > 1 => symmem::ops::all_reduce_algo_across_hosts(bytes, ws.div_ceil(hosts)),
+            ("all_reduce", "auto") => symmem::ops::all_reduce_algo(bytes, ws),
             ("all_reduce", a) => a,
-            ("all_to_all", _) if hosts > 1 && bytes <= crate::ops::ALL_TO_ALL_PUSH_MAX => "host_push",
+            ("all_to_all", _) if hosts > 1 && bytes <= symmem::ops::ALL_TO_ALL_PUSH_MAX => "host_push",
             _ => "pull",
         };
         extra.insert("algo".into(), used.into());
-        extra.insert(
-            "hosts".into(),
-            std::env::var("GROUP_WORLD_SIZE").ok().and_then(|v| v.parse::<u64>().ok()).unwrap_or(1).into(),
-        );
+        extra.insert("hosts".into(), (hosts as u64).into());
         extra.insert("dtype".into(), dtype.to_string().into());
         extra.insert("busbw_gbps".into(), (algbw * bus_factor(op, ws)).into());
         extra.insert("ops_per_s".into(), (n_iters as f64 / total.as_secs_f64()).round().into());

@@ -1,12 +1,14 @@
 //! The `symmem` command: parses arguments, calls the library, maps outcomes to exit codes.
 
+mod bench;
+
 use std::ffi::OsString;
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
+use bench::{BenchResult, StoreBenchOptions};
 use clap::{Args, Parser, Subcommand};
-use symmem::bench::{self, BenchResult, StoreBenchOptions};
 use symmem::launch::{self, LaunchOptions};
 use symmem::ops::{self, ReduceOp};
 use symmem::store::{Secret, ServerOptions, StoreServer};
@@ -377,7 +379,11 @@ fn main() -> ExitCode {
     // terminal.
     let (writer, _flush_on_exit) = tracing_appender::non_blocking(std::io::stderr());
     tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::try_from_env("SYMMEM_LOG").unwrap_or_else(|_| "warn".into()))
+        .with_env_filter(
+            symmem::config::log_filter()
+                .and_then(|f| tracing_subscriber::EnvFilter::try_new(f).ok())
+                .unwrap_or_else(|| "warn".into()),
+        )
         .with_ansi(std::io::stderr().is_terminal())
         .with_writer(writer)
         .init();
@@ -526,7 +532,7 @@ fn open_mpi_figures(nproc: usize) {
     let run = || -> Option<String> {
         std::fs::create_dir_all(&dir).ok()?;
         let src = dir.join("mpi_allreduce.c");
-        std::fs::write(&src, include_str!("../bench/mpi_allreduce.c")).ok()?;
+        std::fs::write(&src, include_str!("../../bench/mpi_allreduce.c")).ok()?;
         let bin = dir.join("mpi_allreduce");
         let built = std::process::Command::new("mpicc").args(["-O2", "-o"]).arg(&bin).arg(&src).status().ok()?;
         if !built.success() {
@@ -562,7 +568,11 @@ fn demo_rank() -> Result<()> {
     let (rank, world) = (group.rank(), group.world_size());
     say!(
         "rank {rank}/{world}: joined the store at {} in {:.2} ms",
-        std::env::var("MASTER_ADDR").unwrap_or_default() + ":" + &std::env::var("MASTER_PORT").unwrap_or_default(),
+        format!(
+            "{}:{}",
+            symmem::config::value(symmem::config::env::MASTER_ADDR).unwrap_or_default(),
+            symmem::config::value(symmem::config::env::MASTER_PORT).unwrap_or_default()
+        ),
         joined.as_secs_f64() * 1e3
     );
 
@@ -892,7 +902,7 @@ fn info() {
         "  ptrace_scope      {}",
         yama.unwrap_or_else(|_| "no Yama (cross-memory attach allowed for same uid)".into())
     );
-    let l = symmem::wire::store::Limits::SERVER;
+    let l = symmem::store::Limits::SERVER;
     say!();
     say!("limits");
     say!("  store key         {} bytes", l.max_key_len);

@@ -200,7 +200,7 @@ fn python_symmetric_memory_runs_under_symmem_run() {
         eprintln!("SKIPPED: the symmem Python package is not installed in {py} (run python/test.sh)");
         return;
     }
-    let worker = format!("{}/python/tests/symm_worker.py", env!("CARGO_MANIFEST_DIR"));
+    let worker = format!("{}/../python/tests/symm_worker.py", env!("CARGO_MANIFEST_DIR"));
     let out =
         Command::new(BIN).args(["run", "-n", "3", "--timeout", "120", "--"]).arg(&py).arg(worker).output().unwrap();
     let text = String::from_utf8_lossy(&out.stdout);

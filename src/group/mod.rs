@@ -8,6 +8,7 @@
 //!
 //! Layer: uses `store`; never unsafe.
 
+use std::any::{Any, TypeId};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -27,6 +28,9 @@ fn gather_by_default(world_size: usize) -> bool {
         Rendezvous::Auto => world_size > GATHER_ABOVE,
     }
 }
+
+/// The id of the next group made in this process.
+static NEXT_ID: AtomicU64 = AtomicU64::new(1);
 
 /// The name of the group of every rank.
 pub const WORLD: &str = "world";
@@ -155,6 +159,10 @@ pub struct Group {
     splits: Mutex<HashMap<Vec<usize>, u64>>,
     /// Keys of this rank's last exchange that other ranks may still read (see `exchanged`).
     stale: Mutex<Vec<String>>,
+    /// A number no other group of this process has, for caches that outlive the name.
+    id: u64,
+    /// What layers above keep per group, by type (see [`Group::state`]).
+    state: Mutex<HashMap<TypeId, Arc<dyn Any + Send + Sync>>>,
     /// The store server, when this rank hosts it; it lives as long as the group.
     _server: Option<Arc<StoreServer>>,
 }
@@ -223,8 +231,29 @@ impl Group {
             through_root: AtomicBool::new(gather_by_default(world_size)),
             splits: Mutex::new(HashMap::new()),
             stale: Mutex::new(Vec::new()),
+            id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
+            state: Mutex::new(HashMap::new()),
             _server: None,
         }
+    }
+
+    /// A number that identifies this group among every group this process ever made (names
+    /// can be reused after a group is dropped; ids are not).
+    pub fn id(&self) -> u64 {
+        self.id
+    }
+
+    /// This group's state of type `T`, made (empty) at its first use: how the layers above
+    /// keep what they need per group (symmetric memory's rendezvous steps, links to other
+    /// hosts and barrier; the operators' workspaces) without process-wide maps. It lives
+    /// exactly as long as the group: dropping the group drops it, which closes its links and
+    /// frees its workspaces. `T` holds its own locks; this lock is held only for the lookup.
+    pub fn state<T: Any + Send + Sync + Default>(&self) -> Arc<T> {
+        let mut all = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        let any = all.entry(TypeId::of::<T>()).or_insert_with(|| Arc::new(T::default())).clone();
+        drop(all);
+        // The entry for T's TypeId was made as a T.
+        any.downcast::<T>().unwrap_or_else(|_| unreachable!("group state keyed by its own type"))
     }
 
     /// This rank's index in the group.

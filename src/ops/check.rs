@@ -17,7 +17,6 @@
 //! read each, all in flight at once. Every rank reads every digest, so every rank reaches the
 //! same verdict, and names the first rank (in rank order) that disagrees with rank 0.
 
-use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
@@ -134,17 +133,20 @@ impl Board {
     }
 }
 
-/// The boards, per group name; made collectively at a group's first checked call.
+/// A group's board, made collectively at its first checked call (kept in the group).
+#[derive(Default)]
+struct State(Mutex<Option<Arc<Board>>>);
+
 fn board(group: &Group) -> Result<Arc<Board>> {
-    static BOARDS: std::sync::OnceLock<Mutex<HashMap<String, Arc<Board>>>> = std::sync::OnceLock::new();
-    let mut all = BOARDS.get_or_init(Default::default).lock().unwrap_or_else(|p| p.into_inner());
-    if let Some(b) = all.get(group.name()) {
+    let state = group.state::<State>();
+    let mut slot = state.0.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some(b) = &*slot {
         return Ok(b.clone());
     }
     let t = symm::empty(&[BOARD_WORDS], DType::I64, Device::Cpu)?;
     let h = symm::rendezvous(&t, group)?;
     let b = Arc::new(Board { _tensor: t, h, last: Mutex::new(None) });
-    all.insert(group.name().to_string(), b.clone());
+    *slot = Some(b.clone());
     Ok(b)
 }
 

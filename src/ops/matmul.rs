@@ -7,7 +7,6 @@
 //! - `fused_matmul_reduce_scatter`: `A @ B` goes into a per-group symmetric workspace, then
 //!   every rank reduces its block from all workspaces in rank order (sum or avg).
 
-use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use half::{bf16, f16};
@@ -280,10 +279,14 @@ struct Workspace {
     handle: Arc<SymmHandle>,
 }
 
+/// The group's matmul workspace (kept in the group, so it goes with it).
+#[derive(Default)]
+struct State(Mutex<Option<Workspace>>);
+
 fn workspace(group: &Group, bytes: usize) -> Result<(Tensor, Arc<SymmHandle>)> {
-    static W: std::sync::OnceLock<Mutex<HashMap<String, Workspace>>> = std::sync::OnceLock::new();
-    let mut all = W.get_or_init(|| Mutex::new(HashMap::new())).lock().unwrap_or_else(|p| p.into_inner());
-    if let Some(w) = all.get(group.name())
+    let state = group.state::<State>();
+    let mut slot = state.0.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some(w) = &*slot
         && w.tensor.nbytes() >= bytes
     {
         return Ok((w.tensor.clone(), w.handle.clone()));
@@ -291,7 +294,7 @@ fn workspace(group: &Group, bytes: usize) -> Result<(Tensor, Arc<SymmHandle>)> {
     // Collective: every rank grows its workspace at the same call (the sizes are symmetric).
     let tensor = symm::empty(&[bytes.next_power_of_two()], DType::U8, Device::Cpu)?;
     let handle = symm::rendezvous(&tensor, group)?;
-    all.insert(group.name().to_string(), Workspace { tensor: tensor.clone(), handle: handle.clone() });
+    *slot = Some(Workspace { tensor: tensor.clone(), handle: handle.clone() });
     Ok((tensor, handle))
 }
 

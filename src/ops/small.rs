@@ -16,19 +16,20 @@
 //! only after every peer is done with it: no trailing barrier. Orderings: the epoch store is
 //! Release after the copy and pairs with the Acquire epoch loads of the readers; a reader's
 //! next epoch store (Release) comes after its reads and pairs with the writer's Acquire wait
-//! before it overwrites. Waiting spins, then yields the core, then sleeps on the epoch word's
-//! futex; a publisher wakes sleepers only when one declared itself (Dekker-style on SeqCst
-//! operations, with a timeout on every sleep as a safety net).
+//! before it overwrites. Waiting follows the crate's one patience policy
+//! (`sync::wait_until`: spin, yield the core, then sleep on the epoch word's futex); a
+//! publisher wakes sleepers only when one declared itself (Dekker-style on SeqCst operations,
+//! with a bounded nap as a safety net).
 
-use std::collections::HashMap;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use super::reduce::{self, ReduceOp};
 use crate::error::{Error, Result};
 use crate::group::Group;
 use crate::symm::{self, Device, SymmHandle};
+use crate::sync::{Patience, Stop, wait_until};
 use crate::tensor::{DType, Tensor};
 
 /// The largest message this path takes.
@@ -41,10 +42,9 @@ struct Workspace {
     epoch: u64,
 }
 
-fn workspaces() -> &'static Mutex<HashMap<String, Workspace>> {
-    static W: std::sync::OnceLock<Mutex<HashMap<String, Workspace>>> = std::sync::OnceLock::new();
-    W.get_or_init(|| Mutex::new(HashMap::new()))
-}
+/// The group's workspace, made at its first small all-reduce (kept in the group).
+#[derive(Default)]
+struct State(Mutex<Option<Workspace>>);
 
 /// The words saying what `rank` passed to the call of parity `parity`: its element count, and
 /// its dtype and reduction.
@@ -63,48 +63,34 @@ fn words(h: &SymmHandle, rank: usize) -> (&AtomicU64, &AtomicU32) {
     unsafe { (&*(base as *const AtomicU64), &*((base + 64) as *const AtomicU32)) }
 }
 
-fn wait_for(h: &SymmHandle, rank: usize, at_least: u64, deadline: Instant, timeout: Duration) -> Result<()> {
+fn wait_for(h: &SymmHandle, rank: usize, at_least: u64, p: &Patience, timeout: Duration) -> Result<()> {
     let (epoch, sleepers) = words(h, rank);
-    let start = Instant::now();
-    let oversubscribed = h.world_size() > crate::topo::cores();
-    let spin = if oversubscribed { Duration::ZERO } else { Duration::from_micros(50) };
-    let mut spins = 0u32;
-    loop {
-        // Acquire: pairs with the Release store of `publish`.
-        let seen = epoch.load(Ordering::Acquire);
-        if seen >= at_least {
-            return Ok(());
+    // The futex word is the epoch's low half (little-endian), which changes with every publish.
+    // SAFETY: the low 4 bytes of an 8-aligned AtomicU64 are an aligned u32 in the same shared
+    // mapping, only accessed atomically.
+    let low = unsafe { &*(epoch as *const AtomicU64 as *const AtomicU32) };
+    // Acquire: pairs with the Release (SeqCst) store of `publish`.
+    let done = || epoch.load(Ordering::Acquire) >= at_least;
+    let sleep = |_: u32, nap: Duration| {
+        // SeqCst pairs with the SeqCst store and load in `publish` (no lost wake-up).
+        sleepers.fetch_add(1, Ordering::SeqCst);
+        let now = epoch.load(Ordering::SeqCst);
+        if now < at_least {
+            crate::sys::futex::wait(low, now as u32, nap);
         }
-        spins += 1;
-        let elapsed = if spins.is_multiple_of(64) || oversubscribed { start.elapsed() } else { Duration::ZERO };
-        if elapsed < spin {
-            std::hint::spin_loop();
-        } else if elapsed < spin + Duration::from_millis(2) {
-            std::thread::yield_now();
-        } else {
-            if Instant::now() >= deadline {
-                return Err(Error::timeout(
-                    format!(
-                        "all_reduce: rank {} waiting for rank {rank} to reach call {at_least} (is it in another \
-                         operator, or in an all_reduce of a size that takes another algorithm?)",
-                        h.rank()
-                    ),
-                    timeout,
-                ));
-            }
-            // SeqCst pairs with the SeqCst store and load in `publish` (no lost wake-up).
-            sleepers.fetch_add(1, Ordering::SeqCst);
-            let now = epoch.load(Ordering::SeqCst);
-            if now < at_least {
-                // The futex word is the epoch's low half (little-endian), which changes with
-                // every publish.
-                // SAFETY: the low 4 bytes of an 8-aligned AtomicU64 are an aligned u32 in the
-                // same shared mapping, only accessed atomically.
-                let low = unsafe { &*(epoch as *const AtomicU64 as *const AtomicU32) };
-                crate::sys::futex::wait(low, now as u32, Duration::from_millis(1));
-            }
-            sleepers.fetch_sub(1, Ordering::SeqCst);
-        }
+        sleepers.fetch_sub(1, Ordering::SeqCst);
+    };
+    match wait_until(low, done, p, || Ok::<(), Error>(()), sleep) {
+        Ok(()) => Ok(()),
+        Err(Stop::Failed(e)) => Err(e),
+        Err(Stop::TimedOut) => Err(Error::timeout(
+            format!(
+                "all_reduce: rank {} waiting for rank {rank} to reach call {at_least} (is it in another operator, \
+                 or in an all_reduce of a size that takes another algorithm?)",
+                h.rank()
+            ),
+            timeout,
+        )),
     }
 }
 
@@ -122,23 +108,26 @@ fn publish(h: &SymmHandle, k: u64) {
 /// In-place all-reduce of at most [`MAX`] bytes.
 pub(crate) fn all_reduce(tensor: &Tensor, op: ReduceOp, group: &Group, timeout: Duration) -> Result<()> {
     let bytes = tensor.nbytes();
-    let mut all = workspaces().lock().unwrap_or_else(|p| p.into_inner());
-    if !all.contains_key(group.name()) {
-        // Collective: every rank's first small all-reduce on this group creates it.
-        let t = symm::empty(&[HEADER + 2 * MAX], DType::U8, Device::Cpu)?;
-        let handle = symm::rendezvous(&t, group)?;
-        handle.barrier(0, timeout)?;
-        all.insert(group.name().to_string(), Workspace { _tensor: t, handle, epoch: 0 });
-    }
-    let ws = all.get_mut(group.name()).ok_or_else(|| Error::InvalidArgument("workspace vanished".into()))?;
+    let state = group.state::<State>();
+    let mut slot = state.0.lock().unwrap_or_else(|p| p.into_inner());
+    let ws = match &mut *slot {
+        Some(ws) => ws,
+        None => {
+            // Collective: every rank's first small all-reduce on this group creates it.
+            let t = symm::empty(&[HEADER + 2 * MAX], DType::U8, Device::Cpu)?;
+            let handle = symm::rendezvous(&t, group)?;
+            handle.barrier(0, timeout)?;
+            slot.insert(Workspace { _tensor: t, handle, epoch: 0 })
+        }
+    };
     ws.epoch += 1;
     let (k, h) = (ws.epoch, ws.handle.clone());
-    drop(all);
-    let deadline = Instant::now() + timeout;
+    drop(slot);
+    let p = h.patience(timeout);
     let buf = HEADER + ((k % 2) as usize) * MAX;
     let n = h.world_size();
     for r in (0..n).filter(|&r| r != h.rank()) {
-        wait_for(&h, r, k - 1, deadline, timeout)?;
+        wait_for(&h, r, k - 1, &p, timeout)?;
     }
     let mine = (h.read_ptr(h.rank()) + h.offset() + buf) as *mut u8;
     // SAFETY: buf k%2 of my workspace holds MAX >= bytes bytes, and no peer reads it now (each
@@ -151,7 +140,7 @@ pub(crate) fn all_reduce(tensor: &Tensor, op: ReduceOp, group: &Group, timeout: 
     }
     publish(&h, k);
     for r in (0..n).filter(|&r| r != h.rank()) {
-        wait_for(&h, r, k, deadline, timeout)?;
+        wait_for(&h, r, k, &p, timeout)?;
     }
     // Every rank reads every rank's words, so every rank reaches the same verdict. Relaxed:
     // ordered by the Acquire epoch loads above.

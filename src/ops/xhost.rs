@@ -118,9 +118,10 @@ fn verdict_error(op: &str, h: &SymmHandle, leader: usize, sigs: &Sigs, verdict: 
     super::check::counts_disagree(op, of(0), r, of(r))
 }
 
-/// Workspaces per (group, operator), each locked for the length of a call; the map itself only
-/// for a lookup, so calls on different groups never wait for each other.
-type Workspaces = HashMap<(String, &'static str), Arc<Mutex<Workspace>>>;
+/// A group's workspaces per operator, each locked for the length of a call; the map itself only
+/// for a lookup. Kept in the group, so they go with it.
+#[derive(Default)]
+struct Workspaces(Mutex<HashMap<&'static str, Arc<Mutex<Workspace>>>>);
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
@@ -136,10 +137,9 @@ fn workspace(
     bytes: impl Fn(usize) -> usize,
     timeout: Duration,
 ) -> Result<Arc<Mutex<Workspace>>> {
-    static W: std::sync::OnceLock<Mutex<Workspaces>> = std::sync::OnceLock::new();
-    let key = (group.name().to_string(), kind);
-    let mut all = lock(W.get_or_init(|| Mutex::new(HashMap::new())));
-    if let Some(w) = all.get(&key)
+    let state = group.state::<Workspaces>();
+    let mut all = lock(&state.0);
+    if let Some(w) = all.get(kind)
         && lock(w).cap >= cap
     {
         return Ok(w.clone());
@@ -151,7 +151,7 @@ fn workspace(
     handle.barrier(0, timeout)?;
     let words = Words::new(handle, 0);
     let w = Arc::new(Mutex::new(Workspace { _tensor: t, words, cap, epoch: 0, sent: Vec::new() }));
-    all.insert(key, w.clone());
+    all.insert(kind, w.clone());
     Ok(w)
 }
 

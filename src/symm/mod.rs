@@ -31,7 +31,8 @@ mod remote;
 mod segment;
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
@@ -52,33 +53,76 @@ pub const BACKEND: &str = "CPU";
 /// PyTorch's default signal pad: 32 channels × 72 ranks × 4 bytes.
 pub const DEFAULT_SIGNAL_PAD_SIZE: usize = 9216;
 
-/// Process-wide settings and bookkeeping.
+/// Process-wide settings: the signal pad size, which every allocation of every group shares.
 struct Globals {
     signal_pad_size: usize,
     allocated: bool,
-    /// Rendezvous steps taken per group name: keys never depend on other groups' activity.
-    steps: HashMap<String, u64>,
-    /// One lock per group: signal-pad operations of a group are serialized across threads.
-    locks: HashMap<String, Arc<Mutex<()>>>,
-    /// Per group: the transport links to its ranks on other hosts.
-    links: HashMap<String, Arc<Links>>,
-    /// Per group spanning hosts: its barrier.
-    syncs: HashMap<String, Arc<hostsync::HostSync>>,
 }
 
 fn globals() -> MutexGuard<'static, Globals> {
-    static G: std::sync::LazyLock<Mutex<Globals>> = std::sync::LazyLock::new(|| {
-        Mutex::new(Globals {
-            signal_pad_size: DEFAULT_SIGNAL_PAD_SIZE,
-            allocated: false,
-            steps: HashMap::new(),
-            locks: HashMap::new(),
-            links: HashMap::new(),
-            syncs: HashMap::new(),
-        })
-    });
-    // The bookkeeping stays consistent even if a holder panicked.
+    static G: Mutex<Globals> = Mutex::new(Globals { signal_pad_size: DEFAULT_SIGNAL_PAD_SIZE, allocated: false });
+    // The settings stay consistent even if a holder panicked.
     G.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// What symmetric memory keeps per group, in the group ([`Group::state`]): it dies with the
+/// group, closing the group's links and dropping its barrier, and takes the group's entries
+/// out of every allocation's cache on the way.
+#[derive(Default)]
+struct GroupState {
+    /// The group's id, set at first use.
+    id: std::sync::OnceLock<u64>,
+    /// Rendezvous steps taken on the group: its keys never depend on other groups' activity.
+    steps: AtomicU64,
+    /// Signal-pad operations of the group are serialized across threads.
+    lock: Arc<Mutex<()>>,
+    /// The transport links to the group's ranks on other hosts.
+    links: Mutex<Option<Arc<Links>>>,
+    /// The group's barrier across hosts, once made.
+    sync: Mutex<Option<Arc<hostsync::HostSync>>>,
+    /// Set while the barrier's own words are being rendezvoused (they get no barrier).
+    making_sync: AtomicBool,
+    /// The caches of the allocations rendezvoused on the group.
+    caches: Mutex<Vec<Weak<Mutex<Cache>>>>,
+}
+
+impl GroupState {
+    fn of(group: &Group) -> Arc<GroupState> {
+        let s = group.state::<GroupState>();
+        s.id.get_or_init(|| group.id());
+        s
+    }
+
+    fn id(&self) -> u64 {
+        self.id.get().copied().unwrap_or(0)
+    }
+
+    /// Remembers that `cache` holds entries of this group.
+    fn touched(&self, cache: &Arc<Mutex<Cache>>) {
+        let mut caches = lock(&self.caches);
+        if !caches.iter().any(|c| std::ptr::eq(c.as_ptr(), Arc::as_ptr(cache))) {
+            caches.retain(|c| c.strong_count() > 0);
+            caches.push(Arc::downgrade(cache));
+        }
+    }
+}
+
+impl Drop for GroupState {
+    fn drop(&mut self) {
+        let id = self.id();
+        for cache in lock(&self.caches).drain(..).filter_map(|c| c.upgrade()) {
+            let mut c = lock(&cache);
+            c.peers.remove(&id);
+            c.handles.retain(|(g, _), _| *g != id);
+        }
+    }
+}
+
+/// An allocation's peers and handles, per group id (per byte offset for handles).
+#[derive(Debug, Default)]
+struct Cache {
+    peers: HashMap<u64, Arc<PeerSet>>,
+    handles: HashMap<(u64, usize), Arc<SymmHandle>>,
 }
 
 /// Sets the backend. `"CPU"` is the only one on this machine; GPU backends answer with an
@@ -125,10 +169,8 @@ pub fn get_signal_pad_size() -> usize {
 #[derive(Debug)]
 pub struct Allocation {
     segment: Arc<Segment>,
-    /// Peer mappings per group name.
-    peers: Mutex<HashMap<String, Arc<PeerSet>>>,
-    /// Handles per (group name, byte offset).
-    handles: Mutex<HashMap<(String, usize), Arc<SymmHandle>>>,
+    /// Peer mappings and handles per group; a group's entries go with it.
+    cache: Arc<Mutex<Cache>>,
 }
 
 impl Allocation {
@@ -138,11 +180,7 @@ impl Allocation {
             g.allocated = true;
             g.signal_pad_size
         };
-        Ok(Allocation {
-            segment: Arc::new(Segment::create(pad, data_size)?),
-            peers: Mutex::new(HashMap::new()),
-            handles: Mutex::new(HashMap::new()),
-        })
+        Ok(Allocation { segment: Arc::new(Segment::create(pad, data_size)?), cache: Arc::default() })
     }
 
     /// The data buffer's size in bytes.
@@ -258,56 +296,52 @@ pub fn rendezvous(tensor: &Tensor, group: &Group) -> Result<Arc<SymmHandle>> {
                 .into(),
         ));
     };
-    // The hot path (every operator rendezvouses its input): find the cached handle without
-    // allocating a key.
-    if let Some(h) =
-        lock(&alloc.handles).iter().find(|((g, o), _)| *o == offset && g == group.name()).map(|(_, h)| h.clone())
-    {
-        return Ok(h);
+    // The hot path (every operator rendezvouses its input): one lookup, no allocation.
+    let key = (group.id(), offset);
+    if let Some(h) = lock(&alloc.cache).handles.get(&key) {
+        return Ok(h.clone());
     }
-    let key = (group.name().to_string(), offset);
-    let cached = lock(&alloc.peers).get(group.name()).cloned();
+    let state = GroupState::of(group);
+    let cached = lock(&alloc.cache).peers.get(&group.id()).cloned();
     let peers = match cached {
         Some(p) => p,
         None => {
-            let p = Arc::new(exchange(alloc, tensor, offset, group)?);
+            let p = Arc::new(exchange(alloc, tensor, offset, group, &state)?);
             if !p.exposed.is_empty()
-                && let Some(sync) = host_sync(group)?
+                && let Some(sync) = host_sync(group, &state)?
             {
                 let _ = p.sync.set(sync);
             }
-            lock(&alloc.peers).insert(group.name().to_string(), p.clone());
+            lock(&alloc.cache).peers.insert(group.id(), p.clone());
+            state.touched(&alloc.cache);
             p
         }
     };
     let h = Arc::new(SymmHandle { peers, offset });
-    lock(&alloc.handles).insert(key, h.clone());
+    lock(&alloc.cache).handles.insert(key, h.clone());
     Ok(h)
-}
-
-thread_local! {
-    /// Set while a group's barrier words are being rendezvoused (they get no barrier of their own).
-    static MAKING_SYNC: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
 }
 
 /// The barrier of a group that spans hosts, made at its first rendezvous across hosts (every
 /// rank reaches that point in the same order, so the nested rendezvous is collective too).
-fn host_sync(group: &Group) -> Result<Option<Arc<hostsync::HostSync>>> {
-    if MAKING_SYNC.get() {
+fn host_sync(group: &Group, state: &GroupState) -> Result<Option<Arc<hostsync::HostSync>>> {
+    if state.making_sync.load(Ordering::Relaxed) {
         return Ok(None);
     }
-    if let Some(s) = globals().syncs.get(group.name()) {
-        return Ok(Some(s.clone()));
+    if let Some(s) = lock(&state.sync).clone() {
+        return Ok(Some(s));
     }
-    MAKING_SYNC.set(true);
+    // Relaxed: only this thread's nested rendezvous reads it (a group's collectives are
+    // called by one thread at a time).
+    state.making_sync.store(true, Ordering::Relaxed);
     let made = (|| {
         let words = empty(&[hostsync::words(group.world_size())], DType::U32, Device::Cpu)?;
         let h = rendezvous(&words, group)?;
         Ok::<_, Error>(Arc::new(hostsync::HostSync::new(words, h)))
     })();
-    MAKING_SYNC.set(false);
+    state.making_sync.store(false, Ordering::Relaxed);
     let s = made?;
-    globals().syncs.insert(group.name().to_string(), s.clone());
+    *lock(&state.sync) = Some(s.clone());
     Ok(Some(s))
 }
 
@@ -320,14 +354,10 @@ fn describe(r: &PeerRecord) -> String {
     format!("{:?} {dtype} ({} bytes at offset {}, pad {} bytes)", r.shape, r.buffer_size, r.offset, r.pad_size)
 }
 
-fn exchange(alloc: &Allocation, tensor: &Tensor, offset: usize, group: &Group) -> Result<PeerSet> {
+fn exchange(alloc: &Allocation, tensor: &Tensor, offset: usize, group: &Group, state: &GroupState) -> Result<PeerSet> {
     let (rank, ws, name) = (group.rank(), group.world_size(), group.name().to_string());
-    let step = {
-        let mut g = globals();
-        let s = g.steps.entry(name.clone()).or_insert(0);
-        *s += 1;
-        *s
-    };
+    // Relaxed: a counter; every rank of the group takes the same steps in the same order.
+    let step = state.steps.fetch_add(1, Ordering::Relaxed) + 1;
     let me = PeerRecord {
         version: RECORD_VERSION,
         host: crate::topo::this_host(),
@@ -373,12 +403,12 @@ fn exchange(alloc: &Allocation, tensor: &Tensor, offset: usize, group: &Group) -
     let links = if remote.is_empty() {
         Arc::new(Links::new())
     } else {
-        let cached = globals().links.get(&name).cloned();
+        let cached = lock(&state.links).clone();
         match cached {
             Some(l) if remote.iter().all(|r| l.contains_key(r)) => l,
             _ => {
                 let l = Arc::new(remote::connect(group, step, &remote, &hosts)?);
-                globals().links.insert(name.clone(), l.clone());
+                *lock(&state.links) = Some(l.clone());
                 connected_now = true;
                 l
             }
@@ -504,7 +534,7 @@ fn exchange(alloc: &Allocation, tensor: &Tensor, offset: usize, group: &Group) -
         })?;
         peers.push(Peer::Remote(Box::new(Remote::new(links[&r].clone(), pad, data, mirror))));
     }
-    let lock = globals().locks.entry(name.clone()).or_default().clone();
+    let lock = state.lock.clone();
     let mut ranks_of_host = vec![Vec::new(); distinct.len()];
     for (r, &h) in host_of.iter().enumerate() {
         ranks_of_host[h].push(r);
@@ -1145,8 +1175,8 @@ fn handle_of(op: &str, t: &Tensor) -> Result<Arc<SymmHandle>> {
     let Some((alloc, offset)) = allocation_of(t) else {
         return Err(Error::InvalidArgument(format!("{op}: the tensor is not in symmetric memory")));
     };
-    let handles = lock(&alloc.handles);
-    let mut found = handles.iter().filter(|((_, o), _)| *o == offset).map(|(_, h)| h.clone());
+    let cache = lock(&alloc.cache);
+    let mut found = cache.handles.iter().filter(|((_, o), _)| *o == offset).map(|(_, h)| h.clone());
     match (found.next(), found.next()) {
         (Some(h), None) => Ok(h),
         (None, _) => Err(Error::InvalidArgument(format!("{op}: rendezvous the tensor on a group first"))),

@@ -40,7 +40,9 @@ pub(crate) struct Link {
 impl Link {
     /// Why the link is down, if it is.
     pub(crate) fn lost(&self) -> Option<String> {
-        (!self.transport.connected()).then(|| self.transport.describe())
+        (!self.transport.connected()).then(|| {
+            self.transport.disconnect_reason().unwrap_or_else(|| format!("{} link closed", self.transport.describe()))
+        })
     }
 
     /// The error for a failed transfer to this link's peer.
@@ -58,6 +60,17 @@ impl Link {
     fn start_atomic(&self, remote: &RemoteBuffer, op: Atomic, operand: u64, timeout: Duration) -> Result<Work> {
         let scratch = self.scratch.to_view(0, Some(op.width() as usize))?;
         self.transport.start_atomic(&scratch, remote, op, operand, Some(timeout))
+    }
+}
+
+impl Drop for Link {
+    /// A group's links close with the group: first the transfers still in flight (the last
+    /// signal of a barrier, which the peer may still be waiting for) drain, at most a few
+    /// seconds, so a peer never takes this rank's orderly exit for a lost host.
+    fn drop(&mut self) {
+        if let Err(e) = self.transport.close(Some(Duration::from_secs(5))) {
+            tracing::warn!("closing the link to rank {} on host {}: {e}", self.peer, self.host);
+        }
     }
 }
 

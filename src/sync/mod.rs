@@ -126,7 +126,7 @@ pub(crate) enum Stop<E> {
 /// Waits until `done()` holds. `word` is the atomic whose changes may make it hold: the wait
 /// spins and yields by `p`, then naps on the word's futex (through `sleep`, given the value
 /// last seen and the nap's length, so a caller can announce itself to wakers first), calling
-/// `check` before each nap.
+/// `check` before each nap; a failed check ends the wait unless `done()` holds by then.
 pub(crate) fn wait_until<E>(
     word: &AtomicU32,
     mut done: impl FnMut() -> bool,
@@ -146,7 +146,11 @@ pub(crate) fn wait_until<E>(
             continue;
         }
         let Some(nap) = p.nap() else { return Err(Stop::TimedOut) };
-        check().map_err(Stop::Failed)?;
+        if let Err(e) = check() {
+            // What made it hold may have landed just before the failure was seen (a peer's
+            // last signal, then its orderly exit): look once more.
+            return if done() { Ok(()) } else { Err(Stop::Failed(e)) };
+        }
         sleep(seen, nap);
     }
 }

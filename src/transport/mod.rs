@@ -596,6 +596,12 @@ impl Transport {
         self.state.load(Ordering::Acquire) == OPEN && self.backend.connected()
     }
 
+    /// Why the transport is no longer connected, when its backend knows (the peer exited, the
+    /// connection broke).
+    pub fn disconnect_reason(&self) -> Option<String> {
+        self.backend.disconnect_reason()
+    }
+
     /// Registers a contiguous tensor; peers holding its descriptor may read and write it.
     pub fn register_memory(&self, tensor: &Tensor) -> Result<Memory> {
         self.register(tensor, true)

@@ -5,6 +5,8 @@
 //!
 //! Layer: a foundation (uses only `error`); every layer takes its knobs from here.
 
+#![forbid(unsafe_code)]
+
 use std::sync::OnceLock;
 use std::time::Duration;
 

@@ -1,6 +1,8 @@
 //! The one error type of symmem: each variant says what happened, with the context needed to act
 //! on it, and each message names the exact cause once.
 
+#![forbid(unsafe_code)]
+
 use std::io;
 use std::time::Duration;
 

@@ -16,6 +16,8 @@
 //! raises an abort key that makes every other launcher stop its ranks, and node 0 keeps the
 //! store up until every node's ranks have finished.
 
+#![forbid(unsafe_code)]
+
 use std::ffi::OsString;
 use std::fmt;
 use std::io::Write;

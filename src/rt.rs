@@ -5,6 +5,8 @@
 //! `futures::executor::block_on`: the runtime's worker threads drive the sockets and timers, so
 //! this works from any thread, including from inside another tokio runtime.
 
+#![forbid(unsafe_code)]
+
 use std::sync::OnceLock;
 
 use tokio::runtime::{Builder, Runtime};

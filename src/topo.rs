@@ -3,6 +3,8 @@
 //!
 //! Layer: a foundation (uses `config`).
 
+#![forbid(unsafe_code)]
+
 use std::sync::OnceLock;
 
 /// This host's identity: ranks with the same identity map each other's memory. By default the

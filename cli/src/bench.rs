@@ -1030,10 +1030,9 @@ pub fn collective_rank(op: &str, algo: &str, dtype: DType, iters: usize, warmup:
         let mut extra = serde_json::Map::new();
         let hosts = symmem::config::hosts();
         let used = match (op, algo) {
-            ("all_reduce", "auto") if hosts > 1 => symmem::ops::all_reduce_algo_across_hosts(bytes, ws.div_ceil(hosts)),
-            ("all_reduce", "auto") => symmem::ops::all_reduce_algo(bytes, ws),
+            ("all_reduce", "auto") => symmem::ops::all_reduce::select(bytes, ws, ws.div_ceil(hosts), hosts).name(),
             ("all_reduce", a) => a,
-            ("all_to_all", _) if hosts > 1 && bytes <= symmem::ops::ALL_TO_ALL_PUSH_MAX => "host_push",
+            ("all_to_all", _) => symmem::ops::all_to_all::select(bytes, hosts).name(),
             _ => "pull",
         };
         extra.insert("algo".into(), used.into());

@@ -682,12 +682,8 @@ fn demo_rank() -> Result<()> {
         }
         let (median, _) = bench::percentiles(&mut lat);
         if rank == 0 {
-            let algo = if h.all_local() {
-                ops::all_reduce_algo(bytes, world)
-            } else {
-                ops::all_reduce_algo_across_hosts(bytes, h.max_ranks_per_host())
-            }
-            .replace('_', "-");
+            let hosts = if h.all_local() { 1 } else { 2 };
+            let algo = ops::all_reduce::select(bytes, world, h.max_ranks_per_host(), hosts).name().replace('_', "-");
             say!(
                 "rank 0: all-reduce of {label} ({algo}) on {world} ranks: median {median:.2} us, result checked on every rank"
             );

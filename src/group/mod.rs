@@ -8,6 +8,8 @@
 //!
 //! Layer: uses `store`; never unsafe.
 
+#![forbid(unsafe_code)]
+
 use std::any::{Any, TypeId};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};

@@ -20,8 +20,8 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
+use super::common::{bad, timeout};
 use super::reduce::ReduceOp;
-use super::{bad, timeout};
 use crate::error::Result;
 use crate::group::Group;
 use crate::symm::{self, Device, SymmHandle};
@@ -233,7 +233,7 @@ pub(crate) fn counts_disagree(op: &str, first: [u64; 2], r: usize, theirs: [u64;
 /// operator.
 pub(crate) fn enter(group: &Group, h: &SymmHandle, stamp: &Stamp) -> Result<()> {
     let posted = post(group, stamp)?;
-    super::barrier(h)?;
+    super::common::barrier(h)?;
     posted.check()
 }
 
@@ -243,9 +243,9 @@ pub(crate) fn enter(group: &Group, h: &SymmHandle, stamp: &Stamp) -> Result<()> 
 pub(crate) fn agree(group: &Group, stamp: &Stamp) -> Result<()> {
     let posted = post(group, stamp)?;
     let h = posted.board.h.clone();
-    super::barrier(&h)?;
+    super::common::barrier(&h)?;
     let verdict = posted.check();
-    super::barrier(&h)?;
+    super::common::barrier(&h)?;
     verdict
 }
 

@@ -11,8 +11,8 @@ use std::sync::{Arc, Mutex};
 
 use half::{bf16, f16};
 
+use super::common::{bad, barrier, fetch, fetch_shared, symmetric, timeout};
 use super::reduce::{self, ReduceOp};
-use super::{bad, barrier, fetch, fetch_shared, symmetric, timeout};
 use crate::error::Result;
 use crate::group::Group;
 use crate::symm::{self, Device, SymmHandle};

@@ -3,8 +3,8 @@
 //! reduction of every rank's tile; the other ranks contribute and synchronize.
 
 use super::check::{Stamp, enter};
+use super::common::{bad, barrier, fetch};
 use super::reduce::{self, ReduceOp};
-use super::{bad, barrier, fetch};
 use crate::error::Result;
 use crate::group::Group;
 use crate::symm::{self, SymmHandle};

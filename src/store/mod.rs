@@ -3,6 +3,8 @@
 //!
 //! Layer: uses `wire` only; never unsafe.
 
+#![forbid(unsafe_code)]
+
 mod auth;
 mod client;
 mod server;

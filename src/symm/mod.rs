@@ -31,14 +31,14 @@ mod remote;
 mod segment;
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
 use crate::group::Group;
-use crate::sync::Patience;
 use crate::sync::slot::{self, Failure};
+use crate::sync::{Patience, Stop, wait_until};
 pub use crate::tensor::Device;
 use crate::tensor::{DType, Storage, Tensor};
 use crate::transport::Memory;
@@ -1242,6 +1242,8 @@ pub fn nvshmem_put_with_signal(tensor: &Tensor, sigpad: &Tensor, signal: u64, pe
                 let w = unsafe { &*at.cast::<std::sync::atomic::AtomicU64>() };
                 // Release: pairs with the Acquire load in nvshmem_wait_for_signal, after the put.
                 w.store(signal, std::sync::atomic::Ordering::Release);
+                // SAFETY: the low 4 bytes of the 8-aligned word, only accessed atomically.
+                crate::sys::futex::wake(unsafe { &*at.cast::<AtomicU32>() });
             } else {
                 // SAFETY: as above, for a 4-aligned 4-byte word.
                 let w = unsafe { &*at.cast::<std::sync::atomic::AtomicU32>() };
@@ -1264,7 +1266,6 @@ pub fn nvshmem_put_with_signal(tensor: &Tensor, sigpad: &Tensor, signal: u64, pe
 pub fn nvshmem_wait_for_signal(sigpad: &Tensor, signal: u64, peer: usize) -> Result<()> {
     let (h, width) = signal_word("nvshmem_wait_for_signal", sigpad)?;
     let timeout = crate::config::op_timeout();
-    let deadline = Instant::now() + timeout;
     let at = h.own_ptr() + h.offset;
     let read = || {
         if width == 8 {
@@ -1280,36 +1281,30 @@ pub fn nvshmem_wait_for_signal(sigpad: &Tensor, signal: u64, peer: usize) -> Res
         }
     };
     let want = if width == 8 { signal } else { signal & 0xffff_ffff };
-    let mut spins = 0u32;
-    while read() != want {
-        spins += 1;
-        if spins < 1000 {
-            std::hint::spin_loop();
-        } else if spins < 2000 {
-            std::thread::yield_now();
-        } else {
-            if Instant::now() >= deadline {
-                return Err(Error::timeout(
-                    format!("nvshmem_wait_for_signal: rank {} waiting for signal {signal} from rank {peer}", h.rank()),
-                    timeout,
-                ));
-            }
-            if let Some(r) = h.remote(peer)
-                && let Some(why) = r.link.lost()
-            {
-                return Err(Error::transfer(
-                    crate::error::TransferKind::PeerLost,
-                    format!(
-                        "nvshmem_wait_for_signal: rank {} lost rank {peer} on host {}: {why}",
-                        h.rank(),
-                        r.link.host
-                    ),
-                ));
-            }
-            std::thread::sleep(Duration::from_micros(50));
-        }
+    // Sleep on the word's low half (little-endian), which every putter wakes after storing.
+    // SAFETY: the word lies in this rank's own data buffer, at least 4-aligned (checked), and
+    // its low 4 bytes are only accessed atomically.
+    let low = unsafe { &*(at as *const AtomicU32) };
+    let lost = || match h.remote(peer).and_then(|r| r.link.lost().map(|why| (r, why))) {
+        Some((r, why)) => Err(Error::transfer(
+            crate::error::TransferKind::PeerLost,
+            format!("nvshmem_wait_for_signal: rank {} lost rank {peer} on host {}: {why}", h.rank(), r.link.host),
+        )),
+        None => Ok(()),
+    };
+    // A 64-bit signal that changes only its high half does not change the futex word, so its
+    // wake-up can slip past a sleeper that is about to sleep: nap briefly then.
+    let sleep = |seen: u32, nap: Duration| {
+        crate::sys::futex::wait(low, seen, if width == 8 { nap.min(Duration::from_millis(1)) } else { nap })
+    };
+    match wait_until(low, || read() == want, &h.patience(timeout), lost, sleep) {
+        Ok(()) => Ok(()),
+        Err(Stop::Failed(e)) => Err(e),
+        Err(Stop::TimedOut) => Err(Error::timeout(
+            format!("nvshmem_wait_for_signal: rank {} waiting for signal {signal} from rank {peer}", h.rank()),
+            timeout,
+        )),
     }
-    Ok(())
 }
 
 /// Rendezvouses `x` on `group` and returns every rank's copy of it.

@@ -277,7 +277,7 @@ pub(crate) fn is_busy(e: &Error) -> bool {
 pub(crate) fn slot_puts(puts: &[(&Remote, usize)], timeout: Duration, what: &dyn Fn(usize) -> String) -> Result<()> {
     let deadline = Instant::now() + timeout;
     let mut todo: Vec<usize> = (0..puts.len()).collect();
-    let mut backoff = Duration::from_micros(20);
+    let mut backoff = crate::sync::Backoff::new(deadline);
     while !todo.is_empty() {
         let left = deadline.saturating_duration_since(Instant::now());
         let works = todo
@@ -296,16 +296,12 @@ pub(crate) fn slot_puts(puts: &[(&Remote, usize)], timeout: Duration, what: &dyn
             }
         }
         todo = busy;
-        if !todo.is_empty() {
-            if Instant::now() >= deadline {
-                let r = puts[todo[0]].0;
-                return Err(Error::timeout(
-                    format!("{} (its previous signal was never consumed)", what(r.link.peer)),
-                    timeout,
-                ));
-            }
-            std::thread::sleep(backoff);
-            backoff = (backoff * 2).min(Duration::from_millis(2));
+        if !todo.is_empty() && !backoff.pause() {
+            let r = puts[todo[0]].0;
+            return Err(Error::timeout(
+                format!("{} (its previous signal was never consumed)", what(r.link.peer)),
+                timeout,
+            ));
         }
     }
     Ok(())

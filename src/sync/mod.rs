@@ -8,12 +8,17 @@
 //!   slot::put / slot::wait            PyTorch's signal protocol with sleeping (loom-checked)
 //!   wait_until(word, done, p, check)  spin/yield by the policy, then nap on the word's futex,
 //!                                     `check` between naps (a lost peer fails the wait at once)
+//!   Backoff                           retrying what a remote peer must make possible (no futex
+//!                                     to sleep on): 20 µs doubling to 2 ms, until a deadline
+//!   Work completions (transport)      spin the same budget (SYMMEM_SPIN_US), then a condvar
 //! ```
 //!
 //! Every wait has a deadline and honours it. Code written against [`SlotWord`] runs on real
 //! atomics and futexes, and under loom on model-checked ones.
 //!
 //! Layer: above `sys` (futexes) and `config` (the spin budget); below everything that waits.
+
+#![deny(unsafe_code)] // the loom model test alone reads an UnsafeCell
 
 pub(crate) mod slot;
 
@@ -112,6 +117,31 @@ impl Spinner {
             return true;
         }
         false
+    }
+}
+
+/// Retrying what another process must make possible and cannot wake us for (a remote signal
+/// slot still holding its previous signal): sleep 20 µs, doubling up to 2 ms, never past the
+/// deadline.
+pub(crate) struct Backoff {
+    next: Duration,
+    deadline: Instant,
+}
+
+impl Backoff {
+    pub(crate) fn new(deadline: Instant) -> Backoff {
+        Backoff { next: Duration::from_micros(20), deadline }
+    }
+
+    /// Sleeps before the next attempt; false (without sleeping) once the deadline has passed.
+    pub(crate) fn pause(&mut self) -> bool {
+        let left = self.deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return false;
+        }
+        std::thread::sleep(self.next.min(left));
+        self.next = (self.next * 2).min(Duration::from_millis(2));
+        true
     }
 }
 

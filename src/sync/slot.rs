@@ -174,6 +174,7 @@ mod tests {
 
     /// Model-checks the protocol with loom: every interleaving of the same `put` and `wait`
     /// code, with sleeping modelled as a spurious-wakeup-allowed yield.
+    #[allow(unsafe_code, reason = "loom's UnsafeCell detects the data races the protocol must prevent")]
     mod model {
         use super::super::*;
         use loom::sync::Arc;

@@ -2,6 +2,8 @@
 //! `process_vm_writev`/`process_vm_readv` (one copy, the other process takes no part), and
 //! pidfds to notice that process's death.
 
+#![forbid(unsafe_code)]
+
 use std::io::{IoSlice, IoSliceMut};
 use std::os::fd::OwnedFd;
 

@@ -1,6 +1,8 @@
 //! Futex wait and wake on a 32-bit word in shared memory. Process-shared: never the PRIVATE
 //! flag, which would never wake a waiter in another process.
 
+#![forbid(unsafe_code)]
+
 use std::sync::atomic::AtomicU32;
 use std::time::Duration;
 

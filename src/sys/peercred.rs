@@ -3,6 +3,8 @@
 //! same query `ss -e` makes). Unix sockets have `SO_PEERCRED`; TCP has this, for peers in this
 //! network namespace. A peer on another host (or namespace) has no socket here to find.
 
+#![forbid(unsafe_code)]
+
 use std::net::{IpAddr, SocketAddr};
 
 use rustix::net::netlink::{self, SocketAddrNetlink};

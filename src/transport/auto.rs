@@ -8,6 +8,8 @@
 //! [`Backend::describe`]. Registrations are exposed through every member, so the peer reaches
 //! them whichever way it connected. It knows its members only through the registry.
 
+#![forbid(unsafe_code)]
+
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 

@@ -6,6 +6,8 @@
 //! instead of importing them. Adding a backend touches its own folder and one line here.
 //! Applications may register more backends at run time ([`register_transport`]).
 
+#![forbid(unsafe_code)]
+
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, OnceLock};
 

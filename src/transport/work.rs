@@ -7,6 +7,8 @@
 //! failed Work reports its error on every wait. Until it completes, a Work holds what the
 //! transfer uses (the local registration), so its memory outlives any caller that drops it.
 
+#![forbid(unsafe_code)]
+
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU8, Ordering};
@@ -19,9 +21,6 @@ use crate::error::{Completion, Error, Failed, Result, TransferKind};
 const PENDING: u8 = 0;
 const SUCCEEDED: u8 = 1;
 const FAILED: u8 = 2;
-
-/// How long a waiter spins before sleeping.
-const SPIN: Duration = Duration::from_micros(50);
 
 /// Shared completion state of a Work.
 #[derive(Default)]
@@ -96,7 +95,8 @@ impl WorkState {
 
     /// Waits until completion or `deadline`; true if completed.
     pub(crate) fn wait_until(&self, deadline: Option<Instant>) -> bool {
-        let spin_end = Instant::now() + SPIN;
+        // The crate's one spin budget (SYMMEM_SPIN_US): a completion usually arrives within it.
+        let spin_end = Instant::now() + crate::config::spin();
         while Instant::now() < spin_end {
             if self.poll_state() != PENDING {
                 return true;

@@ -3,6 +3,8 @@
 //! Layer: the bottom of the safe layers. Pure encoding and decoding, no I/O, no unsafe code;
 //! decoding never panics on any input.
 
+#![forbid(unsafe_code)]
+
 pub mod descriptor;
 pub mod store;
 pub mod symm;

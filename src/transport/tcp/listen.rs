@@ -349,6 +349,9 @@ fn atomic(inner: &Inner, s: &TcpStream, h: &Header) -> std::io::Result<()> {
             let w = unsafe { &*at.cast::<AtomicU64>() };
             // Release: pairs with the Acquire load of the word's poller (see Set32).
             w.store(h.cookie, Ordering::Release);
+            // SAFETY: the low 4 bytes of the aligned word (a poller sleeps on them), only
+            // accessed atomically.
+            crate::sys::futex::wake(unsafe { &*at.cast::<AtomicU32>() });
             false
         }
     };

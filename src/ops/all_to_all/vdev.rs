@@ -7,10 +7,10 @@
 //! rank that finds an error (a negative split, an output too small) still takes part in the
 //! final barrier, so no peer is left waiting, and then reports it.
 
-use super::check::{Stamp, enter};
-use super::{bad, barrier, fetch, fetch_shared, symmetric};
 use crate::error::Result;
 use crate::group::Group;
+use crate::ops::check::{Stamp, enter};
+use crate::ops::common::{bad, barrier, fetch, fetch_shared, symmetric};
 use crate::symm::SymmHandle;
 use crate::tensor::{DType, Tensor};
 
@@ -130,6 +130,7 @@ pub fn all_to_all_vdev(
     check_splits(OP, out_splits_offsets, &[2, ws])?;
     let hs = symmetric(OP, in_splits, group)?;
     let hs_bytes = in_splits.nbytes();
+    // Not `prologue`: an empty input still receives (zero) splits and offsets.
     let h = symmetric(OP, input, group)?;
     enter(group, &h, &Stamp::new(OP, input, h.offset(), &[hs.offset() as u64, in_splits.numel() as u64]))?;
     let me = h.rank();
@@ -194,8 +195,9 @@ pub fn all_to_all_vdev_2d(
     check_splits(OP, out_splits_offsets, &[2, n])?;
     let hs = symmetric(OP, in_splits, group)?;
     let hs_bytes = in_splits.nbytes();
-    let h = symmetric(OP, input, group)?;
     let args = [hs.offset() as u64, n as u64, align as u64];
+    // Not `prologue`: an empty input still receives (zero) splits and offsets.
+    let h = symmetric(OP, input, group)?;
     enter(group, &h, &Stamp::new(OP, input, h.offset(), &args))?;
     let me = h.rank();
     let outcome = (|| {
@@ -271,6 +273,7 @@ pub fn all_to_all_vdev_2d_offset(
     check_splits(OP, out_splits_offsets, &[2, n])?;
     let hs = symmetric(OP, in_splits_offsets, group)?;
     let hs_bytes = in_splits_offsets.nbytes();
+    // Not `prologue`: an empty input still receives (zero) splits and offsets.
     let h = symmetric(OP, input, group)?;
     enter(group, &h, &Stamp::new(OP, input, h.offset(), &[hs.offset() as u64, n as u64]))?;
     let me = h.rank();

@@ -133,7 +133,7 @@ pub(crate) fn all_reduce(tensor: &Tensor, op: ReduceOp, group: &Group, timeout: 
     // SAFETY: buf k%2 of my workspace holds MAX >= bytes bytes, and no peer reads it now (each
     // has published k-1, so finished call k-2, the last to read it).
     unsafe { std::ptr::copy_nonoverlapping(tensor.data_ptr().cast_const(), mine, bytes) };
-    let sig = super::check::counts(tensor, Some(op));
+    let sig = crate::ops::check::counts(tensor, Some(op));
     for (w, v) in what(&h, h.rank(), k % 2).into_iter().zip(sig) {
         // Relaxed: published by the epoch's Release store in `publish`.
         w.store(v, Ordering::Relaxed);
@@ -147,7 +147,7 @@ pub(crate) fn all_reduce(tensor: &Tensor, op: ReduceOp, group: &Group, timeout: 
     let of = |r: usize| what(&h, r, k % 2).map(|w| w.load(Ordering::Relaxed));
     let first = of(0);
     if let Some(r) = (1..n).find(|&r| of(r) != first) {
-        return Err(super::check::counts_disagree("all_reduce", first, r, of(r)));
+        return Err(crate::ops::check::counts_disagree("all_reduce", first, r, of(r)));
     }
     // Source pointers on the stack: no allocation on the small-message path.
     let mut srcs = [std::ptr::null::<u8>(); 64];

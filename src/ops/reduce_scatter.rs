@@ -1,13 +1,81 @@
-//! `reduce_scatter_offset` and `all_to_all_nd` (`reference/torch-symm-mem-internals.md` §3.5,
-//! §3.6): block reductions and exchanges of 2-D symmetric inputs, pulled from the peers between
-//! two barriers.
+//! Reduce-scatter: `reduce_scatter_out` (the first half of the two-shot all-reduce) and
+//! `reduce_scatter_offset` (`reference/torch-symm-mem-internals.md` §3.5: blocks of a 2-D input
+//! reduced to their owners), pulled from the peers between two barriers.
 
-use super::check::{Stamp, enter};
-use super::reduce::{self, ReduceOp};
-use super::{bad, barrier, fetch_shared, symmetric};
 use crate::error::Result;
 use crate::group::Group;
+use crate::ops::common::*;
+use crate::ops::reduce::{self, ReduceOp};
 use crate::tensor::Tensor;
+
+/// Reduce-scatter: rank r's `out` receives slice r of the reduction. Without
+/// `split_last_dim`, `input` and `out` are 1-D and slice r is the r-th 1/ws of `input`; with
+/// it, slice r is the r-th block of columns of the last dimension.
+pub fn reduce_scatter_out(
+    input: &Tensor,
+    op: ReduceOp,
+    group: &Group,
+    split_last_dim: bool,
+    out: &Tensor,
+) -> Result<()> {
+    const OP: &str = "reduce_scatter_out";
+    reducible(OP, input)?;
+    if out.dtype() != input.dtype() || !out.is_contiguous() {
+        return Err(bad(OP, "output must be a contiguous tensor of the input's dtype"));
+    }
+    let ws = group.world_size();
+    let per_align = alignment(input.dtype()) / input.dtype().size();
+    if split_last_dim {
+        let (is, os) = (input.shape(), out.shape());
+        let last = *is.last().ok_or_else(|| bad(OP, "input has no dimensions"))?;
+        if is.len() != os.len() || is[..is.len() - 1] != os[..os.len() - 1] || os[os.len() - 1] * ws != last {
+            return Err(bad(
+                OP,
+                format!("output shape {os:?} must be the input shape {is:?} with the last dimension / {ws}"),
+            ));
+        }
+        if last % (ws * per_align) != 0 {
+            return Err(bad(OP, format!("the last dimension must be divisible by world_size * {per_align}")));
+        }
+    } else {
+        if input.shape().len() != 1 || out.shape().len() != 1 {
+            return Err(bad(OP, "reduce_scatter expected 1D input/output"));
+        }
+        if !input.numel().is_multiple_of(ws * per_align) {
+            return Err(bad(OP, format!("expected number of elements to be divisible by world_size * {per_align}")));
+        }
+        if out.numel() * ws != input.numel() {
+            return Err(bad(OP, format!("output has {} elements; expected {}", out.numel(), input.numel() / ws)));
+        }
+    }
+    let Some(h) = prologue(OP, input, group, &[op.code(), u64::from(split_last_dim)])? else { return Ok(()) };
+    let es = input.dtype().size();
+    if split_last_dim {
+        // Each row's column block lies apart from the next, and the ranks' blocks interleave:
+        // the host fetches whole inputs once.
+        fetch_shared(&h, |_| (0, input.nbytes()))?;
+    } else {
+        let per = input.numel() / ws;
+        fetch(&h, |_| (h.rank() * per * es, per * es))?;
+    }
+    if split_last_dim {
+        let last = *input.shape().last().unwrap_or(&1);
+        let (cols, rows) = (last / ws, input.numel() / last);
+        for row in 0..rows {
+            let at = (row * last + h.rank() * cols) * es;
+            // SAFETY: column block of this row in every rank's buffer, read-only between the
+            // barriers; the output row holds `cols` elements.
+            unsafe {
+                reduce::reduce(input.dtype(), op, &peers(&h, at), &[out.data_ptr().add(row * cols * es)], cols, ws)?
+            };
+        }
+    } else {
+        let per = input.numel() / ws;
+        // SAFETY: slice r of every rank's buffer, read-only between the barriers; out has `per`.
+        unsafe { reduce::reduce(input.dtype(), op, &peers(&h, h.rank() * per * es), &[out.data_ptr()], per, ws)? };
+    }
+    barrier(&h)
+}
 
 /// Reduces blocks of a 2-D symmetric `input` along `dim` (0: rows, 1: columns). Block i spans
 /// `[offsets[i-1], offsets[i])` (`offsets` is the inclusive prefix sum; by default `ws` equal
@@ -78,10 +146,9 @@ pub fn reduce_scatter_offset(
             return Err(bad(OP, format!("out[{j}] must be contiguous and have the same dtype as input")));
         }
     }
-    let h = symmetric(OP, input, group)?;
     let mut args = vec![dim as u64, op.code(), offsets.len() as u64];
     args.extend(offsets.iter().chain(dst).map(|&v| v as u64));
-    enter(group, &h, &Stamp::new(OP, input, h.offset(), &args))?;
+    let Some(h) = prologue(OP, input, group, &args)? else { return Ok(()) };
     let es = input.dtype().size();
     let cols = shape[1];
     let peer = |r: usize, elem: usize| (h.read_ptr(r) + h.offset() + elem * es) as *const u8;
@@ -110,85 +177,4 @@ pub fn reduce_scatter_offset(
     })();
     let b = barrier(&h);
     outcome.and(b)
-}
-
-/// All-to-all between dimensions of a symmetric input with `G = world size` blocks:
-/// - `(scatter_dim 1, gather_dim 0)`: input `[rows, G·lc]` (or `[rows, G, lc]`), out
-///   `[G, rows, lc]` (or `[G·rows, lc]`); `out[j]` is peer j's column block r (r = this rank);
-/// - `(scatter_dim 0, gather_dim 1)`: input `[G·lr, cols]` (or `[G, lr, cols]`), out
-///   `[lr, G, cols]` (or `[lr, G·cols]`); `out[:, j, :]` is peer j's row block r.
-pub fn all_to_all_nd(input: &Tensor, out: &Tensor, scatter_dim: usize, gather_dim: usize, group: &Group) -> Result<()> {
-    const OP: &str = "all_to_all_nd";
-    let g = group.world_size();
-    if !out.is_contiguous() || out.dtype() != input.dtype() || out.numel() != input.numel() {
-        return Err(bad(OP, "out must be contiguous, with the input's dtype and number of elements"));
-    }
-    let (is, os) = (input.shape(), out.shape());
-    // Both pairs are a [G-blocked] 2-D view of the input: rows × cols.
-    let (rows, cols) = match is.len() {
-        2 => (is[0], is[1]),
-        3 if (scatter_dim, gather_dim) == (1, 0) && is[1] == g => (is[0], is[1] * is[2]),
-        3 if (scatter_dim, gather_dim) == (0, 1) && is[0] == g => (is[0] * is[1], is[2]),
-        _ => {
-            return Err(bad(
-                OP,
-                format!("input shape {is:?} does not fit scatter_dim={scatter_dim}, gather_dim={gather_dim}"),
-            ));
-        }
-    };
-    let expected: (Vec<usize>, Vec<usize>) = match (scatter_dim, gather_dim) {
-        (1, 0) => {
-            if !cols.is_multiple_of(g) {
-                return Err(bad(OP, format!("input columns {cols} are not divisible by world size {g}")));
-            }
-            let lc = cols / g;
-            (vec![g, rows, lc], vec![g * rows, lc])
-        }
-        (0, 1) => {
-            if !rows.is_multiple_of(g) {
-                return Err(bad(OP, format!("input rows {rows} are not divisible by world size {g}")));
-            }
-            let lr = rows / g;
-            (vec![lr, g, cols], vec![lr, g * cols])
-        }
-        _ => return Err(bad(OP, "supported (scatter_dim, gather_dim) pairs are (1, 0) and (0, 1)")),
-    };
-    if os != expected.0.as_slice() && os != expected.1.as_slice() {
-        return Err(bad(OP, format!("out shape {os:?}; expected {:?} or {:?}", expected.0, expected.1)));
-    }
-    let h = symmetric(OP, input, group)?;
-    enter(group, &h, &Stamp::new(OP, input, h.offset(), &[scatter_dim as u64, gather_dim as u64]))?;
-    fetch_shared(&h, |_| (0, input.nbytes()))?;
-    let (me, es) = (h.rank(), input.dtype().size());
-    let peer = |r: usize, elem: usize| (h.read_ptr(r) + h.offset() + elem * es) as *const u8;
-    for k in 0..g {
-        let j = (me + k) % g;
-        if (scatter_dim, gather_dim) == (1, 0) {
-            let lc = cols / g;
-            for row in 0..rows {
-                // SAFETY: peer j's row, column block `me`, inside its input (not written between
-                // the barriers); out block j, row `row` holds lc elements.
-                unsafe {
-                    std::ptr::copy_nonoverlapping(
-                        peer(j, row * cols + me * lc),
-                        out.data_ptr().add((j * rows + row) * lc * es),
-                        lc * es,
-                    )
-                };
-            }
-        } else {
-            let lr = rows / g;
-            for row in 0..lr {
-                // SAFETY: peer j's row me·lr + row inside its input; out[row, j, :] holds cols.
-                unsafe {
-                    std::ptr::copy_nonoverlapping(
-                        peer(j, (me * lr + row) * cols),
-                        out.data_ptr().add((row * g + j) * cols * es),
-                        cols * es,
-                    )
-                };
-            }
-        }
-    }
-    barrier(&h)
 }

@@ -1,0 +1,129 @@
+//! All-reduce across hosts by host push (see `ops/hostpush.rs` for the protocol).
+
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use crate::error::Result;
+use crate::group::Group;
+use crate::ops::hostpush::*;
+use crate::ops::reduce::{self, ReduceOp};
+use crate::symm::hostsync::settle;
+use crate::tensor::Tensor;
+
+/// In-place all-reduce of a small message on a group that spans hosts (see the module docs).
+pub(crate) fn all_reduce(tensor: &Tensor, op: ReduceOp, group: &Group, timeout: Duration) -> Result<()> {
+    let n = tensor.nbytes();
+    let gathered = n <= GATHERED_MAX;
+    let stride = n.next_multiple_of(16);
+    let (me, world) = (group.rank(), group.world_size());
+    let ws = workspace(group, "all_reduce", stride, |cap| 2 * world * cap + 2 * cap, timeout)?;
+    let mut guard = lock(&ws);
+    let w = &mut *guard;
+    let e = w.epoch.wrapping_add(1);
+    let hw = w.words.h.clone();
+    let p = hw.patience(timeout);
+    let parity = (e % 2) as usize;
+    let sigs = Sigs::new(hw.offset(), world, parity);
+    let base = hw.offset() + words_bytes(world) + sigs_bytes(world);
+    let inbox = |r: usize| base + parity * world * w.cap + r * stride;
+    let result = base + 2 * world * w.cap + parity * w.cap;
+    let own = |at: usize| (hw.read_ptr(me) + at) as *mut u8;
+    let (arrive, release, from) = (|r: usize| r, world, |r: usize| world + 1 + r);
+    let locals = hw.local_ranks();
+    let leader = locals[0];
+    let other_leaders: Vec<usize> = hw.leaders().filter(|&l| l != leader).collect();
+
+    // The sends of call e-2 read this call's buffers: they must have landed; those of call e-1
+    // may still be in flight.
+    settle(&hw, &mut w.sent, |epoch| epoch != e.wrapping_sub(1), timeout)?;
+    // SAFETY: slot `me` of inbox p lies in this rank's own workspace (sized for `cap` >= stride
+    // bytes per slot); nobody reads it before this rank's ARRIVE and FROM below, nobody still
+    // reads it from call e-2, and its sends of call e-2 have landed (above).
+    unsafe { std::ptr::copy_nonoverlapping(tensor.data_ptr().cast_const(), own(inbox(me)), n) };
+    for (i, v) in crate::ops::check::counts(tensor, Some(op)).into_iter().enumerate() {
+        // Relaxed: published with the input, by ARRIVE here and by FROM on other hosts.
+        word(&hw, me, sigs.slot(me) + 8 * i).store(v, Ordering::Relaxed);
+    }
+    if !gathered {
+        for &l in &other_leaders {
+            for work in send_before_signal(&hw, l, inbox(me), inbox(me), n, timeout)? {
+                w.sent.push((l, e, work));
+            }
+            w.sent.push((l, e, hw.start_push(l, sigs.slot(me), 16, sigs.slot(me), timeout)?));
+            w.sent.push((l, e, w.words.start_remote(l, from(me), e, timeout)?));
+        }
+    }
+    if me != leader {
+        w.words.publish(leader, arrive(me), e);
+        w.words.wait_for(release, e, leader, &p, timeout)?;
+        w.epoch = e;
+        // Relaxed: the leader stored it before RELEASE (Release, seen with Acquire above).
+        let verdict = word(&hw, leader, sigs.verdict()).load(Ordering::Relaxed);
+        if verdict != 0 {
+            return Err(verdict_error("all_reduce", &hw, leader, &sigs, verdict));
+        }
+        let res = (hw.read_ptr(leader) + result) as *const u8;
+        // SAFETY: the leader's result p is final (RELEASE e seen with Acquire) and is not
+        // rewritten before this rank arrives for call e+2.
+        unsafe { std::ptr::copy_nonoverlapping(res, tensor.data_ptr(), n) };
+        w.epoch = e;
+        return Ok(());
+    }
+    for &r in &locals[1..] {
+        w.words.wait_for(arrive(r), e, r, &p, timeout)?;
+    }
+    if gathered {
+        // The host's inputs, as runs of consecutive ranks, to every other leader in one go.
+        for &r in &locals[1..] {
+            // SAFETY: rank r's slot is final (ARRIVE e seen with Acquire) and r rewrites it only
+            // for call e+2, after this leader's RELEASE e+1; this leader's copy of it is sent
+            // from and rewritten only after the sends of call e-2 landed (settled above).
+            unsafe { std::ptr::copy_nonoverlapping((hw.read_ptr(r) + inbox(r)) as *const u8, own(inbox(r)), n) };
+            let sig = read_sig(&hw, r, sigs.slot(r));
+            for (i, v) in sig.into_iter().enumerate() {
+                word(&hw, me, sigs.slot(r) + 8 * i).store(v, Ordering::Relaxed);
+            }
+        }
+        for &l in &other_leaders {
+            for (a, b) in runs(locals) {
+                let (first, len) = (locals[a], (b - a - 1) * stride + n);
+                for work in send_before_signal(&hw, l, inbox(first), inbox(first), len, timeout)? {
+                    w.sent.push((l, e, work));
+                }
+                let at = sigs.slot(first);
+                w.sent.push((l, e, hw.start_push(l, at, (b - a) * 16, at, timeout)?));
+            }
+            w.sent.push((l, e, w.words.start_remote(l, from(leader), e, timeout)?));
+        }
+    }
+    let senders: Vec<usize> = if gathered { other_leaders } else { (0..world).filter(|&r| !hw.is_local(r)).collect() };
+    for r in senders {
+        w.words.wait_for(from(r), e, r, &p, timeout)?;
+    }
+    // Every leader holds every rank's signature and reaches the same verdict; its host learns
+    // it with RELEASE.
+    let verdict = verdict_of(&hw, me, &sigs);
+    word(&hw, me, sigs.verdict()).store(verdict, Ordering::Relaxed);
+    if verdict != 0 {
+        for &r in &locals[1..] {
+            w.words.publish(r, release, e);
+        }
+        w.epoch = e;
+        return Err(verdict_error("all_reduce", &hw, me, &sigs, verdict));
+    }
+    // A local rank's input is in its own slot, a remote rank's in this leader's.
+    let srcs: Vec<*const u8> =
+        (0..world).map(|r| (hw.read_ptr(if hw.is_local(r) { r } else { me }) + inbox(r)) as *const u8).collect();
+    // SAFETY: every slot read holds its rank's input of call e (local ones published before
+    // ARRIVE, remote ones landed before their FROM word, both seen with Acquire) and is not
+    // rewritten before call e+2; result p holds `cap` >= n bytes and nobody reads it until
+    // RELEASE e.
+    unsafe { reduce::reduce(tensor.dtype(), op, &srcs, &[own(result)], tensor.numel(), world)? };
+    for &r in &locals[1..] {
+        w.words.publish(r, release, e);
+    }
+    // SAFETY: as above; the tensor holds n bytes.
+    unsafe { std::ptr::copy_nonoverlapping(own(result).cast_const(), tensor.data_ptr(), n) };
+    w.epoch = e;
+    Ok(())
+}

@@ -1,0 +1,173 @@
+//! All-reduce: every algorithm and the one function that picks among them ([`select`]).
+//!
+//! ```text
+//!   one_shot   barrier; every rank reads every rank's buffer and reduces in rank order into
+//!              its output; barrier. Each rank reads ws·n bytes: latency-optimal.
+//!   two_shot   barrier; rank r reduces slice r from every rank and pushes it to every rank
+//!              (in place) or keeps it and everyone pulls (out of place); barrier. Each rank
+//!              moves about 2·n bytes: bandwidth-optimal.
+//!   small      (small.rs) one-shot through a double-buffered workspace, one synchronization
+//!              per call, any size or alignment up to 8 KiB
+//!   host_push  (host_push.rs) across hosts: each host's inputs travel to every other host in
+//!              one one-way message, received by its leader
+//! ```
+
+mod host_push;
+mod small;
+
+use crate::error::Result;
+use crate::group::Group;
+use crate::ops::common::*;
+use crate::ops::hostpush;
+use crate::ops::reduce::{self, ReduceOp};
+use crate::symm;
+use crate::tensor::Tensor;
+
+/// The algorithms of [`all_reduce`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Algo {
+    /// Through the group's small workspace, one synchronization per call.
+    Small,
+    /// Every rank reduces a slice and pushes it to all.
+    TwoShot,
+    /// Each host's inputs in one message to every other host (a group spanning hosts).
+    HostPush,
+}
+
+impl Algo {
+    /// Its name, as benchmarks report it (`"one_shot"` for [`Algo::Small`], which is one-shot).
+    pub fn name(self) -> &'static str {
+        match self {
+            Algo::Small => "one_shot",
+            Algo::TwoShot => "two_shot",
+            Algo::HostPush => "host_push",
+        }
+    }
+}
+
+/// The one selection: the algorithm [`all_reduce`] uses for `bytes` on `world_size` ranks, at
+/// most `ranks_per_host` on a host, spanning `hosts` hosts. On one host: one-shot up to 1 KiB,
+/// or up to 8 KiB when ranks outnumber cores (then every extra synchronization costs a context
+/// switch), two-shot above (measured crossovers on 2 cores: 2 ranks ~1 KiB, 4 ranks ~8 KiB).
+/// Across hosts: host-push while a host's inputs fit in 256 KiB, two-shot above.
+pub fn select(bytes: usize, world_size: usize, ranks_per_host: usize, hosts: usize) -> Algo {
+    if hosts > 1 {
+        return if hostpush::fits_size(bytes, ranks_per_host) { Algo::HostPush } else { Algo::TwoShot };
+    }
+    let max = if world_size > crate::topo::cores() { ONE_SHOT_MAX } else { 1024 };
+    if bytes <= max { Algo::Small } else { Algo::TwoShot }
+}
+
+/// Out-of-place all-reduce of a symmetric tensor, reading every peer's copy (latency-optimal).
+pub fn one_shot_all_reduce(input: &Tensor, op: ReduceOp, group: &Group) -> Result<Tensor> {
+    let out = Tensor::zeros(input.shape(), input.dtype())?;
+    one_shot_all_reduce_out(input, op, group, &out)?;
+    Ok(out)
+}
+
+/// [`one_shot_all_reduce`] into `out` (any contiguous tensor of the same shape and dtype).
+pub fn one_shot_all_reduce_out(input: &Tensor, op: ReduceOp, group: &Group, out: &Tensor) -> Result<()> {
+    const OP: &str = "one_shot_all_reduce";
+    same_shape(OP, input, out)?;
+    reducible(OP, input)?;
+    let Some(h) = prologue(OP, input, group, &[op.code()])? else { return Ok(()) };
+    fetch_shared(&h, |_| (0, input.nbytes()))?;
+    // SAFETY: between the barriers no rank writes its input (the operator's contract), every
+    // peer pointer addresses numel elements inside that peer's mapped buffer or its mirror
+    // (rendezvous checked the shapes), and `out` is a contiguous tensor of numel elements.
+    unsafe { reduce::reduce(input.dtype(), op, &peers(&h, 0), &[out.data_ptr()], input.numel(), h.world_size())? };
+    barrier(&h)
+}
+
+/// In-place all-reduce of a symmetric tensor: every rank reduces one slice and pushes it to all
+/// (bandwidth-optimal).
+pub fn two_shot_all_reduce_(input: &Tensor, op: ReduceOp, group: &Group) -> Result<()> {
+    const OP: &str = "two_shot_all_reduce_";
+    reducible(OP, input)?;
+    let Some(h) = prologue(OP, input, group, &[op.code()])? else { return Ok(()) };
+    let (es, ws) = (input.dtype().size(), h.world_size());
+    let (start, len) = slice(input.numel(), ws, h.rank(), alignment(input.dtype()) / es);
+    fetch(&h, |_| (start * es, len * es))?;
+    let srcs = peers(&h, start * es);
+    let mut inline = [std::ptr::null_mut::<u8>(); 64];
+    let heap: Vec<*mut u8>;
+    let dsts: &[*mut u8] = if ws <= inline.len() {
+        for (d, s) in inline.iter_mut().zip(srcs.iter()) {
+            *d = s.cast_mut();
+        }
+        &inline[..ws]
+    } else {
+        heap = srcs.iter().map(|&p| p.cast_mut()).collect();
+        &heap
+    };
+    // SAFETY: slice [start, start+len) of every rank's buffer is read and written by this rank
+    // only, between the barriers; the pointers address mapped buffers (checked shapes).
+    unsafe { reduce::reduce(input.dtype(), op, &srcs, dsts, len, ws)? };
+    // Ranks on other hosts get the reduced slice by a write from this rank's buffer (the
+    // reduction above only filled their mirrors).
+    if !h.all_local() {
+        let at = h.offset() + start * es;
+        h.push(&h.remote_ranks(), at, len * es, at, timeout())?;
+    }
+    barrier(&h)
+}
+
+/// Out-of-place two-shot all-reduce into `out`. Like PyTorch's, it also leaves this rank's
+/// reduced slice in `input`.
+pub fn two_shot_all_reduce_out(input: &Tensor, op: ReduceOp, group: &Group, out: &Tensor) -> Result<()> {
+    const OP: &str = "two_shot_all_reduce_out";
+    same_shape(OP, input, out)?;
+    reducible(OP, input)?;
+    let Some(h) = prologue(OP, input, group, &[op.code()])? else { return Ok(()) };
+    let (es, ws) = (input.dtype().size(), h.world_size());
+    let per_align = alignment(input.dtype()) / es;
+    let (start, len) = slice(input.numel(), ws, h.rank(), per_align);
+    fetch(&h, |_| (start * es, len * es))?;
+    let own = (h.read_ptr(h.rank()) + h.offset() + start * es) as *mut u8;
+    // SAFETY: as in two_shot_all_reduce_; this rank writes only its own slice of its own buffer.
+    unsafe { reduce::reduce(input.dtype(), op, &peers(&h, start * es), &[own], len, ws)? };
+    barrier(&h)?;
+    fetch_shared(&h, |r| {
+        let (s, l) = slice(input.numel(), ws, r, per_align);
+        (s * es, l * es)
+    })?;
+    for k in 0..ws {
+        let r = (h.rank() + k) % ws;
+        let (s, l) = slice(input.numel(), ws, r, per_align);
+        // SAFETY: rank r's reduced slice is final (second barrier) and nobody writes it until
+        // the third; `out` holds numel elements.
+        unsafe { std::ptr::copy_nonoverlapping(peers(&h, s * es)[r], out.data_ptr().add(s * es), l * es) };
+    }
+    barrier(&h)
+}
+
+/// The largest message [`all_reduce`] ever sends one-shot (when ranks outnumber cores).
+pub const ONE_SHOT_MAX: usize = 8 * 1024;
+
+/// In-place all-reduce of a symmetric tensor, picking the algorithm by size ([`select`]):
+/// small messages go one-shot through a double-buffered workspace with a single
+/// synchronization per call; larger ones two-shot. Across hosts, hosts exchange their inputs
+/// in one message each up to a few hundred KiB, two-shot above; results are bitwise those of
+/// one host.
+pub fn all_reduce(tensor: &Tensor, op: ReduceOp, group: &Group) -> Result<()> {
+    const OP: &str = "all_reduce";
+    reducible(OP, tensor)?;
+    // The checks of `symmetric` but its alignment ones: the small paths copy through their own
+    // workspaces, so any size goes.
+    if !symm::is_symm_mem_tensor(tensor) {
+        return Err(bad(OP, "input must be allocated with symm::empty (a symmetric tensor)"));
+    }
+    if !tensor.is_contiguous() {
+        return Err(bad(OP, "input must be contiguous"));
+    }
+    if tensor.numel() == 0 {
+        return Ok(());
+    }
+    let h = symm::rendezvous(tensor, group)?;
+    let hosts = if h.all_local() { 1 } else { 2 };
+    match select(tensor.nbytes(), group.world_size(), h.max_ranks_per_host(), hosts) {
+        Algo::Small => small::all_reduce(tensor, op, group, timeout()),
+        Algo::HostPush => host_push::all_reduce(tensor, op, group, timeout()),
+        Algo::TwoShot => two_shot_all_reduce_(tensor, op, group),
+    }
+}

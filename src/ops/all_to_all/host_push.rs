@@ -1,0 +1,142 @@
+//! All-to-all across hosts by host push (see `ops/hostpush.rs` for the protocol).
+
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use crate::error::Result;
+use crate::group::Group;
+use crate::ops::hostpush::*;
+use crate::symm::SymmHandle;
+use crate::symm::hostsync::settle;
+use crate::tensor::Tensor;
+
+/// Equal-split all-to-all on a group that spans hosts (`h`: the input's handle): every rank
+/// stages its input in its workspace and writes, to each other host's leader, the blocks for
+/// that host's ranks (then raises the leader's FROM word); up to [`GATHERED_MAX`] per rank the
+/// leader packs its host's blocks for another host into one message instead. Each rank copies
+/// its blocks from the stages of the ranks on its host and from its leader's inbox. The
+/// buffers alternate as in the all-reduce, with the same argument.
+pub(crate) fn all_to_all(input: &Tensor, out: &Tensor, group: &Group, h: &SymmHandle, timeout: Duration) -> Result<()> {
+    let (me, world) = (group.rank(), group.world_size());
+    let gathered = input.nbytes() <= GATHERED_MAX;
+    let b = input.nbytes() / world;
+    let bs = b.next_multiple_of(16);
+    let (hosts, lmax) = (h.hosts(), h.max_ranks_per_host());
+    // Per parity: the stage (world blocks), the inbox and the leader's outbox, both laid out
+    // [host][sender][receiver] (the inbox by source host, the outbox by destination host).
+    let boxes = move |cap: usize| hosts * lmax * lmax * cap;
+    let per = move |cap: usize| world * cap + 2 * boxes(cap);
+    let ws = workspace(group, "all_to_all", bs, move |cap| 2 * per(cap), timeout)?;
+    let mut guard = lock(&ws);
+    let w = &mut *guard;
+    let e = w.epoch.wrapping_add(1);
+    let hw = w.words.h.clone();
+    let p = hw.patience(timeout);
+    let sigs = Sigs::new(hw.offset(), world, (e % 2) as usize);
+    let base = hw.offset() + words_bytes(world) + sigs_bytes(world) + (e % 2) as usize * per(w.cap);
+    let stage = |d: usize| base + d * bs;
+    let inbox = |host: usize, ls: usize, ld: usize| base + world * w.cap + ((host * lmax + ls) * lmax + ld) * bs;
+    let outbox = |host: usize, ls: usize, ld: usize| inbox(host, ls, ld) + boxes(w.cap);
+    let at = |rank: usize, off: usize| (hw.read_ptr(rank) + off) as *mut u8;
+    let local_index = |r: usize| hw.ranks_on(hw.host_of(r)).iter().position(|&x| x == r).unwrap_or(0);
+    let (arrive, release, from) = (|r: usize| r, world, |r: usize| world + 1 + r);
+    let locals = hw.local_ranks();
+    let (leader, my_host, ls) = (locals[0], hw.host_of(me), local_index(me));
+    let other_hosts: Vec<usize> = (0..hosts).filter(|&x| x != my_host).collect();
+
+    // As in the all-reduce: only the sends of call e-2 must have landed.
+    settle(&hw, &mut w.sent, |epoch| epoch != e.wrapping_sub(1), timeout)?;
+    for d in 0..world {
+        // SAFETY: this rank's stage p holds world blocks of bs >= b bytes; nobody reads it
+        // before this rank's ARRIVE and FROM words, nobody still reads it from call e-2, and its
+        // sends of call e-2 have landed; the input is contiguous, world blocks of b bytes.
+        unsafe { std::ptr::copy_nonoverlapping(input.data_ptr().add(d * b).cast_const(), at(me, stage(d)), b) };
+    }
+    for (i, v) in crate::ops::check::counts(input, None).into_iter().enumerate() {
+        // Relaxed: published with the stage, by ARRIVE here and by FROM on other hosts.
+        word(&hw, me, sigs.slot(me) + 8 * i).store(v, Ordering::Relaxed);
+    }
+    if !gathered {
+        for &host in &other_hosts {
+            let theirs = hw.ranks_on(host);
+            let l = theirs[0];
+            // Blocks for a run of consecutive ranks of that host are consecutive both in the
+            // stage and in this rank's row of the inbox.
+            for (a, end) in runs(theirs) {
+                let len = (end - a - 1) * bs + b;
+                for work in send_before_signal(&hw, l, stage(theirs[a]), inbox(my_host, ls, a), len, timeout)? {
+                    w.sent.push((l, e, work));
+                }
+            }
+            w.sent.push((l, e, hw.start_push(l, sigs.slot(me), 16, sigs.slot(me), timeout)?));
+            w.sent.push((l, e, w.words.start_remote(l, from(me), e, timeout)?));
+        }
+    }
+    if me != leader {
+        w.words.publish(leader, arrive(me), e);
+        w.words.wait_for(release, e, leader, &p, timeout)?;
+    } else {
+        for &r in &locals[1..] {
+            w.words.wait_for(arrive(r), e, r, &p, timeout)?;
+        }
+        if gathered {
+            for &r in &locals[1..] {
+                let sig = read_sig(&hw, r, sigs.slot(r));
+                for (i, v) in sig.into_iter().enumerate() {
+                    word(&hw, me, sigs.slot(r) + 8 * i).store(v, Ordering::Relaxed);
+                }
+            }
+            for &host in &other_hosts {
+                let theirs = hw.ranks_on(host);
+                for (ls, &s) in locals.iter().enumerate() {
+                    for (ld, &d) in theirs.iter().enumerate() {
+                        // SAFETY: rank s's stage p is complete (its ARRIVE seen with Acquire)
+                        // and not rewritten before call e+2; this leader's outbox p is
+                        // rewritten only after the sends of call e-2 landed (settled above).
+                        unsafe {
+                            std::ptr::copy_nonoverlapping(at(s, stage(d)).cast_const(), at(me, outbox(host, ls, ld)), b)
+                        };
+                    }
+                }
+                let l = theirs[0];
+                let (src, dst, len) = (outbox(host, 0, 0), inbox(my_host, 0, 0), lmax * lmax * bs);
+                for work in send_before_signal(&hw, l, src, dst, len, timeout)? {
+                    w.sent.push((l, e, work));
+                }
+                for (a, end) in runs(locals) {
+                    let at = sigs.slot(locals[a]);
+                    w.sent.push((l, e, hw.start_push(l, at, (end - a) * 16, at, timeout)?));
+                }
+                w.sent.push((l, e, w.words.start_remote(l, from(leader), e, timeout)?));
+            }
+        }
+        let senders: Vec<usize> = if gathered {
+            other_hosts.iter().map(|&host| hw.ranks_on(host)[0]).collect()
+        } else {
+            (0..world).filter(|&r| !hw.is_local(r)).collect()
+        };
+        for r in senders {
+            w.words.wait_for(from(r), e, r, &p, timeout)?;
+        }
+        // As in the all-reduce: the same verdict on every leader, handed on with RELEASE.
+        let verdict = verdict_of(&hw, me, &sigs);
+        word(&hw, me, sigs.verdict()).store(verdict, Ordering::Relaxed);
+        for &r in &locals[1..] {
+            w.words.publish(r, release, e);
+        }
+    }
+    w.epoch = e;
+    // Relaxed: the leader stored it before RELEASE (or is this rank).
+    let verdict = word(&hw, leader, sigs.verdict()).load(Ordering::Relaxed);
+    if verdict != 0 {
+        return Err(verdict_error("all_to_all", &hw, leader, &sigs, verdict));
+    }
+    for s in 0..world {
+        let src = if hw.is_local(s) { at(s, stage(me)) } else { at(leader, inbox(hw.host_of(s), local_index(s), ls)) };
+        // SAFETY: a local rank's stage p is complete (it arrived before the leader released this
+        // host); a remote rank's blocks landed in the leader's inbox before their FROM word rose,
+        // which the leader saw before releasing; out holds world blocks of b bytes.
+        unsafe { std::ptr::copy_nonoverlapping(src.cast_const(), out.data_ptr().add(s * b), b) };
+    }
+    Ok(())
+}

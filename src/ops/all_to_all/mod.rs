@@ -1,0 +1,150 @@
+//! All-to-all: equal splits ([`all_to_all`], pulled, or host-pushed across hosts), n-d
+//! ([`all_to_all_nd`], `reference/torch-symm-mem-internals.md` §3.6), and the variable-split
+//! family of `vdev.rs` (§3.3).
+
+mod host_push;
+mod vdev;
+
+pub use vdev::{all_to_all_vdev, all_to_all_vdev_2d, all_to_all_vdev_2d_offset};
+
+use crate::error::Result;
+use crate::group::Group;
+use crate::ops::common::*;
+use crate::tensor::Tensor;
+
+/// The algorithms of [`all_to_all`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Algo {
+    /// Every rank pulls its blocks from every rank.
+    Pull,
+    /// Across hosts: each rank's blocks for another host in one message to its leader.
+    HostPush,
+}
+
+impl Algo {
+    /// Its name, as benchmarks report it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Algo::Pull => "pull",
+            Algo::HostPush => "host_push",
+        }
+    }
+}
+
+/// The one selection: host-push across hosts up to [`ALL_TO_ALL_PUSH_MAX`] bytes per rank,
+/// pull otherwise.
+pub fn select(bytes: usize, hosts: usize) -> Algo {
+    if hosts > 1 && bytes <= ALL_TO_ALL_PUSH_MAX { Algo::HostPush } else { Algo::Pull }
+}
+
+/// Across hosts, [`all_to_all`] inputs up to this size (per rank) go hierarchically, one
+/// message per pair of hosts through the hosts' leaders (`"host_push"`); larger ones are
+/// pulled by every rank (`"pull"`), which spreads the copying over every rank and flow.
+pub const ALL_TO_ALL_PUSH_MAX: usize = 512 << 10;
+
+/// Equal-split all-to-all: `input` and `out` have the same shape, the first dimension divisible
+/// by the world size; block j of rank i's `out` is block i of rank j's `input`.
+pub fn all_to_all(input: &Tensor, out: &Tensor, group: &Group) -> Result<()> {
+    const OP: &str = "all_to_all";
+    same_shape(OP, input, out)?;
+    let ws = group.world_size();
+    if input.shape().first().is_none_or(|d| d % ws != 0) {
+        return Err(bad(
+            OP,
+            format!("the first dimension {:?} must be divisible by world size {ws}", input.shape().first()),
+        ));
+    }
+    let Some(h) = prologue(OP, input, group, &[])? else { return Ok(()) };
+    let block = input.nbytes() / ws;
+    if select(input.nbytes(), if h.all_local() { 1 } else { 2 }) == Algo::HostPush {
+        return host_push::all_to_all(input, out, group, &h, timeout());
+    }
+    fetch(&h, |_| (h.rank() * block, block))?;
+    for k in 0..ws {
+        let j = (h.rank() + k) % ws;
+        let src = peers(&h, h.rank() * block)[j];
+        // SAFETY: inputs are not written between the barriers; out has ws blocks.
+        unsafe { std::ptr::copy_nonoverlapping(src, out.data_ptr().add(j * block), block) };
+    }
+    barrier(&h)
+}
+
+/// All-to-all between dimensions of a symmetric input with `G = world size` blocks:
+/// - `(scatter_dim 1, gather_dim 0)`: input `[rows, G·lc]` (or `[rows, G, lc]`), out
+///   `[G, rows, lc]` (or `[G·rows, lc]`); `out[j]` is peer j's column block r (r = this rank);
+/// - `(scatter_dim 0, gather_dim 1)`: input `[G·lr, cols]` (or `[G, lr, cols]`), out
+///   `[lr, G, cols]` (or `[lr, G·cols]`); `out[:, j, :]` is peer j's row block r.
+pub fn all_to_all_nd(input: &Tensor, out: &Tensor, scatter_dim: usize, gather_dim: usize, group: &Group) -> Result<()> {
+    const OP: &str = "all_to_all_nd";
+    let g = group.world_size();
+    if !out.is_contiguous() || out.dtype() != input.dtype() || out.numel() != input.numel() {
+        return Err(bad(OP, "out must be contiguous, with the input's dtype and number of elements"));
+    }
+    let (is, os) = (input.shape(), out.shape());
+    // Both pairs are a [G-blocked] 2-D view of the input: rows × cols.
+    let (rows, cols) = match is.len() {
+        2 => (is[0], is[1]),
+        3 if (scatter_dim, gather_dim) == (1, 0) && is[1] == g => (is[0], is[1] * is[2]),
+        3 if (scatter_dim, gather_dim) == (0, 1) && is[0] == g => (is[0] * is[1], is[2]),
+        _ => {
+            return Err(bad(
+                OP,
+                format!("input shape {is:?} does not fit scatter_dim={scatter_dim}, gather_dim={gather_dim}"),
+            ));
+        }
+    };
+    let expected: (Vec<usize>, Vec<usize>) = match (scatter_dim, gather_dim) {
+        (1, 0) => {
+            if !cols.is_multiple_of(g) {
+                return Err(bad(OP, format!("input columns {cols} are not divisible by world size {g}")));
+            }
+            let lc = cols / g;
+            (vec![g, rows, lc], vec![g * rows, lc])
+        }
+        (0, 1) => {
+            if !rows.is_multiple_of(g) {
+                return Err(bad(OP, format!("input rows {rows} are not divisible by world size {g}")));
+            }
+            let lr = rows / g;
+            (vec![lr, g, cols], vec![lr, g * cols])
+        }
+        _ => return Err(bad(OP, "supported (scatter_dim, gather_dim) pairs are (1, 0) and (0, 1)")),
+    };
+    if os != expected.0.as_slice() && os != expected.1.as_slice() {
+        return Err(bad(OP, format!("out shape {os:?}; expected {:?} or {:?}", expected.0, expected.1)));
+    }
+    let Some(h) = prologue(OP, input, group, &[scatter_dim as u64, gather_dim as u64])? else { return Ok(()) };
+    fetch_shared(&h, |_| (0, input.nbytes()))?;
+    let (me, es) = (h.rank(), input.dtype().size());
+    let peer = |r: usize, elem: usize| (h.read_ptr(r) + h.offset() + elem * es) as *const u8;
+    for k in 0..g {
+        let j = (me + k) % g;
+        if (scatter_dim, gather_dim) == (1, 0) {
+            let lc = cols / g;
+            for row in 0..rows {
+                // SAFETY: peer j's row, column block `me`, inside its input (not written between
+                // the barriers); out block j, row `row` holds lc elements.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(
+                        peer(j, row * cols + me * lc),
+                        out.data_ptr().add((j * rows + row) * lc * es),
+                        lc * es,
+                    )
+                };
+            }
+        } else {
+            let lr = rows / g;
+            for row in 0..lr {
+                // SAFETY: peer j's row me·lr + row inside its input; out[row, j, :] holds cols.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(
+                        peer(j, (me * lr + row) * cols),
+                        out.data_ptr().add((row * g + j) * cols * es),
+                        cols * es,
+                    )
+                };
+            }
+        }
+    }
+    barrier(&h)
+}

@@ -1,0 +1,209 @@
+//! The machinery of the host-push algorithms (`all_reduce/host_push.rs`,
+//! `all_to_all/host_push.rs`): small and medium collectives across hosts, one one-way message
+//! from each rank to each other host, received by that host's leader (its lowest rank).
+//!
+//! ```text
+//!   per group and operator, a symmetric workspace: [ epoch words | buffers, twice ]
+//!   all-reduce, call e (parity p = e % 2), n bytes:
+//!     every rank   copies its input into slot `rank` of inbox p (its own buffer); writes it
+//!                  into slot `rank` of every other host's leader's inbox p and raises that
+//!                  leader's FROM[rank] word to e (a write and a remote atomic on one flow, so
+//!                  in order, not awaited); tells its own leader (ARRIVE)
+//!     each leader  waits for its host (ARRIVE) and every remote rank (FROM); reduces slots
+//!                  0..ws in rank order (its host's ranks read in their own buffers) into
+//!                  result p; releases its host (RELEASE)
+//!     the others   copy the leader's result p
+//!   all-to-all: the same, with each rank sending the blocks for another host's ranks, and
+//!   every rank copying its blocks from its host's ranks' stages and its leader's inbox
+//!   tiny messages (up to 16 KiB per rank): the leader gathers its host's data first and sends
+//!   one message per other host (FROM words then count leaders, not ranks)
+//! ```
+//!
+//! Buffers alternate, so nothing is overwritten while still read: a rank writes a leader's
+//! inbox p of call e+2 only after it finished call e+1, which needed (through its own leader)
+//! the FROM words of call e+1 of every rank of that leader's host, which they raise only after
+//! they finished call e, reads of the inbox included. A rank's own slot is rewritten only
+//! after the sends of call e-2 from it have landed. The reduction is the same kernel in the
+//! same rank order as on one host, so the results are bitwise the same.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use crate::error::Result;
+use crate::group::Group;
+use crate::symm::hostsync::{Sent, Words};
+use crate::symm::{self, Device, SymmHandle};
+use crate::tensor::{DType, Tensor};
+use crate::transport::Work;
+
+/// The largest block of a host's inputs this path takes (above, the two-shot algorithm spreads
+/// the work over every rank).
+pub(crate) const HOST_BLOCK_MAX: usize = 256 * 1024;
+
+pub(crate) struct Workspace {
+    pub(crate) _tensor: Tensor,
+    pub(crate) words: Words,
+    /// Bytes per message this workspace holds (per rank).
+    pub(crate) cap: usize,
+    pub(crate) epoch: u32,
+    pub(crate) sent: Sent,
+}
+
+/// Bytes of epoch words at the start of the workspace.
+pub(crate) fn words_bytes(ws: usize) -> usize {
+    (4 * (2 * ws + 1)).div_ceil(128) * 128
+}
+
+/// Bytes, after the words, of what every rank passed to the call of each parity (two words,
+/// `check::counts`) and each parity's verdict (a word: 0, or 1 + the first rank that disagrees
+/// with rank 0), before the buffers. Each rank sends its two words with its data; a leader has
+/// every rank's (its host's in their own workspaces, the others' in its own) and so does every
+/// other leader: all reach the same verdict, and hand it to their hosts with RELEASE.
+pub(crate) fn sigs_bytes(ws: usize) -> usize {
+    (2 * ws * 16 + 16).div_ceil(128) * 128
+}
+
+/// Where what rank `r` passed to the call of `parity` is, and that parity's verdict: byte
+/// offsets in a workspace whose words start at `words`.
+pub(crate) struct Sigs {
+    pub(crate) at: usize,
+    pub(crate) world: usize,
+    pub(crate) parity: usize,
+}
+
+impl Sigs {
+    pub(crate) fn new(words: usize, world: usize, parity: usize) -> Sigs {
+        Sigs { at: words + words_bytes(world), world, parity }
+    }
+
+    pub(crate) fn slot(&self, r: usize) -> usize {
+        self.at + (self.parity * self.world + r) * 16
+    }
+
+    pub(crate) fn verdict(&self) -> usize {
+        self.at + 2 * self.world * 16 + self.parity * 8
+    }
+}
+
+/// The 8-byte word at byte `at` of `rank`'s workspace (mapped on this host, or for this rank,
+/// its own).
+pub(crate) fn word(h: &SymmHandle, rank: usize, at: usize) -> &AtomicU64 {
+    assert!(at + 8 <= h.offset() + h.buffer_size() && at.is_multiple_of(8), "workspace word {at} out of place");
+    // SAFETY: `rank` is this rank or one on its host (callers read leaders and local ranks
+    // only), so its workspace is mapped while `h` lives; the word lies inside it and is
+    // 8-aligned (asserted; buffers are page-aligned); every process touches these words only
+    // atomically (remote writes land before the FROM word that publishes them).
+    unsafe { &*((h.read_ptr(rank) + at) as *const AtomicU64) }
+}
+
+pub(crate) fn read_sig(h: &SymmHandle, rank: usize, at: usize) -> [u64; 2] {
+    // Relaxed: ordered by the Acquire loads of the epoch words that published them.
+    [word(h, rank, at).load(Ordering::Relaxed), word(h, rank, at + 8).load(Ordering::Relaxed)]
+}
+
+/// Every rank's signature for this call, as the host's leader holds them: a local rank's in its
+/// own workspace, a remote one's in the leader's.
+pub(crate) fn verdict_of(h: &SymmHandle, leader: usize, sigs: &Sigs) -> u64 {
+    let of = |r: usize| read_sig(h, if h.is_local(r) { r } else { leader }, sigs.slot(r));
+    let first = of(0);
+    (1..sigs.world).find(|&r| of(r) != first).map_or(0, |r| r as u64 + 1)
+}
+
+#[cold]
+pub(crate) fn verdict_error(op: &str, h: &SymmHandle, leader: usize, sigs: &Sigs, verdict: u64) -> crate::error::Error {
+    let r = (verdict - 1) as usize;
+    let of = |r: usize| read_sig(h, if h.is_local(r) { r } else { leader }, sigs.slot(r));
+    super::check::counts_disagree(op, of(0), r, of(r))
+}
+
+/// A group's workspaces per operator, each locked for the length of a call; the map itself only
+/// for a lookup. Kept in the group, so they go with it.
+#[derive(Default)]
+pub(crate) struct Workspaces(Mutex<HashMap<&'static str, Arc<Mutex<Workspace>>>>);
+
+pub(crate) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// The workspace of `kind` on `group` for messages of up to `cap` bytes, `bytes(cap)` after
+/// the words; made (or grown) collectively, which every rank does at the same call since the
+/// sizes are the same everywhere.
+pub(crate) fn workspace(
+    group: &Group,
+    kind: &'static str,
+    cap: usize,
+    bytes: impl Fn(usize) -> usize,
+    timeout: Duration,
+) -> Result<Arc<Mutex<Workspace>>> {
+    let state = group.state::<Workspaces>();
+    let mut all = lock(&state.0);
+    if let Some(w) = all.get(kind)
+        && lock(w).cap >= cap
+    {
+        return Ok(w.clone());
+    }
+    let cap = cap.max(4096).next_power_of_two();
+    let world = group.world_size();
+    let t = symm::empty(&[words_bytes(world) + sigs_bytes(world) + bytes(cap)], DType::U8, Device::Cpu)?;
+    let handle = symm::rendezvous(&t, group)?;
+    handle.barrier(0, timeout)?;
+    let words = Words::new(handle, 0);
+    let w = Arc::new(Mutex::new(Workspace { _tensor: t, words, cap, epoch: 0, sent: Vec::new() }));
+    all.insert(kind, w.clone());
+    Ok(w)
+}
+
+/// Above this, a block goes as one striped write (every flow of the link) that is waited for
+/// before the signal; below, as in-order pieces on one flow that the signal can follow at once.
+pub(crate) const STRIPED: usize = 512 * 1024;
+
+/// Writes `len` bytes at `src` of this rank's buffer to `dst` of `leader`'s, so that a remote
+/// atomic started next lands after them; returns the writes still in flight.
+pub(crate) fn send_before_signal(
+    h: &SymmHandle,
+    leader: usize,
+    src: usize,
+    dst: usize,
+    len: usize,
+    timeout: Duration,
+) -> Result<Vec<Work>> {
+    // Writes the link's backend keeps in order with the atomic that follows need no wait.
+    let in_order = h.remote(leader).map_or(0, |r| r.link.in_order_up_to());
+    if len > STRIPED || in_order == 0 {
+        let w = h.start_push(leader, src, len, dst, timeout)?;
+        w.wait(None).map_err(|e| match h.remote(leader) {
+            Some(r) => r.link.error("writing to", &e),
+            None => e,
+        })?;
+        return Ok(Vec::new());
+    }
+    (0..len)
+        .step_by(in_order)
+        .map(|at| h.start_push(leader, src + at, in_order.min(len - at), dst + at, timeout))
+        .collect()
+}
+
+/// Whether a message of `bytes` with at most `ranks_per_host` ranks on a host takes this path.
+pub(crate) fn fits_size(bytes: usize, ranks_per_host: usize) -> bool {
+    bytes > 0 && bytes.next_multiple_of(16) * ranks_per_host <= HOST_BLOCK_MAX
+}
+
+/// Up to this many bytes per rank, a host's leader aggregates its host's sends (one message per
+/// pair of hosts); above, every rank sends its own (no copies through the leader, every rank's
+/// link busy). Both ways use the same workspace: FROM words count the sender's epochs either
+/// way, and a leader is a rank.
+pub(crate) const GATHERED_MAX: usize = 16 * 1024;
+
+/// Runs of consecutive ranks in `ranks` (sorted), as (index of the first, index past the last).
+pub(crate) fn runs(ranks: &[usize]) -> Vec<(usize, usize)> {
+    let mut out: Vec<(usize, usize)> = Vec::new();
+    for (i, &r) in ranks.iter().enumerate() {
+        match out.last_mut() {
+            Some((_, end)) if ranks[*end - 1] + 1 == r => *end = i + 1,
+            _ => out.push((i, i + 1)),
+        }
+    }
+    out
+}

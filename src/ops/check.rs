@@ -111,11 +111,8 @@ struct Board {
 impl Board {
     /// Board word `i` of `rank` (on this host, or this host's copy of a remote rank's).
     fn word(&self, rank: usize, i: usize) -> &AtomicU64 {
-        let p = self.h.read_ptr(rank) + self.h.offset() + 8 * i;
-        // SAFETY: the board holds BOARD_WORDS 8-aligned words per rank (allocated below),
-        // mapped (or mirrored) while `self.h` lives; every process touches them only
-        // atomically.
-        unsafe { &*(p as *const AtomicU64) }
+        // The board holds BOARD_WORDS words per rank (allocated below).
+        self.h.word64(rank, self.h.offset() + 8 * i)
     }
 
     // Relaxed loads: the entry barrier (Release/Acquire on the signal pads) orders the

@@ -90,12 +90,9 @@ impl Sigs {
 /// The 8-byte word at byte `at` of `rank`'s workspace (mapped on this host, or for this rank,
 /// its own).
 pub(crate) fn word(h: &SymmHandle, rank: usize, at: usize) -> &AtomicU64 {
-    assert!(at + 8 <= h.offset() + h.buffer_size() && at.is_multiple_of(8), "workspace word {at} out of place");
-    // SAFETY: `rank` is this rank or one on its host (callers read leaders and local ranks
-    // only), so its workspace is mapped while `h` lives; the word lies inside it and is
-    // 8-aligned (asserted; buffers are page-aligned); every process touches these words only
-    // atomically (remote writes land before the FROM word that publishes them).
-    unsafe { &*((h.read_ptr(rank) + at) as *const AtomicU64) }
+    // `rank` is this rank or one on its host (callers read leaders and local ranks only), so
+    // this is its mapping; remote writes land before the FROM word that publishes them.
+    h.word64(rank, at)
 }
 
 pub(crate) fn read_sig(h: &SymmHandle, rank: usize, at: usize) -> [u64; 2] {

@@ -673,6 +673,36 @@ impl SymmHandle {
         }
     }
 
+    /// The 8-byte word at byte `at` of `rank`'s data buffer (its mapping, or its mirror for a
+    /// rank on another host), for words every process touches only atomically: operators'
+    /// epochs, stamps and signals. Panics if the word is not inside the buffer or not 8-aligned,
+    /// which would be a bug in the caller's layout, never a matter of input.
+    pub(crate) fn word64(&self, rank: usize, at: usize) -> &AtomicU64 {
+        let p = self.word_ptr(rank, at, 8);
+        // SAFETY: `word_ptr` checked that the 8 bytes lie inside `rank`'s buffer (mapped, or
+        // mirrored, while `self` lives, so for the returned borrow) and are 8-aligned; the
+        // memory is shared, and every process and thread touches these words only atomically.
+        unsafe { &*(p as *const AtomicU64) }
+    }
+
+    /// The 4-byte word at byte `at` of `rank`'s data buffer, as [`SymmHandle::word64`]; also
+    /// the futex half (the low half, little-endian) of an 8-byte word.
+    pub(crate) fn word32(&self, rank: usize, at: usize) -> &AtomicU32 {
+        let p = self.word_ptr(rank, at, 4);
+        // SAFETY: as in word64, for 4 bytes, 4-aligned.
+        unsafe { &*(p as *const AtomicU32) }
+    }
+
+    fn word_ptr(&self, rank: usize, at: usize, width: usize) -> usize {
+        let p = self.read_ptr(rank).checked_add(at).expect("word address overflows");
+        assert!(
+            at.checked_add(width).is_some_and(|end| end <= self.buffer_size()) && p.is_multiple_of(width),
+            "{width}-byte word at byte {at} of a {}-byte buffer is out of place",
+            self.buffer_size()
+        );
+        p
+    }
+
     /// Where this rank's own data buffer is.
     pub(crate) fn own_ptr(&self) -> usize {
         self.peers.own.data_ptr() as usize
@@ -1234,23 +1264,16 @@ pub fn nvshmem_put_with_signal(tensor: &Tensor, sigpad: &Tensor, signal: u64, pe
     nvshmem_put(tensor, peer)?;
     let t = crate::config::op_timeout();
     match &sh.peers.peers[peer] {
-        Peer::Local(seg) => {
-            let at = seg.data_ptr().wrapping_add(sh.offset);
+        Peer::Local(_) => {
             if width == 8 {
-                // SAFETY: the word lies inside the mapped data buffer (a non-empty tensor at
-                // this offset) and is 8-aligned (checked); signal words are touched atomically.
-                let w = unsafe { &*at.cast::<std::sync::atomic::AtomicU64>() };
                 // Release: pairs with the Acquire load in nvshmem_wait_for_signal, after the put.
-                w.store(signal, std::sync::atomic::Ordering::Release);
-                // SAFETY: the low 4 bytes of the 8-aligned word, only accessed atomically.
-                crate::sys::futex::wake(unsafe { &*at.cast::<AtomicU32>() });
+                sh.word64(peer, sh.offset).store(signal, Ordering::Release);
             } else {
-                // SAFETY: as above, for a 4-aligned 4-byte word.
-                let w = unsafe { &*at.cast::<std::sync::atomic::AtomicU32>() };
-                // Release: pairs with the Acquire load in nvshmem_wait_for_signal.
-                w.store(signal as u32, std::sync::atomic::Ordering::Release);
-                crate::sys::futex::wake(w);
+                // Release: as above.
+                sh.word32(peer, sh.offset).store(signal as u32, Ordering::Release);
             }
+            // The low half of a 64-bit word is the futex word sleepers wait on.
+            crate::sys::futex::wake(sh.word32(peer, sh.offset));
             Ok(())
         }
         Peer::Remote(r) => r
@@ -1266,25 +1289,18 @@ pub fn nvshmem_put_with_signal(tensor: &Tensor, sigpad: &Tensor, signal: u64, pe
 pub fn nvshmem_wait_for_signal(sigpad: &Tensor, signal: u64, peer: usize) -> Result<()> {
     let (h, width) = signal_word("nvshmem_wait_for_signal", sigpad)?;
     let timeout = crate::config::op_timeout();
-    let at = h.own_ptr() + h.offset;
+    let me = h.rank();
     let read = || {
+        // Acquire: pairs with the putter's Release store (local) or the transport thread's.
         if width == 8 {
-            // SAFETY: the word lies in this rank's own data buffer, 8-aligned (checked).
-            let w = unsafe { &*(at as *const std::sync::atomic::AtomicU64) };
-            // Acquire: pairs with the putter's Release store (local) or the transport thread's.
-            w.load(std::sync::atomic::Ordering::Acquire)
+            h.word64(me, h.offset).load(Ordering::Acquire)
         } else {
-            // SAFETY: as above, 4-aligned.
-            let w = unsafe { &*(at as *const std::sync::atomic::AtomicU32) };
-            // Acquire: as above.
-            u64::from(w.load(std::sync::atomic::Ordering::Acquire))
+            u64::from(h.word32(me, h.offset).load(Ordering::Acquire))
         }
     };
     let want = if width == 8 { signal } else { signal & 0xffff_ffff };
     // Sleep on the word's low half (little-endian), which every putter wakes after storing.
-    // SAFETY: the word lies in this rank's own data buffer, at least 4-aligned (checked), and
-    // its low 4 bytes are only accessed atomically.
-    let low = unsafe { &*(at as *const AtomicU32) };
+    let low = h.word32(me, h.offset);
     let lost = || match h.remote(peer).and_then(|r| r.link.lost().map(|why| (r, why))) {
         Some((r, why)) => Err(Error::transfer(
             crate::error::TransferKind::PeerLost,

@@ -49,26 +49,20 @@ struct State(Mutex<Option<Workspace>>);
 /// The words saying what `rank` passed to the call of parity `parity`: its element count, and
 /// its dtype and reduction.
 fn what(h: &SymmHandle, rank: usize, parity: u64) -> [&AtomicU64; 2] {
-    let base = h.read_ptr(rank) + h.offset() + 8 + 16 * parity as usize;
-    // SAFETY: bytes 8..40 of the 128-byte header, 8-aligned, mapped while `h` lives; touched
-    // only atomically by every process.
-    unsafe { [&*(base as *const AtomicU64), &*((base + 8) as *const AtomicU64)] }
+    // Bytes 8..40 of the 128-byte header.
+    let at = h.offset() + 8 + 16 * parity as usize;
+    [h.word64(rank, at), h.word64(rank, at + 8)]
 }
 
-/// The epoch word and the sleepers count of `rank`'s workspace.
+/// The epoch word and the sleepers count of `rank`'s workspace (bytes 0 and 64 of the header).
 fn words(h: &SymmHandle, rank: usize) -> (&AtomicU64, &AtomicU32) {
-    let base = h.read_ptr(rank) + h.offset();
-    // SAFETY: the workspace starts with a 128-byte header (allocated below), 8-aligned, mapped
-    // while `h` lives; every process touches these words only atomically.
-    unsafe { (&*(base as *const AtomicU64), &*((base + 64) as *const AtomicU32)) }
+    (h.word64(rank, h.offset()), h.word32(rank, h.offset() + 64))
 }
 
 fn wait_for(h: &SymmHandle, rank: usize, at_least: u64, p: &Patience, timeout: Duration) -> Result<()> {
     let (epoch, sleepers) = words(h, rank);
     // The futex word is the epoch's low half (little-endian), which changes with every publish.
-    // SAFETY: the low 4 bytes of an 8-aligned AtomicU64 are an aligned u32 in the same shared
-    // mapping, only accessed atomically.
-    let low = unsafe { &*(epoch as *const AtomicU64 as *const AtomicU32) };
+    let low = h.word32(rank, h.offset());
     // Acquire: pairs with the Release (SeqCst) store of `publish`.
     let done = || epoch.load(Ordering::Acquire) >= at_least;
     let sleep = |_: u32, nap: Duration| {
@@ -99,9 +93,7 @@ fn publish(h: &SymmHandle, k: u64) {
     // SeqCst (a Release at least): pairs with the Acquire/SeqCst loads in `wait_for`.
     epoch.store(k, Ordering::SeqCst);
     if sleepers.load(Ordering::SeqCst) > 0 {
-        // SAFETY: as in wait_for.
-        let low = unsafe { &*(epoch as *const AtomicU64 as *const AtomicU32) };
-        crate::sys::futex::wake(low);
+        crate::sys::futex::wake(h.word32(h.rank(), h.offset()));
     }
 }
 

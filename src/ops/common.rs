@@ -35,6 +35,12 @@ pub(crate) fn bad(op: &str, msg: impl std::fmt::Display) -> Error {
 
 /// Checks that `input` is a contiguous, aligned symmetric tensor and returns its handle.
 pub(crate) fn symmetric(op: &str, input: &Tensor, group: &Group) -> Result<Arc<SymmHandle>> {
+    check_symmetric(op, input)?;
+    symm::rendezvous(input, group)
+}
+
+/// The checks of [`symmetric`], for a caller that already holds the handle.
+pub(crate) fn check_symmetric(op: &str, input: &Tensor) -> Result<()> {
     if !symm::is_symm_mem_tensor(input) {
         return Err(bad(op, "input must be allocated with symm::empty (a symmetric tensor)"));
     }
@@ -49,7 +55,7 @@ pub(crate) fn symmetric(op: &str, input: &Tensor, group: &Group) -> Result<Arc<S
     if !input.nbytes().is_multiple_of(a) {
         return Err(bad(op, format!("input size must be at least {a}-byte aligned")));
     }
-    symm::rendezvous(input, group)
+    Ok(())
 }
 
 /// The prologue of an operator on a symmetric `input`: its checks and handle
@@ -66,8 +72,14 @@ pub(crate) fn prologue(
     if input.numel() == 0 {
         return Ok(None);
     }
-    enter(group, &h, &Stamp::new(op, input, h.offset(), args))?;
+    enter_on(op, input, group, &h, args)?;
     Ok(Some(h))
+}
+
+/// The checked entry of [`prologue`] on a non-empty `input` whose checks and handle the caller
+/// already has.
+pub(crate) fn enter_on(op: &'static str, input: &Tensor, group: &Group, h: &SymmHandle, args: &[u64]) -> Result<()> {
+    enter(group, h, &Stamp::new(op, input, h.offset(), args))
 }
 
 /// Refuses a reduction of booleans.

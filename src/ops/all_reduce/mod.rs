@@ -85,10 +85,15 @@ pub fn two_shot_all_reduce_(input: &Tensor, op: ReduceOp, group: &Group) -> Resu
     const OP: &str = "two_shot_all_reduce_";
     reducible(OP, input)?;
     let Some(h) = prologue(OP, input, group, &[op.code()])? else { return Ok(()) };
+    two_shot_in_place(input, op, &h)
+}
+
+/// The body of [`two_shot_all_reduce_`], after its prologue.
+fn two_shot_in_place(input: &Tensor, op: ReduceOp, h: &symm::SymmHandle) -> Result<()> {
     let (es, ws) = (input.dtype().size(), h.world_size());
     let (start, len) = slice(input.numel(), ws, h.rank(), alignment(input.dtype()) / es);
-    fetch(&h, |_| (start * es, len * es))?;
-    let srcs = peers(&h, start * es);
+    fetch(h, |_| (start * es, len * es))?;
+    let srcs = peers(h, start * es);
     let mut inline = [std::ptr::null_mut::<u8>(); 64];
     let heap: Vec<*mut u8>;
     let dsts: &[*mut u8] = if ws <= inline.len() {
@@ -109,7 +114,7 @@ pub fn two_shot_all_reduce_(input: &Tensor, op: ReduceOp, group: &Group) -> Resu
         let at = h.offset() + start * es;
         h.push(&h.remote_ranks(), at, len * es, at, timeout())?;
     }
-    barrier(&h)
+    barrier(h)
 }
 
 /// Out-of-place two-shot all-reduce into `out`. Like PyTorch's, it also leaves this rank's
@@ -168,6 +173,12 @@ pub fn all_reduce(tensor: &Tensor, op: ReduceOp, group: &Group) -> Result<()> {
     match select(tensor.nbytes(), group.world_size(), h.max_ranks_per_host(), hosts) {
         Algo::Small => small::all_reduce(tensor, op, group, timeout()),
         Algo::HostPush => host_push::all_reduce(tensor, op, group, timeout()),
-        Algo::TwoShot => two_shot_all_reduce_(tensor, op, group),
+        Algo::TwoShot => {
+            // two_shot_all_reduce_ itself, on the handle already in hand.
+            const TWO: &str = "two_shot_all_reduce_";
+            check_symmetric(TWO, tensor)?;
+            enter_on(TWO, tensor, group, &h, &[op.code()])?;
+            two_shot_in_place(tensor, op, &h)
+        }
     }
 }

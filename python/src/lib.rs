@@ -6,23 +6,40 @@ use std::time::Duration;
 
 use pyo3::exceptions::{PyNotImplementedError, PyRuntimeError, PyTimeoutError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::PyBytes;
+use pyo3::types::{PyBytes, PyType};
 use symmem::tensor::Tensor;
 use symmem::transport::{self, Memory, MemoryView, MutableMemoryView, RemoteBuffer, Transport, Work};
 
 mod symm;
 
 fn err(e: symmem::Error) -> PyErr {
+    use symmem::TransferKind::*;
     match e {
-        symmem::Error::Timeout { .. } | symmem::Error::Transfer { kind: symmem::TransferKind::TimedOut, .. } => {
+        symmem::Error::Timeout { .. } | symmem::Error::Transfer { kind: TimedOut, .. } => {
             PyTimeoutError::new_err(e.to_string())
         }
-        symmem::Error::Transfer { kind: symmem::TransferKind::Unsupported, .. } => {
-            PyNotImplementedError::new_err(e.to_string())
-        }
+        symmem::Error::Transfer { kind: Unsupported, .. } => PyNotImplementedError::new_err(e.to_string()),
+        symmem::Error::Transfer { kind: PeerLost, .. } => typed("PeerLostError", e.to_string()),
+        symmem::Error::Transfer { kind: Refused, .. } => typed("RefusedError", e.to_string()),
+        symmem::Error::Transfer { kind: Busy, .. } => typed("BusyError", e.to_string()),
         symmem::Error::InvalidArgument(_) => PyValueError::new_err(e.to_string()),
         e => PyRuntimeError::new_err(e.to_string()),
     }
+}
+
+/// The exception `name` of `symmem.errors` (each a RuntimeError too), or a plain RuntimeError
+/// if that module cannot be imported (the extension used without its package).
+fn typed(name: &str, msg: String) -> PyErr {
+    Python::attach(|py| {
+        match py
+            .import("symmem.errors")
+            .and_then(|m| m.getattr(name))
+            .and_then(|c| c.cast_into::<PyType>().map_err(Into::into))
+        {
+            Ok(cls) => PyErr::from_type(cls, msg),
+            Err(_) => PyRuntimeError::new_err(msg),
+        }
+    })
 }
 
 fn seconds(t: Option<f64>) -> PyResult<Option<Duration>> {

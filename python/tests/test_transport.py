@@ -119,7 +119,7 @@ def test_torch_contract_details():
     assert torch.equal(y, x)
     # A stale descriptor fails its Work with the peer's reason.
     replica.unregister_memory(my)
-    with pytest.raises(RuntimeError, match="unknown remote buffer"):
+    with pytest.raises(symmem.errors.RefusedError, match="unknown remote buffer"):
         trainer.write(mx.to_view(), remote)
     trainer.close()
     replica.close()
@@ -193,3 +193,55 @@ def test_new_transport_rank_pairs_through_a_torch_tcpstore():
         symmem.new_transport_rank(store=42, peer_rank=1, rank=0)
     a.close()
     b.close()
+
+
+PEER = """
+import sys, time, numpy as np, symmem
+t = symmem.new_transport("tcp", flows=1)
+url = t.bind()
+m = t.register_memory(np.zeros(4096, dtype=np.uint8))
+sys.stdout.write(url.decode() + "\\n" + m.to_remote_buffer().serialize().decode() + "\\n")
+sys.stdout.flush()
+time.sleep(120)
+"""
+
+
+def test_transfer_failures_raise_the_exception_of_their_kind():
+    import subprocess
+    import sys
+    import time
+
+    from symmem.errors import PeerLostError, RefusedError, TransferError
+
+    # Refused by the owner: a descriptor of memory it no longer has.
+    a, b = pair("tcp")
+    ms = a.register_memory(torch.zeros(16, dtype=torch.uint8))
+    mb = b.register_memory(torch.zeros(16, dtype=torch.uint8))
+    remote = mb.to_remote_buffer()
+    b.unregister_memory(mb)
+    with pytest.raises(RefusedError, match="unknown remote buffer") as refused:
+        a.write(ms.to_view(), remote)
+    assert isinstance(refused.value, PermissionError) and isinstance(refused.value, RuntimeError)
+    a.close()
+    b.close()
+
+    # The peer is gone: its process was killed.
+    peer = subprocess.Popen([sys.executable, "-c", PEER], stdout=subprocess.PIPE, text=True)
+    try:
+        url, desc = peer.stdout.readline().strip(), peer.stdout.readline().strip()
+        t = symmem.new_transport("tcp", flows=1)
+        t.connect(url.encode())
+        remote = symmem.RemoteBuffer.deserialize(desc.encode())
+        view = t.register_memory(torch.ones(4096, dtype=torch.uint8)).to_view()
+        t.write(view, remote, timeout=10)
+        peer.kill()
+        peer.wait()
+        deadline = time.monotonic() + 10
+        with pytest.raises(PeerLostError) as lost:
+            while time.monotonic() < deadline:
+                t.write(view, remote, timeout=2)
+        assert isinstance(lost.value, ConnectionError) and isinstance(lost.value, TransferError)
+        t.close()
+    finally:
+        peer.kill()
+        peer.wait()

@@ -716,8 +716,12 @@ impl Transport {
         self.check_local(local)?;
         self.check_remote(local, remote, direction != Direction::Read)?;
         if !self.backend.connected() {
-            let why = self.backend.disconnect_reason().map(|r| format!(": {r}")).unwrap_or_default();
-            return Err(Error::InvalidArgument(format!("{} transport is not connected{why}", self.backend.name())));
+            let name = self.backend.name();
+            return Err(match self.backend.disconnect_reason() {
+                // It was connected: the peer is gone.
+                Some(why) => Error::transfer(TransferKind::PeerLost, format!("{name} transport is not connected: {why}")),
+                None => Error::InvalidArgument(format!("{name} transport is not connected")),
+            });
         }
         local.reg.pending.fetch_add(1, Ordering::AcqRel);
         let state = WorkState::new(Some(InFlight(local.reg.clone())));

@@ -11,7 +11,7 @@ Symmetric memory and its operators are in ``symmem.symm`` (after
 
 import asyncio
 
-from . import _native
+from . import _native, errors
 from ._native import MemoryView, MutableMemoryView, RemoteBuffer, Work, available_transports
 from ._native import Transport as _NativeTransport
 
@@ -23,6 +23,7 @@ __all__ = [
     "Transport",
     "Work",
     "available_transports",
+    "errors",
     "from_dlpack",
     "new_transport",
     "new_transport_rank",

@@ -78,7 +78,8 @@ knobs! {
     /// The tcp transport's flows.
     TCP_FLOWS = "SYMMEM_TRANSPORT_TCP_FLOWS", "4", "connections per tcp transport endpoint (large transfers are striped over them)";
     /// The tcp transport's published address.
-    TCP_HOST = "SYMMEM_TRANSPORT_TCP_HOST", "127.0.0.1", "the address a tcp transport endpoint listens on and publishes to its peers";
+    TCP_HOST = "SYMMEM_TRANSPORT_TCP_HOST", "the route to MASTER_ADDR",
+        "the address a tcp transport endpoint listens on and publishes to its peers; by default, in a job, the local address of the route to its store (loopback on one host), else 127.0.0.1";
     /// The tcp transport's chunk size.
     TCP_CHUNK_SIZE = "SYMMEM_TRANSPORT_TCP_CHUNK_SIZE", "1048576", "the largest chunk of a striped tcp transfer, in bytes";
     /// The store the `symmem store` client commands talk to.

@@ -19,6 +19,102 @@ pub fn this_host() -> String {
     format!("{name}/{}", boot.trim())
 }
 
+/// The address this process's peers reach it at, and where its listeners bind: the tcp
+/// transport's endpoints (and through them symmetric memory's links across hosts).
+///
+/// `SYMMEM_TRANSPORT_TCP_HOST` if set; else, in a job (`MASTER_ADDR` set), the local address
+/// of the route to the job's store, the address this process's own store connection comes
+/// from, so hosts need no setting: a job on one host stays on loopback, a job across hosts
+/// listens on the interface that reaches its peers, never on every interface. If that route
+/// is loopback although the job spans hosts and the store's address is a name (one that this
+/// host resolves to itself, as Debian's `127.0.1.1 hostname` line does), the first non-loopback address of an
+/// interface that is up, with a warning. Outside a job: `127.0.0.1`. Computed once.
+pub fn advertised_host() -> &'static str {
+    static HOST: OnceLock<String> = OnceLock::new();
+    HOST.get_or_init(|| {
+        if let Some(h) = crate::config::tcp_host() {
+            return h.to_string();
+        }
+        let Some(master) = crate::config::value(crate::config::env::MASTER_ADDR) else {
+            return "127.0.0.1".into();
+        };
+        let port = crate::config::value(crate::config::env::MASTER_PORT).and_then(|p| p.trim().parse().ok()).unwrap_or(9);
+        let ip = match route_to(master, port) {
+            Ok(ip) => ip,
+            Err(why) => {
+                tracing::warn!(
+                    "no route to the job's store at {master} ({why}); listening on 127.0.0.1 (set SYMMEM_TRANSPORT_TCP_HOST to this host's address)"
+                );
+                return "127.0.0.1".into();
+            }
+        };
+        // A loopback address given literally means what it says (hosts played on one machine).
+        let named = master.trim_start_matches('[').trim_end_matches(']').parse::<std::net::IpAddr>().is_err();
+        let spans_hosts = crate::config::hosts() > 1 || world_exceeds_host();
+        if ip.is_loopback() && named && spans_hosts {
+            if let Some(other) = first_interface_address() {
+                tracing::warn!(
+                    "the job's store at {master} is this host's loopback but the job spans hosts; publishing {other}, \
+                     the first address of an interface that is up (set SYMMEM_TRANSPORT_TCP_HOST to choose)"
+                );
+                return bracket(other);
+            }
+        }
+        bracket(ip)
+    })
+}
+
+fn bracket(ip: std::net::IpAddr) -> String {
+    if ip.is_ipv6() { format!("[{ip}]") } else { ip.to_string() }
+}
+
+/// The local address the kernel picks to reach `host:port` (a connected UDP socket sends
+/// nothing).
+fn route_to(host: &str, port: u16) -> std::io::Result<std::net::IpAddr> {
+    use std::net::{ToSocketAddrs, UdpSocket};
+    let bare = host.trim_start_matches('[').trim_end_matches(']');
+    let mut last = std::io::Error::new(std::io::ErrorKind::NotFound, "the name resolves to no address");
+    for to in (bare, port).to_socket_addrs()? {
+        let any: std::net::SocketAddr = if to.is_ipv4() { ([0, 0, 0, 0], 0).into() } else { ([0u16; 8], 0).into() };
+        match UdpSocket::bind(any).and_then(|s| s.connect(to).and_then(|()| s.local_addr())) {
+            Ok(local) => return Ok(local.ip()),
+            Err(e) => last = e,
+        }
+    }
+    Err(last)
+}
+
+/// Whether `WORLD_SIZE` exceeds `LOCAL_WORLD_SIZE`: ranks run on more than this host.
+fn world_exceeds_host() -> bool {
+    let n = |k: &str| crate::config::value(k).and_then(|v| v.trim().parse::<usize>().ok());
+    matches!((n(crate::config::env::WORLD_SIZE), n(crate::config::env::LOCAL_WORLD_SIZE)), (Some(w), Some(l)) if w > l)
+}
+
+/// The first address (IPv4 first) of an interface that is up and not loopback.
+fn first_interface_address() -> Option<std::net::IpAddr> {
+    use nix::net::if_::InterfaceFlags;
+    let addrs: Vec<std::net::IpAddr> = nix::ifaddrs::getifaddrs()
+        .ok()?
+        .filter(|a| a.flags.contains(InterfaceFlags::IFF_UP) && !a.flags.contains(InterfaceFlags::IFF_LOOPBACK))
+        .filter_map(|a| {
+            let a = a.address?;
+            let ip = match a.as_sockaddr_in() {
+                Some(v4) => std::net::IpAddr::V4(v4.ip()),
+                None => std::net::IpAddr::V6(a.as_sockaddr_in6()?.ip()),
+            };
+            (!is_link_local(&ip)).then_some(ip)
+        })
+        .collect();
+    addrs.iter().find(|a| a.is_ipv4()).or_else(|| addrs.first()).copied()
+}
+
+fn is_link_local(ip: &std::net::IpAddr) -> bool {
+    match ip {
+        std::net::IpAddr::V4(v4) => v4.is_link_local(),
+        std::net::IpAddr::V6(v6) => (v6.segments()[0] & 0xffc0) == 0xfe80,
+    }
+}
+
 /// The CPUs this process may use. Cached: `available_parallelism` reads cgroup files, far too
 /// slow for a wait's policy.
 pub fn cores() -> usize {
@@ -94,6 +190,17 @@ impl HostMap {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_route_to_a_loopback_store_is_loopback_and_interfaces_skip_it() {
+        assert!(route_to("127.0.0.1", 29500).unwrap().is_loopback());
+        assert!(route_to("[::1]", 29500).is_ok_and(|ip| ip.is_loopback()) || route_to("[::1]", 1).is_err());
+        if let Some(ip) = first_interface_address() {
+            assert!(!ip.is_loopback() && !is_link_local(&ip), "{ip}");
+        }
+        assert!(is_link_local(&"169.254.1.1".parse().unwrap()) && is_link_local(&"fe80::1".parse().unwrap()));
+        assert!(!is_link_local(&"10.0.0.1".parse().unwrap()));
+    }
 
     #[test]
     fn hosts_are_numbered_by_their_lowest_rank() {

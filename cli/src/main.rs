@@ -868,7 +868,10 @@ fn info() {
     say!();
     say!("backends");
     say!("  store      tcp: PyTorch TCPStore protocol (torch 2.15), server and client; needs a reachable TCP port");
-    say!("  transport  tcp: any two hosts; needs a TCP port reachable by the peer (SYMMEM_TRANSPORT_TCP_HOST)");
+    say!(
+        "  transport  tcp: any two hosts; listens on and publishes {} (the route to MASTER_ADDR in a job; SYMMEM_TRANSPORT_TCP_HOST)",
+        symmem::topo::advertised_host()
+    );
     say!(
         "             shm: same host, one copy (memcpy through mappings, or process_vm_writev/readv); needs the same user and no ptrace restriction"
     );

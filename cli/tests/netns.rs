@@ -44,6 +44,7 @@ fn netns_rank() {
     );
     let url = String::from_utf8(link.bind(None).unwrap()).unwrap();
     assert!(url.starts_with(&format!("tcp://10.213.0.{}:", me + 1)), "the URL names this host's address: {url}");
+    assert!(!symmem::topo::this_host().starts_with(&format!("machine{peer}/")), "each namespace is its own host");
     if me == 0 {
         link.write(&m_mine.to_view(0, None).unwrap(), &their_inbox, None).unwrap();
     } else {
@@ -76,19 +77,25 @@ fn ranks_in_two_namespaces_move_tensors_over_tcp() {
     // The namespaces share this machine's file system, as hosts share a home directory: this
     // user's key is the job's secret.
     let config = tempfile::tempdir().unwrap();
+    // Two machines as a user meets them: each its own hostname (a UTS namespace) and address,
+    // and no SYMMEM_* variable set: the launcher finds the job's secret in this user's key, and
+    // each rank publishes the address of its route to the store.
     let node = |i: usize| {
-        Command::new("ip")
-            .args(["netns", "exec", &hosts.names[i], BIN, "run", "-n", "1", "--nnodes", "2"])
+        let mut c = Command::new("ip");
+        c.args(["netns", "exec", &hosts.names[i], "unshare", "--uts", "sh", "-c", "hostname \"$0\" && exec \"$@\""])
+            .arg(format!("machine{i}"))
+            .args([BIN, "run", "-n", "1", "--nnodes", "2"])
             .args(["--node-rank", &i.to_string(), "--master-addr", "10.213.0.1", "--master-port", "29500"])
             .args(["--timeout", "60", "--"])
             .arg(&me)
             .args(["--exact", "netns_rank", "--include-ignored", "--nocapture"])
-            .env("SYMMEM_TRANSPORT_TCP_HOST", format!("10.213.0.{}", i + 1))
-            .env("SYMMEM_HOST_ID", format!("host{i}"))
-            .env("XDG_CONFIG_HOME", config.path())
-            .env_remove("SYMMEM_STORE_SECRET")
-            .output()
-            .unwrap()
+            .env("XDG_CONFIG_HOME", config.path());
+        for (k, _) in std::env::vars_os() {
+            if k.to_string_lossy().starts_with("SYMMEM_") {
+                c.env_remove(k);
+            }
+        }
+        c.output().unwrap()
     };
     let second = std::thread::scope(|s| {
         let b = s.spawn(|| node(1));

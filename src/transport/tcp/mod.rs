@@ -88,7 +88,7 @@ impl TcpOptions {
     fn from(o: &Options) -> Result<TcpOptions> {
         let mut t = TcpOptions {
             flows: config::tcp_flows()?.unwrap_or(4),
-            host: config::tcp_host().unwrap_or("127.0.0.1").to_string(),
+            host: crate::topo::advertised_host().to_string(),
             chunk: config::tcp_chunk_size()?.unwrap_or(1 << 20),
             timeout: Duration::from_secs(30),
             secret: Secret::job_from_env(),

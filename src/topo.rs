@@ -51,14 +51,16 @@ pub fn advertised_host() -> &'static str {
         // A loopback address given literally means what it says (hosts played on one machine).
         let named = master.trim_start_matches('[').trim_end_matches(']').parse::<std::net::IpAddr>().is_err();
         let spans_hosts = crate::config::hosts() > 1 || world_exceeds_host();
-        if ip.is_loopback() && named && spans_hosts {
-            if let Some(other) = first_interface_address() {
-                tracing::warn!(
-                    "the job's store at {master} is this host's loopback but the job spans hosts; publishing {other}, \
-                     the first address of an interface that is up (set SYMMEM_TRANSPORT_TCP_HOST to choose)"
-                );
-                return bracket(other);
-            }
+        if ip.is_loopback()
+            && named
+            && spans_hosts
+            && let Some(other) = first_interface_address()
+        {
+            tracing::warn!(
+                "the job's store at {master} is this host's loopback but the job spans hosts; publishing {other}, \
+                 the first address of an interface that is up (set SYMMEM_TRANSPORT_TCP_HOST to choose)"
+            );
+            return bracket(other);
         }
         bracket(ip)
     })

@@ -719,7 +719,9 @@ impl Transport {
             let name = self.backend.name();
             return Err(match self.backend.disconnect_reason() {
                 // It was connected: the peer is gone.
-                Some(why) => Error::transfer(TransferKind::PeerLost, format!("{name} transport is not connected: {why}")),
+                Some(why) => {
+                    Error::transfer(TransferKind::PeerLost, format!("{name} transport is not connected: {why}"))
+                }
                 None => Error::InvalidArgument(format!("{name} transport is not connected")),
             });
         }

@@ -18,6 +18,7 @@
 //! Layer: uses `store` (bootstrap), `tensor`, `wire` and `sys`.
 
 mod registry;
+mod target;
 mod work;
 
 pub mod auto;

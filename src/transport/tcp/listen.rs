@@ -10,13 +10,12 @@ use std::collections::VecDeque;
 use std::io::{IoSlice, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use rustix::event::{PollFd, PollFlags, poll};
 
 use super::{CLIENT_PROOF, Inner, MAX_CHUNK, MAX_FLOWS, SERVER_PROOF, lock, tune};
-use crate::sync::{Patience, slot as signal};
 use crate::wire::tcp::{
     ATOMIC_BUSY, Atomic, Auth, Challenge, HEADER_LEN, HELLO_LEN, Header, Hello, MAX_ERROR_LEN, Op, PROOF_LEN, Refused,
     transcript,
@@ -301,62 +300,24 @@ fn serve(inner: &Inner, mut s: &TcpStream) -> std::io::Result<()> {
 /// Performs an ATOMIC request on a registered word and answers it.
 fn atomic(inner: &Inner, s: &TcpStream, h: &Header) -> std::io::Result<()> {
     let refuse = |msg: &str| reply(s, h, Op::Error, &msg.as_bytes()[..msg.len().min(MAX_ERROR_LEN as usize)]);
-    let Some(op) = Atomic::from_byte(h.status) else {
-        return refuse(&format!("unknown remote atomic {}", h.status));
+    let op = match Atomic::from_byte(h.status) {
+        Some(Atomic::SlotPut) => crate::transport::Atomic::SlotPut,
+        Some(Atomic::Set32) => crate::transport::Atomic::Set32,
+        Some(Atomic::Set64) => crate::transport::Atomic::Set64,
+        None => return refuse(&format!("unknown remote atomic {}", h.status)),
     };
-    if h.length != op.width() || !h.remote_offset.is_multiple_of(op.width()) {
+    if h.length != op.width() {
         return refuse(&format!("a {op:?} acts on an aligned {}-byte word", op.width()));
     }
     let reg = inner.table.read().unwrap_or_else(|p| p.into_inner()).get(&h.buffer).cloned();
-    let reg = match reg {
-        Some(r) => match r.check_access(&h.key, h.remote_offset, h.length, true) {
-            Ok(()) => r,
-            Err(msg) => return refuse(&msg),
-        },
-        None => return refuse("unknown remote buffer"),
-    };
-    let at = reg.ptr().wrapping_add(h.remote_offset as usize);
-    if !(at as usize).is_multiple_of(op.width() as usize) {
-        return refuse("the word is not aligned in memory");
+    let Some(reg) = reg else { return refuse("unknown remote buffer") };
+    match crate::transport::target::apply_atomic(&reg, &h.key, h.remote_offset, op, h.cookie) {
+        Ok(busy) => {
+            let ack = Header { op: Op::Ack, status: if busy { ATOMIC_BUSY } else { 0 }, ..*h };
+            write_frame(s, &ack, &[])
+        }
+        Err(msg) => refuse(&msg),
     }
-    let busy = match op {
-        Atomic::SlotPut => {
-            // SAFETY: check_access put the 4 bytes inside the live registration, which `reg`
-            // keeps alive, and `at` is 4-aligned (checked); peers touch signal slots only
-            // atomically, so viewing them as an AtomicU32 is sound.
-            let slot = unsafe { &*at.cast::<AtomicU32>() };
-            // One attempt, no waiting: a busy slot is the initiator's to retry, so this
-            // thread never blocks on a peer.
-            match signal::put(slot, &Patience::once()) {
-                Ok(()) => false,
-                Err(signal::Failure::TimedOut) => true,
-                Err(signal::Failure::Corrupt(v)) => {
-                    return refuse(&format!("the signal slot holds {v}, which the signal protocol never writes"));
-                }
-            }
-        }
-        Atomic::Set32 => {
-            // SAFETY: as above, for an aligned 4-byte word.
-            let w = unsafe { &*at.cast::<AtomicU32>() };
-            // Release: pairs with the Acquire load of whoever polls the word, after the
-            // initiator's earlier writes on this link (acknowledged before it sent this).
-            w.store(h.cookie as u32, Ordering::Release);
-            crate::sys::futex::wake(w);
-            false
-        }
-        Atomic::Set64 => {
-            // SAFETY: as above, for an aligned 8-byte word.
-            let w = unsafe { &*at.cast::<AtomicU64>() };
-            // Release: pairs with the Acquire load of the word's poller (see Set32).
-            w.store(h.cookie, Ordering::Release);
-            // SAFETY: the low 4 bytes of the aligned word (a poller sleeps on them), only
-            // accessed atomically.
-            crate::sys::futex::wake(unsafe { &*at.cast::<AtomicU32>() });
-            false
-        }
-    };
-    let ack = Header { op: Op::Ack, status: if busy { ATOMIC_BUSY } else { 0 }, ..*h };
-    write_frame(s, &ack, &[])
 }
 
 fn drain(mut s: &TcpStream, mut n: u64) -> std::io::Result<()> {

@@ -92,3 +92,4 @@ pub(crate) mod cma;
 pub(crate) mod futex;
 pub(crate) mod peercred;
 pub(crate) mod shm;
+pub(crate) mod ucx;

@@ -24,6 +24,7 @@ mod work;
 pub mod auto;
 pub mod shm;
 pub mod tcp;
+pub mod ucx;
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};

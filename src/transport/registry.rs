@@ -11,7 +11,7 @@
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, OnceLock};
 
-use super::{Backend, Options, auto, shm, tcp};
+use super::{Backend, Options, auto, shm, tcp, ucx};
 use crate::error::{Error, Result};
 
 /// Builds a backend from options.
@@ -77,6 +77,14 @@ pub(crate) const BUILT_IN: &[BuiltIn] = &[
         options: tcp::OPTIONS,
         auto_member: true,
         build: |o| Ok(Box::new(tcp::TcpBackend::new(o)?)),
+    },
+    // Opt-in: UCX does not authenticate who connects to a worker (see `ucx`'s docs).
+    BuiltIn {
+        name: "ucx",
+        caps: ucx::CAPS,
+        options: ucx::OPTIONS,
+        auto_member: false,
+        build: |o| Ok(Box::new(ucx::UcxBackend::new(o)?)),
     },
     BuiltIn {
         name: "auto",

@@ -1,0 +1,552 @@
+//! UCX's UCP API, loaded at run time from the system's `libucp.so.0` (Debian's libucx0, 1.13):
+//! a machine without UCX builds and runs, and the `ucx` backend reports itself unavailable.
+//!
+//! A thin binding of the calls the `ucx` transport uses: a context, a worker with its wake-up
+//! descriptor, endpoints with peer error handling, active messages (send, receive handlers,
+//! rendezvous data) and request completion. The parameter structs are passed as zeroed byte
+//! blocks of UCX 1.13's sizes with the fields we set at their offsets (checked against the C
+//! headers by `ucx_layout_matches_the_headers`, where the headers are installed); UCX reads
+//! only the fields a struct's mask names.
+
+use std::ffi::{CStr, c_char, c_int, c_uint, c_void};
+use std::sync::OnceLock;
+
+/// `ucs_status_t`.
+pub type Status = i32;
+/// Success.
+pub const UCS_OK: Status = 0;
+/// An operation still in progress.
+pub const UCS_INPROGRESS: Status = 1;
+/// A resource is busy (arming a worker with events pending).
+pub const UCS_ERR_BUSY: Status = -15;
+
+const UCP_API_MAJOR: c_uint = 1;
+const UCP_API_MINOR: c_uint = 13;
+
+const UCP_PARAM_FIELD_FEATURES: u64 = 1;
+/// Active messages.
+pub const UCP_FEATURE_AM: u64 = 64;
+/// Remote memory access (AM rendezvous uses it where the fabric has it).
+pub const UCP_FEATURE_RMA: u64 = 2;
+/// Wake-up through a file descriptor.
+pub const UCP_FEATURE_WAKEUP: u64 = 16;
+
+const UCP_WORKER_PARAM_FIELD_THREAD_MODE: u64 = 1;
+const UCS_THREAD_MODE_SINGLE: u32 = 0;
+
+const UCP_EP_PARAM_FIELD_REMOTE_ADDRESS: u64 = 1;
+const UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE: u64 = 2;
+const UCP_EP_PARAM_FIELD_ERR_HANDLER: u64 = 4;
+const UCP_ERR_HANDLING_MODE_PEER: u32 = 1;
+
+const UCP_OP_ATTR_FIELD_CALLBACK: u32 = 2;
+const UCP_OP_ATTR_FIELD_USER_DATA: u32 = 4;
+const UCP_OP_ATTR_FIELD_FLAGS: u32 = 16;
+const UCP_EP_CLOSE_FLAG_FORCE: u32 = 1;
+/// `ucp_am_send_nbx` flag: the receiver gets an endpoint to reply on.
+pub const UCP_AM_SEND_FLAG_REPLY: u32 = 1;
+
+const UCP_AM_HANDLER_PARAM_FIELD_ID: u64 = 1;
+const UCP_AM_HANDLER_PARAM_FIELD_CB: u64 = 4;
+const UCP_AM_HANDLER_PARAM_FIELD_ARG: u64 = 8;
+
+/// `recv_attr` bit: `param.reply_ep` is valid.
+pub const UCP_AM_RECV_ATTR_FIELD_REPLY_EP: u64 = 1;
+/// `recv_attr` bit: the data is a rendezvous descriptor for `ucp_am_recv_data_nbx`.
+pub const UCP_AM_RECV_ATTR_FLAG_RNDV: u64 = 1 << 17;
+
+// Sizes and offsets of UCX 1.13's parameter structs (x86-64).
+const PARAMS_SIZE: usize = 80;
+const WORKER_PARAMS_SIZE: usize = 200;
+const EP_PARAMS_SIZE: usize = 104;
+const REQUEST_PARAM_SIZE: usize = 72;
+const AM_HANDLER_PARAM_SIZE: usize = 32;
+
+/// Opaque UCX handles.
+pub type Handle = *mut c_void;
+
+/// `ucp_send_nbx_callback_t`.
+pub type SendCallback = unsafe extern "C" fn(request: *mut c_void, status: Status, user_data: *mut c_void);
+/// `ucp_am_recv_data_nbx_callback_t`.
+pub type RecvDataCallback =
+    unsafe extern "C" fn(request: *mut c_void, status: Status, length: usize, user_data: *mut c_void);
+/// `ucp_err_handler_cb_t`.
+pub type ErrCallback = unsafe extern "C" fn(arg: *mut c_void, ep: Handle, status: Status);
+/// `ucp_am_recv_callback_t`.
+pub type AmCallback = unsafe extern "C" fn(
+    arg: *mut c_void,
+    header: *const c_void,
+    header_length: usize,
+    data: *mut c_void,
+    length: usize,
+    param: *const AmRecvParam,
+) -> Status;
+
+/// `ucp_am_recv_param_t`.
+#[repr(C)]
+pub struct AmRecvParam {
+    /// Which attributes and flags hold.
+    pub recv_attr: u64,
+    /// The endpoint to reply on, with `UCP_AM_RECV_ATTR_FIELD_REPLY_EP`.
+    pub reply_ep: Handle,
+}
+
+type StatusPtr = *mut c_void;
+
+/// The entry points, resolved once.
+struct Api {
+    config_read: unsafe extern "C" fn(*const c_char, *const c_char, *mut Handle) -> Status,
+    config_release: unsafe extern "C" fn(Handle),
+    init_version: unsafe extern "C" fn(c_uint, c_uint, *const u8, Handle, *mut Handle) -> Status,
+    worker_create: unsafe extern "C" fn(Handle, *const u8, *mut Handle) -> Status,
+    worker_destroy: unsafe extern "C" fn(Handle),
+    worker_get_address: unsafe extern "C" fn(Handle, *mut *mut c_void, *mut usize) -> Status,
+    worker_release_address: unsafe extern "C" fn(Handle, *mut c_void),
+    worker_progress: unsafe extern "C" fn(Handle) -> c_uint,
+    worker_get_efd: unsafe extern "C" fn(Handle, *mut c_int) -> Status,
+    worker_arm: unsafe extern "C" fn(Handle) -> Status,
+    worker_set_am_recv_handler: unsafe extern "C" fn(Handle, *const u8) -> Status,
+    ep_create: unsafe extern "C" fn(Handle, *const u8, *mut Handle) -> Status,
+    ep_close_nbx: unsafe extern "C" fn(Handle, *const u8) -> StatusPtr,
+    am_send_nbx:
+        unsafe extern "C" fn(Handle, c_uint, *const c_void, usize, *const c_void, usize, *const u8) -> StatusPtr,
+    am_recv_data_nbx: unsafe extern "C" fn(Handle, *mut c_void, *mut c_void, usize, *const u8) -> StatusPtr,
+    am_data_release: unsafe extern "C" fn(Handle, *mut c_void),
+    request_check_status: unsafe extern "C" fn(*mut c_void) -> Status,
+    request_cancel: unsafe extern "C" fn(Handle, *mut c_void),
+    request_free: unsafe extern "C" fn(*mut c_void),
+    status_string: unsafe extern "C" fn(Status) -> *const c_char,
+    _ucs: libloading::Library,
+    _ucp: libloading::Library,
+}
+
+fn api() -> Result<&'static Api, String> {
+    static API: OnceLock<Result<Api, String>> = OnceLock::new();
+    API.get_or_init(load).as_ref().map_err(Clone::clone)
+}
+
+fn load() -> Result<Api, String> {
+    // SAFETY: loading UCX runs its library constructors, which only initialize UCX's own
+    // state; the libraries stay loaded for the life of the process (they live in `API`).
+    let ucp = unsafe { libloading::Library::new("libucp.so.0") }
+        .map_err(|e| format!("UCX is not installed (libucp.so.0: {e}); install libucx0"))?;
+    // SAFETY: as above; libucs is a dependency of libucp, already loaded by it.
+    let ucs = unsafe { libloading::Library::new("libucs.so.0") }.map_err(|e| format!("libucs.so.0: {e}"))?;
+    macro_rules! sym {
+        ($lib:expr, $name:literal) => {
+            // SAFETY: the symbol is UCX 1.13's function of that name, and the field's type
+            // is its C signature (ucp.h); the pointer stays valid while the library is loaded,
+            // which is for the life of the process.
+            *unsafe { $lib.get(concat!($name, "\0").as_bytes()) }.map_err(|e| format!("UCX lacks {}: {e}", $name))?
+        };
+    }
+    Ok(Api {
+        config_read: sym!(ucp, "ucp_config_read"),
+        config_release: sym!(ucp, "ucp_config_release"),
+        init_version: sym!(ucp, "ucp_init_version"),
+        worker_create: sym!(ucp, "ucp_worker_create"),
+        worker_destroy: sym!(ucp, "ucp_worker_destroy"),
+        worker_get_address: sym!(ucp, "ucp_worker_get_address"),
+        worker_release_address: sym!(ucp, "ucp_worker_release_address"),
+        worker_progress: sym!(ucp, "ucp_worker_progress"),
+        worker_get_efd: sym!(ucp, "ucp_worker_get_efd"),
+        worker_arm: sym!(ucp, "ucp_worker_arm"),
+        worker_set_am_recv_handler: sym!(ucp, "ucp_worker_set_am_recv_handler"),
+        ep_create: sym!(ucp, "ucp_ep_create"),
+        ep_close_nbx: sym!(ucp, "ucp_ep_close_nbx"),
+        am_send_nbx: sym!(ucp, "ucp_am_send_nbx"),
+        am_recv_data_nbx: sym!(ucp, "ucp_am_recv_data_nbx"),
+        am_data_release: sym!(ucp, "ucp_am_data_release"),
+        request_check_status: sym!(ucp, "ucp_request_check_status"),
+        request_cancel: sym!(ucp, "ucp_request_cancel"),
+        request_free: sym!(ucp, "ucp_request_free"),
+        status_string: sym!(ucs, "ucs_status_string"),
+        _ucs: ucs,
+        _ucp: ucp,
+    })
+}
+
+/// Whether UCX can be used here, or why not.
+pub fn available() -> Result<(), String> {
+    context().map(|_| ())
+}
+
+/// UCX's name for a status.
+pub fn status_string(s: Status) -> String {
+    match api() {
+        // SAFETY: ucs_status_string returns a static NUL-terminated string for any value.
+        Ok(a) => unsafe { CStr::from_ptr((a.status_string)(s)) }.to_string_lossy().into_owned(),
+        Err(_) => format!("UCX status {s}"),
+    }
+}
+
+/// A zeroed parameter block with `u64`/`u32`/pointer fields set at byte offsets.
+struct Params<const N: usize>([u64; N]);
+
+impl<const N: usize> Params<N> {
+    fn new() -> Self {
+        Params([0; N])
+    }
+    fn set64(&mut self, at: usize, v: u64) -> &mut Self {
+        assert!(at.is_multiple_of(8) && at / 8 < N);
+        self.0[at / 8] = v;
+        self
+    }
+    fn set32(&mut self, at: usize, v: u32) -> &mut Self {
+        assert!(at.is_multiple_of(4) && at / 8 < N);
+        let w = &mut self.0[at / 8];
+        // Little-endian: the low half is the lower address.
+        if at.is_multiple_of(8) {
+            *w = (*w & !0xffff_ffff) | u64::from(v);
+        } else {
+            *w = (*w & 0xffff_ffff) | (u64::from(v) << 32);
+        }
+        self
+    }
+    fn ptr(&self) -> *const u8 {
+        self.0.as_ptr().cast()
+    }
+}
+
+/// A `ucp_request_param_t` with a callback and user data (and flags).
+fn request_param(cb: Option<usize>, user_data: usize, flags: u32) -> Params<{ REQUEST_PARAM_SIZE / 8 }> {
+    let mut p = Params::new();
+    let mut mask = 0;
+    if let Some(cb) = cb {
+        mask |= UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+        p.set64(16, cb as u64).set64(32, user_data as u64);
+    }
+    if flags != 0 {
+        mask |= UCP_OP_ATTR_FIELD_FLAGS;
+        p.set32(4, flags);
+    }
+    p.set32(0, mask);
+    p
+}
+
+/// What a non-blocking call returned: done now, a request to wait for, or an error.
+#[derive(Debug)]
+pub enum Started {
+    /// Completed immediately (no callback will run).
+    Done,
+    /// In progress: the callback runs on completion; the request is freed there.
+    Pending(*mut c_void),
+    /// Failed immediately (no callback will run).
+    Failed(Status),
+}
+
+fn started(p: StatusPtr) -> Started {
+    let v = p as isize;
+    if v == 0 {
+        Started::Done
+    } else if (-100..0).contains(&v) {
+        Started::Failed(v as Status)
+    } else {
+        Started::Pending(p)
+    }
+}
+
+/// The process's UCX context (features: active messages, RMA, wake-up), made once; `UCX_*`
+/// environment variables (e.g. `UCX_TLS`, `UCX_NET_DEVICES`) configure it.
+pub struct Context(Handle);
+
+// SAFETY: a UCP context is thread-safe for the calls made on it here (worker creation is
+// serialized by the caller, which makes one worker per transport from its own thread).
+unsafe impl Send for Context {}
+// SAFETY: as above.
+unsafe impl Sync for Context {}
+
+fn context() -> Result<&'static Context, String> {
+    static CTX: OnceLock<Result<Context, String>> = OnceLock::new();
+    CTX.get_or_init(|| {
+        let a = api()?;
+        let mut config: Handle = std::ptr::null_mut();
+        // SAFETY: null prefix and file mean the defaults and UCX_* variables; `config` is an
+        // out-pointer.
+        let s = unsafe { (a.config_read)(std::ptr::null(), std::ptr::null(), &mut config) };
+        if s != UCS_OK {
+            return Err(format!("reading UCX's configuration: {}", status_string(s)));
+        }
+        let mut p = Params::<{ PARAMS_SIZE / 8 }>::new();
+        p.set64(0, UCP_PARAM_FIELD_FEATURES).set64(8, UCP_FEATURE_AM | UCP_FEATURE_RMA | UCP_FEATURE_WAKEUP);
+        let mut ctx: Handle = std::ptr::null_mut();
+        // SAFETY: `p` is a ucp_params_t of UCX 1.13's size naming only `features`; `config`
+        // came from ucp_config_read; `ctx` is an out-pointer.
+        let s = unsafe { (a.init_version)(UCP_API_MAJOR, UCP_API_MINOR, p.ptr(), config, &mut ctx) };
+        // SAFETY: `config` is no longer needed once the context exists (or failed).
+        unsafe { (a.config_release)(config) };
+        if s != UCS_OK {
+            return Err(format!("initializing UCX: {}", status_string(s)));
+        }
+        Ok(Context(ctx))
+    })
+    .as_ref()
+    .map_err(Clone::clone)
+}
+
+/// A UCP worker in single-thread mode: every call on it and its endpoints must come from one
+/// thread at a time (the `ucx` transport's progress thread owns it).
+pub struct Worker {
+    h: Handle,
+    api: &'static Api,
+}
+
+// SAFETY: the worker may move between threads; the owner guarantees one thread at a time.
+unsafe impl Send for Worker {}
+
+impl Worker {
+    /// A new worker on the process's context.
+    pub fn new() -> Result<Worker, String> {
+        let ctx = context()?;
+        let api = api()?;
+        let mut p = Params::<{ WORKER_PARAMS_SIZE / 8 }>::new();
+        p.set64(0, UCP_WORKER_PARAM_FIELD_THREAD_MODE).set32(8, UCS_THREAD_MODE_SINGLE);
+        let mut h: Handle = std::ptr::null_mut();
+        // SAFETY: a ucp_worker_params_t of 1.13's size naming only the thread mode; `h` is an
+        // out-pointer; the context lives for the process.
+        let s = unsafe { (api.worker_create)(ctx.0, p.ptr(), &mut h) };
+        if s != UCS_OK {
+            return Err(format!("creating a UCX worker: {}", status_string(s)));
+        }
+        Ok(Worker { h, api })
+    }
+
+    /// The worker's address, for peers to connect to.
+    pub fn address(&self) -> Result<Vec<u8>, String> {
+        let (mut at, mut len): (*mut c_void, usize) = (std::ptr::null_mut(), 0);
+        // SAFETY: out-pointers; the worker is live.
+        let s = unsafe { (self.api.worker_get_address)(self.h, &mut at, &mut len) };
+        if s != UCS_OK {
+            return Err(format!("UCX worker address: {}", status_string(s)));
+        }
+        // SAFETY: UCX returned `len` readable bytes at `at`, ours until released below.
+        let v = unsafe { std::slice::from_raw_parts(at.cast::<u8>(), len) }.to_vec();
+        // SAFETY: `at` came from ucp_worker_get_address on this worker.
+        unsafe { (self.api.worker_release_address)(self.h, at) };
+        Ok(v)
+    }
+
+    /// Progresses communication once; the number of events processed.
+    pub fn progress(&self) -> u32 {
+        // SAFETY: the worker is live and called from its owning thread.
+        unsafe { (self.api.worker_progress)(self.h) }
+    }
+
+    /// The file descriptor that becomes readable when the armed worker has events.
+    pub fn event_fd(&self) -> Result<c_int, String> {
+        let mut fd: c_int = -1;
+        // SAFETY: out-pointer; the worker was made with the wake-up feature.
+        let s = unsafe { (self.api.worker_get_efd)(self.h, &mut fd) };
+        if s != UCS_OK {
+            return Err(format!("UCX worker event fd: {}", status_string(s)));
+        }
+        Ok(fd)
+    }
+
+    /// Arms the event descriptor: `Ok(true)` armed (safe to sleep on it), `Ok(false)` events
+    /// are pending (progress again first).
+    pub fn arm(&self) -> Result<bool, String> {
+        // SAFETY: the worker is live and called from its owning thread.
+        match unsafe { (self.api.worker_arm)(self.h) } {
+            UCS_OK => Ok(true),
+            UCS_ERR_BUSY => Ok(false),
+            s => Err(format!("arming the UCX worker: {}", status_string(s))),
+        }
+    }
+
+    /// Routes active messages `id` to `cb` with `arg`.
+    ///
+    /// # Safety
+    /// `cb` must be sound to call with `arg` during any later `progress` of this worker, until
+    /// the worker is destroyed.
+    pub unsafe fn set_am_handler(&self, id: u32, cb: AmCallback, arg: *mut c_void) -> Result<(), String> {
+        let mut p = Params::<{ AM_HANDLER_PARAM_SIZE / 8 }>::new();
+        p.set64(0, UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB | UCP_AM_HANDLER_PARAM_FIELD_ARG)
+            .set32(8, id)
+            .set64(16, cb as usize as u64)
+            .set64(24, arg as u64);
+        // SAFETY: a ucp_am_handler_param_t of 1.13's size naming id, cb and arg; the caller
+        // vouches for cb and arg.
+        let s = unsafe { (self.api.worker_set_am_recv_handler)(self.h, p.ptr()) };
+        if s != UCS_OK {
+            return Err(format!("UCX active-message handler: {}", status_string(s)));
+        }
+        Ok(())
+    }
+
+    /// An endpoint to the worker at `address`, whose failures call `on_error(arg, ep, status)`.
+    ///
+    /// # Safety
+    /// `on_error` must be sound to call with `arg` during any later `progress` of this
+    /// worker while the endpoint exists.
+    pub unsafe fn connect(&self, address: &[u8], on_error: ErrCallback, arg: *mut c_void) -> Result<Handle, String> {
+        let mut p = Params::<{ EP_PARAMS_SIZE / 8 }>::new();
+        p.set64(
+            0,
+            UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE | UCP_EP_PARAM_FIELD_ERR_HANDLER,
+        )
+        .set64(8, address.as_ptr() as u64)
+        .set32(16, UCP_ERR_HANDLING_MODE_PEER)
+        .set64(24, on_error as usize as u64)
+        .set64(32, arg as u64);
+        let mut ep: Handle = std::ptr::null_mut();
+        // SAFETY: a ucp_ep_params_t of 1.13's size; `address` is a worker address (UCX
+        // validates what it parses); `ep` is an out-pointer.
+        let s = unsafe { (self.api.ep_create)(self.h, p.ptr(), &mut ep) };
+        if s != UCS_OK {
+            return Err(format!("connecting to the UCX peer: {}", status_string(s)));
+        }
+        Ok(ep)
+    }
+
+    /// Starts closing `ep` (flushing it, or at once with `force`).
+    ///
+    /// # Safety
+    /// `ep` must be an endpoint of this worker, not closed before; it is unusable after.
+    pub unsafe fn close(&self, ep: Handle, force: bool) -> Started {
+        let p = request_param(None, 0, if force { UCP_EP_CLOSE_FLAG_FORCE } else { 0 });
+        // SAFETY: the caller vouches for `ep`; the parameter block is a 1.13 request param.
+        started(unsafe { (self.api.ep_close_nbx)(ep, p.ptr()) })
+    }
+
+    /// Sends active message `id` with `header` and `len` bytes at `data` on `ep`; `cb` runs
+    /// with `user_data` when the buffers may be reused.
+    ///
+    /// # Safety
+    /// `ep` must be a live endpoint of this worker (or a reply endpoint UCX handed to a
+    /// handler); `header`'s bytes and `len` bytes at `data` must stay readable until
+    /// completion (UCX 1.13 reads both then).
+    #[allow(clippy::too_many_arguments, reason = "ucp_am_send_nbx's own arguments")]
+    pub unsafe fn am_send(
+        &self,
+        ep: Handle,
+        id: u32,
+        header: &[u8],
+        data: *const u8,
+        len: usize,
+        flags: u32,
+        cb: SendCallback,
+        user_data: usize,
+    ) -> Started {
+        let p = request_param(Some(cb as usize), user_data, flags);
+        // SAFETY: the caller vouches for `ep`, the header and the data.
+        started(unsafe {
+            (self.api.am_send_nbx)(ep, id, header.as_ptr().cast(), header.len(), data.cast(), len, p.ptr())
+        })
+    }
+
+    /// Receives rendezvous data `desc` (handed to an active-message handler) into `len` bytes
+    /// at `into`; `cb` runs with `user_data` when it landed.
+    ///
+    /// # Safety
+    /// `desc` must be an undelivered rendezvous descriptor of this worker; `into` must stay
+    /// writable for `len` bytes until completion.
+    pub unsafe fn am_recv_data(
+        &self,
+        desc: *mut c_void,
+        into: *mut u8,
+        len: usize,
+        cb: RecvDataCallback,
+        user_data: usize,
+    ) -> Started {
+        let p = request_param(Some(cb as usize), user_data, 0);
+        // SAFETY: the caller vouches for `desc` and `into`.
+        started(unsafe { (self.api.am_recv_data_nbx)(self.h, desc, into.cast(), len, p.ptr()) })
+    }
+
+    /// Drops an undelivered rendezvous descriptor (its sender completes).
+    ///
+    /// # Safety
+    /// `desc` must be an undelivered data descriptor of this worker.
+    pub unsafe fn am_data_release(&self, desc: *mut c_void) {
+        // SAFETY: the caller vouches for `desc`.
+        unsafe { (self.api.am_data_release)(self.h, desc) }
+    }
+
+    /// The status of a pending request.
+    ///
+    /// # Safety
+    /// `req` must be a request of this worker not yet freed.
+    pub unsafe fn request_status(&self, req: *mut c_void) -> Status {
+        // SAFETY: the caller vouches for `req`.
+        unsafe { (self.api.request_check_status)(req) }
+    }
+
+    ///
+    /// # Safety
+    /// `req` must be a request of this worker not yet freed.
+    pub unsafe fn request_cancel(&self, req: *mut c_void) {
+        // SAFETY: the caller vouches for `req`.
+        unsafe { (self.api.request_cancel)(self.h, req) }
+    }
+}
+
+/// Frees a completed (or abandoned) request.
+///
+/// # Safety
+/// `req` must be a request UCX returned, freed once.
+pub unsafe fn request_free(req: *mut c_void) {
+    if let Ok(a) = api() {
+        // SAFETY: the caller vouches for `req`.
+        unsafe { (a.request_free)(req) }
+    }
+}
+
+impl Drop for Worker {
+    fn drop(&mut self) {
+        // SAFETY: the worker is live and dropped by its owner, after its endpoints closed.
+        unsafe { (self.api.worker_destroy)(self.h) }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Compiles a C program against the installed headers and compares the sizes, offsets and
+    /// constants this binding hard-codes. Skipped where the headers or a C compiler are absent.
+    #[test]
+    fn ucx_layout_matches_the_headers() {
+        if !std::path::Path::new("/usr/include/ucp/api/ucp.h").exists() {
+            eprintln!("SKIPPED: no UCX headers (libucx-dev)");
+            return;
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let src = dir.path().join("l.c");
+        std::fs::write(
+            &src,
+            r#"#include <stdio.h>
+#include <stddef.h>
+#include <ucp/api/ucp.h>
+int main(void){
+printf("%zu %zu %zu %zu %zu\n", sizeof(ucp_params_t), sizeof(ucp_worker_params_t), sizeof(ucp_ep_params_t), sizeof(ucp_request_param_t), sizeof(ucp_am_handler_param_t));
+printf("%zu %zu %zu %zu %zu %zu\n", offsetof(ucp_params_t,features), offsetof(ucp_worker_params_t,thread_mode), offsetof(ucp_ep_params_t,address), offsetof(ucp_ep_params_t,err_mode), offsetof(ucp_ep_params_t,err_handler), offsetof(ucp_request_param_t,cb));
+printf("%zu %zu %zu %zu %zu\n", offsetof(ucp_request_param_t,user_data), offsetof(ucp_request_param_t,flags), offsetof(ucp_am_handler_param_t,id), offsetof(ucp_am_handler_param_t,cb), offsetof(ucp_am_handler_param_t,arg));
+printf("%d %d %lu %lu %lu\n", UCP_API_MAJOR, UCP_API_MINOR, (unsigned long)UCP_AM_SEND_FLAG_REPLY, (unsigned long)UCP_AM_RECV_ATTR_FLAG_RNDV, (unsigned long)UCP_AM_RECV_ATTR_FIELD_REPLY_EP);
+printf("%zu %zu\n", sizeof(ucp_am_recv_param_t), offsetof(ucp_am_recv_param_t,reply_ep));
+return 0;}"#,
+        )
+        .unwrap();
+        let exe = dir.path().join("l");
+        let Ok(cc) = std::process::Command::new("cc").arg(&src).arg("-o").arg(&exe).output() else {
+            eprintln!("SKIPPED: no C compiler");
+            return;
+        };
+        assert!(cc.status.success(), "{}", String::from_utf8_lossy(&cc.stderr));
+        let out = String::from_utf8(std::process::Command::new(&exe).output().unwrap().stdout).unwrap();
+        let want = format!(
+            "{PARAMS_SIZE} {WORKER_PARAMS_SIZE} {EP_PARAMS_SIZE} {REQUEST_PARAM_SIZE} {AM_HANDLER_PARAM_SIZE}\n\
+             8 8 8 16 24 16\n32 4 8 16 24\n{UCP_API_MAJOR} {UCP_API_MINOR} {UCP_AM_SEND_FLAG_REPLY} \
+             {UCP_AM_RECV_ATTR_FLAG_RNDV} {UCP_AM_RECV_ATTR_FIELD_REPLY_EP}\n{} 8\n",
+            std::mem::size_of::<AmRecvParam>()
+        );
+        assert_eq!(out, want);
+    }
+
+    #[test]
+    fn status_pointers_decode_as_ucx_encodes_them() {
+        assert!(matches!(started(std::ptr::null_mut()), Started::Done));
+        assert!(matches!(started(-25isize as StatusPtr), Started::Failed(-25)));
+        assert!(matches!(started(0x1000 as StatusPtr), Started::Pending(_)));
+    }
+}

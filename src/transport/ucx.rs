@@ -1,0 +1,917 @@
+//! The `ucx` backend: two processes on any hosts, over UCX (the engine NIXL, Open MPI and
+//! PyTorch's transports use), so the same binary takes RDMA (verbs) on a cluster and UCX's
+//! tcp, shared-memory and cross-memory-attach transports here. `UCX_TLS` and
+//! `UCX_NET_DEVICES` pass through.
+//!
+//! Every transfer is an active message that the owner's progress thread serves after the
+//! same access check as every backend's (key, liveness, bounds, write permission): a write
+//! carries its bytes (eager, or UCX's zero-copy rendezvous for large ones, which is an RDMA
+//! read by the owner where the fabric has RDMA), a read is answered with the bytes the same
+//! way, and a remote atomic is applied by the owner (so it wakes whoever sleeps on the word).
+//! Raw RMA with packed remote keys in the descriptor would skip the owner's check: UCX
+//! cannot revoke a key safely on its emulated transports, nor refuse a write to read-only
+//! memory; descriptors stay the same as every backend's.
+//!
+//! **Trust.** UCX does not authenticate the processes that connect to a worker, and its own
+//! protocols act on raw addresses: anyone who can reach a worker's network ports and speaks
+//! UCX can write into its process, as with NIXL. symmem never picks `ucx` by itself; use it
+//! on a private fabric.
+//!
+//! One thread per transport owns the UCX worker (single-thread mode): it progresses, sleeps
+//! on the worker's event descriptor, serves peers and completes Works. Callers hand it
+//! requests through a queue and an eventfd.
+
+use std::cell::RefCell;
+use std::collections::{HashMap, VecDeque};
+use std::ffi::c_void;
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, OnceLock, RwLock, mpsc};
+use std::time::{Duration, Instant};
+
+use base64::Engine;
+use base64::engine::general_purpose::URL_SAFE_NO_PAD;
+
+use super::registry::{Caps, Reach};
+use super::{Atomic, Backend, Direction, Options, Registration, Request};
+use crate::error::{Error, Failed, Result, TransferKind};
+use crate::sys::ucx::{self, AmRecvParam, Handle, Started, Status, Worker};
+
+/// What it can do: remote atomics (applied by the owner); no order between transfers.
+pub const CAPS: Caps = Caps { remote_atomics: true, in_order_up_to: 0, reach: Reach::AnyHost };
+/// The options it takes.
+pub const OPTIONS: &[&str] = &["timeout"];
+
+const URL_PREFIX: &str = "ucx://";
+/// The longest worker address a URL may carry.
+const MAX_ADDRESS: usize = 64 << 10;
+/// The longest refusal message a reply carries.
+const MAX_MESSAGE: usize = 256;
+
+// Active-message ids.
+const AM_PING: u32 = 1;
+const AM_WRITE: u32 = 2;
+const AM_READ: u32 = 3;
+const AM_ATOMIC: u32 = 4;
+const AM_DONE: u32 = 5;
+const AM_READ_DATA: u32 = 6;
+
+// Reply codes.
+const OK: u64 = 0;
+const REFUSED: u64 = 1;
+const BUSY: u64 = 2;
+
+/// Tokens of the progress thread's own sends and receives: a request id, or a served one.
+const SERVED: u64 = 1 << 63;
+
+/// Whether UCX can be used in this process, or why not.
+pub fn available() -> std::result::Result<(), String> {
+    ucx::available()
+}
+
+/// A `ucx` transport endpoint.
+pub struct UcxBackend {
+    shared: Arc<Shared>,
+    url: Vec<u8>,
+    timeout: Duration,
+    thread: Mutex<Option<std::thread::JoinHandle<()>>>,
+}
+
+impl std::fmt::Debug for UcxBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("UcxBackend").finish_non_exhaustive()
+    }
+}
+
+/// What callers and the progress thread share.
+struct Shared {
+    /// Registrations peers may reach, by id.
+    table: RwLock<HashMap<u64, Arc<Registration>>>,
+    commands: Mutex<VecDeque<Command>>,
+    /// Wakes the progress thread for a command.
+    wake: OwnedFd,
+    connected: AtomicBool,
+    lost: OnceLock<String>,
+    stop: AtomicBool,
+}
+
+enum Command {
+    Connect(Vec<u8>, mpsc::Sender<Result<()>>),
+    Submit(Request),
+}
+
+impl Shared {
+    fn send(&self, c: Command) {
+        self.commands.lock().unwrap_or_else(|p| p.into_inner()).push_back(c);
+        self.poke();
+    }
+
+    fn poke(&self) {
+        let _ = rustix::io::write(&self.wake, &1u64.to_ne_bytes());
+    }
+}
+
+impl UcxBackend {
+    /// A new endpoint with its worker and progress thread, or why UCX is unavailable.
+    pub fn new(o: &Options) -> Result<UcxBackend> {
+        let mut timeout = Duration::from_secs(30);
+        for (k, v) in o {
+            match k.as_str() {
+                "timeout" => {
+                    timeout = v
+                        .trim()
+                        .parse::<f64>()
+                        .ok()
+                        .and_then(|s| Duration::try_from_secs_f64(s).ok())
+                        .filter(|d| !d.is_zero())
+                        .ok_or_else(|| {
+                            Error::InvalidArgument(format!("ucx transport option timeout={v:?} is not valid"))
+                        })?;
+                }
+                other => {
+                    return Err(Error::InvalidArgument(format!(
+                        "unknown ucx transport option {other:?} (known: timeout)"
+                    )));
+                }
+            }
+        }
+        let unavailable = |why: String| Error::transfer(TransferKind::Unsupported, format!("ucx transport: {why}"));
+        let wake =
+            rustix::event::eventfd(0, rustix::event::EventfdFlags::CLOEXEC | rustix::event::EventfdFlags::NONBLOCK)
+                .map_err(|e| Error::io("eventfd", e.into()))?;
+        let shared = Arc::new(Shared {
+            table: RwLock::new(HashMap::new()),
+            commands: Mutex::new(VecDeque::new()),
+            wake,
+            connected: AtomicBool::new(false),
+            lost: OnceLock::new(),
+            stop: AtomicBool::new(false),
+        });
+        // The worker is made on the thread that owns it, which reports its address back.
+        let (tx, rx) = mpsc::channel::<std::result::Result<Vec<u8>, String>>();
+        let s = shared.clone();
+        let thread = std::thread::Builder::new()
+            .name("symmem-ucx".into())
+            .spawn(move || Core::run(s, tx))
+            .map_err(|e| Error::io("spawn the ucx progress thread", e))?;
+        let address = match rx.recv() {
+            Ok(Ok(a)) => a,
+            Ok(Err(why)) => {
+                let _ = thread.join();
+                return Err(unavailable(why));
+            }
+            Err(_) => {
+                let _ = thread.join();
+                return Err(unavailable("the progress thread failed to start".into()));
+            }
+        };
+        let url = format!("{URL_PREFIX}{}", URL_SAFE_NO_PAD.encode(address)).into_bytes();
+        Ok(UcxBackend { shared, url, timeout, thread: Mutex::new(Some(thread)) })
+    }
+}
+
+fn parse_url(url: &[u8]) -> Result<Vec<u8>> {
+    let bad = || Error::InvalidArgument("malformed ucx peer URL (expected ucx://<worker address>)".into());
+    let s = std::str::from_utf8(url).map_err(|_| bad())?;
+    let rest = s.strip_prefix(URL_PREFIX).ok_or_else(bad)?;
+    if rest.len() > MAX_ADDRESS * 4 / 3 + 4 {
+        return Err(bad());
+    }
+    let a = URL_SAFE_NO_PAD.decode(rest).map_err(|_| bad())?;
+    if a.is_empty() {
+        return Err(bad());
+    }
+    Ok(a)
+}
+
+impl Backend for UcxBackend {
+    fn name(&self) -> &str {
+        "ucx"
+    }
+
+    fn caps(&self) -> Caps {
+        CAPS
+    }
+
+    fn reaches(&self, url: &[u8]) -> std::result::Result<(), String> {
+        parse_url(url).map(|_| ()).map_err(|e| e.to_string())
+    }
+
+    fn bind(&self, _timeout: Duration) -> Result<Vec<u8>> {
+        Ok(self.url.clone())
+    }
+
+    fn connect(&self, url: &[u8], timeout: Duration) -> Result<()> {
+        let address = parse_url(url)?;
+        let (tx, rx) = mpsc::channel();
+        self.shared.send(Command::Connect(address, tx));
+        match rx.recv_timeout(timeout) {
+            Ok(r) => r,
+            Err(mpsc::RecvTimeoutError::Timeout) => Err(Error::timeout(
+                format!("ucx transport: connecting to the peer at {}", String::from_utf8_lossy(url)),
+                timeout,
+            )),
+            Err(mpsc::RecvTimeoutError::Disconnected) => {
+                Err(Error::transfer(TransferKind::PeerLost, "ucx transport: closed while connecting"))
+            }
+        }
+    }
+
+    fn connected(&self) -> bool {
+        self.shared.connected.load(Ordering::Acquire) && self.shared.lost.get().is_none()
+    }
+
+    fn expose(&self, reg: &Arc<Registration>) -> Result<()> {
+        self.shared.table.write().unwrap_or_else(|p| p.into_inner()).insert(reg.id(), reg.clone());
+        Ok(())
+    }
+
+    fn withdraw(&self, reg: &Registration) {
+        self.shared.table.write().unwrap_or_else(|p| p.into_inner()).remove(&reg.id());
+    }
+
+    fn submit(&self, req: Request) -> Result<()> {
+        if let Some(why) = self.shared.lost.get() {
+            return Err(Error::transfer(TransferKind::PeerLost, format!("ucx transport is not connected: {why}")));
+        }
+        self.shared.send(Command::Submit(req));
+        Ok(())
+    }
+
+    fn shutdown(&self) {
+        self.shared.stop.store(true, Ordering::Release);
+        self.shared.poke();
+        if let Some(t) = self.thread.lock().unwrap_or_else(|p| p.into_inner()).take() {
+            let _ = t.join();
+        }
+        self.shared.table.write().unwrap_or_else(|p| p.into_inner()).clear();
+    }
+
+    fn default_timeout(&self) -> Duration {
+        self.timeout
+    }
+
+    fn describe(&self) -> String {
+        "ucx".into()
+    }
+
+    fn disconnect_reason(&self) -> Option<String> {
+        self.shared.lost.get().cloned()
+    }
+}
+
+impl Drop for UcxBackend {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+// ---- the progress thread ----
+
+/// What UCX's callbacks report; they run on the progress thread, inside `progress`.
+enum Event {
+    Sent { token: u64, status: Status },
+    Received { token: u64, status: Status },
+    Message { id: u32, header: Vec<u8>, data: Data, reply_ep: Handle },
+    EndpointFailed(Status),
+}
+
+enum Data {
+    Bytes(Vec<u8>),
+    /// A rendezvous descriptor and the length it brings.
+    Rendezvous(*mut c_void, usize),
+}
+
+thread_local! {
+    static EVENTS: RefCell<Vec<Event>> = const { RefCell::new(Vec::new()) };
+}
+
+fn push(e: Event) {
+    EVENTS.with(|q| q.borrow_mut().push(e));
+}
+
+unsafe extern "C" fn on_sent(request: *mut c_void, status: Status, user_data: *mut c_void) {
+    push(Event::Sent { token: user_data as u64, status });
+    // SAFETY: UCX hands the callback its completed request, which nothing else frees.
+    unsafe { ucx::request_free(request) };
+}
+
+unsafe extern "C" fn on_received(request: *mut c_void, status: Status, _length: usize, user_data: *mut c_void) {
+    push(Event::Received { token: user_data as u64, status });
+    // SAFETY: as in on_sent.
+    unsafe { ucx::request_free(request) };
+}
+
+unsafe extern "C" fn on_endpoint_error(_arg: *mut c_void, _ep: Handle, status: Status) {
+    push(Event::EndpointFailed(status));
+}
+
+unsafe extern "C" fn on_message(
+    arg: *mut c_void,
+    header: *const c_void,
+    header_length: usize,
+    data: *mut c_void,
+    length: usize,
+    param: *const AmRecvParam,
+) -> Status {
+    // SAFETY: UCX passes a valid parameter struct for the duration of the call.
+    let param = unsafe { &*param };
+    let header = if header_length == 0 || header.is_null() {
+        Vec::new()
+    } else {
+        // SAFETY: UCX passes `header_length` readable bytes, valid during the call.
+        unsafe { std::slice::from_raw_parts(header.cast::<u8>(), header_length) }.to_vec()
+    };
+    let reply_ep =
+        if param.recv_attr & ucx::UCP_AM_RECV_ATTR_FIELD_REPLY_EP != 0 { param.reply_ep } else { std::ptr::null_mut() };
+    let (data, status) = if param.recv_attr & ucx::UCP_AM_RECV_ATTR_FLAG_RNDV != 0 {
+        // Kept for ucp_am_recv_data_nbx (or released) after progress returns.
+        (Data::Rendezvous(data, length), ucx::UCS_INPROGRESS)
+    } else if length == 0 || data.is_null() {
+        (Data::Bytes(Vec::new()), ucx::UCS_OK)
+    } else {
+        // SAFETY: eager data: `length` readable bytes, valid during the call.
+        (Data::Bytes(unsafe { std::slice::from_raw_parts(data.cast::<u8>(), length) }.to_vec()), ucx::UCS_OK)
+    };
+    push(Event::Message { id: arg as usize as u32, header, data, reply_ep });
+    status
+}
+
+/// A transfer this endpoint started.
+struct Pending {
+    kind: PendingKind,
+    /// The message's header, which UCX reads until the send completes.
+    _header: Vec<u8>,
+    /// UCX released the local buffer (or there was none).
+    sent: bool,
+    /// The peer's answer, once it came.
+    answer: Option<std::result::Result<(), Failed>>,
+}
+
+enum PendingKind {
+    Ping(mpsc::Sender<Result<()>>),
+    Transfer(Request),
+}
+
+/// A peer's transfer this endpoint is serving: the registration stays alive until UCX is
+/// done with its bytes.
+struct Served {
+    _reg: Option<Arc<Registration>>,
+    /// The answer's header, which UCX reads until the send completes.
+    _header: Vec<u8>,
+    /// For a write landing by rendezvous: where to answer, and the peer's request id.
+    answer_to: Option<(Handle, u64)>,
+}
+
+struct Core {
+    shared: Arc<Shared>,
+    worker: Worker,
+    ep: Option<Handle>,
+    next: u64,
+    pending: HashMap<u64, Pending>,
+    served: HashMap<u64, Served>,
+}
+
+/// A header of little-endian u64 fields.
+fn header(fields: &[u64], tail: &[u8]) -> Vec<u8> {
+    let mut h = Vec::with_capacity(fields.len() * 8 + tail.len());
+    for f in fields {
+        h.extend_from_slice(&f.to_le_bytes());
+    }
+    h.extend_from_slice(tail);
+    h
+}
+
+/// Field `i` of a header, if present.
+fn field(h: &[u8], i: usize) -> Option<u64> {
+    let at = i.checked_mul(8)?;
+    h.get(at..at.checked_add(8)?).map(|b| u64::from_le_bytes(b.try_into().unwrap_or([0; 8])))
+}
+
+fn key_of(h: &[u8], at_field: usize) -> Option<[u8; 16]> {
+    let at = at_field * 8;
+    h.get(at..at + 16).and_then(|b| b.try_into().ok())
+}
+
+fn lost_status(what: &str, s: Status) -> Failed {
+    Failed::new(
+        TransferKind::PeerLost,
+        format!("ucx transport: connection to the peer lost {what}: {}", ucx::status_string(s)),
+    )
+}
+
+impl Core {
+    fn run(shared: Arc<Shared>, ready: mpsc::Sender<std::result::Result<Vec<u8>, String>>) {
+        let worker = match Worker::new() {
+            Ok(w) => w,
+            Err(why) => {
+                let _ = ready.send(Err(why));
+                return;
+            }
+        };
+        for id in [AM_PING, AM_WRITE, AM_READ, AM_ATOMIC, AM_DONE, AM_READ_DATA] {
+            // SAFETY: on_message only pushes onto this thread's event queue, and the id rides
+            // in `arg` as an integer, never dereferenced; it is sound for the worker's life.
+            if let Err(why) = unsafe { worker.set_am_handler(id, on_message, id as usize as *mut c_void) } {
+                let _ = ready.send(Err(why));
+                return;
+            }
+        }
+        let (address, efd) = match worker.address().and_then(|a| worker.event_fd().map(|fd| (a, fd))) {
+            Ok(x) => x,
+            Err(why) => {
+                let _ = ready.send(Err(why));
+                return;
+            }
+        };
+        let _ = ready.send(Ok(address));
+        let mut core = Core { shared, worker, ep: None, next: 1, pending: HashMap::new(), served: HashMap::new() };
+        core.serve(efd);
+        core.close();
+    }
+
+    fn serve(&mut self, efd: i32) {
+        // SAFETY: UCX's event descriptor lives as long as the worker, which outlives this loop.
+        let efd = unsafe { BorrowedFd::borrow_raw(efd) };
+        while !self.shared.stop.load(Ordering::Acquire) {
+            self.take_commands();
+            while self.worker.progress() > 0 {}
+            if self.handle_events() {
+                continue;
+            }
+            match self.worker.arm() {
+                Ok(true) => {}
+                Ok(false) => continue,
+                Err(why) => {
+                    tracing::warn!("{why}");
+                }
+            }
+            if !self.shared.commands.lock().unwrap_or_else(|p| p.into_inner()).is_empty() {
+                continue;
+            }
+            let mut fds = [
+                rustix::event::PollFd::new(&efd, rustix::event::PollFlags::IN),
+                rustix::event::PollFd::new(&self.shared.wake, rustix::event::PollFlags::IN),
+            ];
+            let _ = rustix::event::poll(&mut fds, Some(&rustix::time::Timespec { tv_sec: 0, tv_nsec: 100_000_000 }));
+            let mut b = [0u8; 8];
+            let _ = rustix::io::read(self.shared.wake.as_fd(), &mut b);
+        }
+    }
+
+    fn take_commands(&mut self) {
+        loop {
+            let c = self.shared.commands.lock().unwrap_or_else(|p| p.into_inner()).pop_front();
+            match c {
+                Some(Command::Connect(address, tx)) => self.connect(address, tx),
+                Some(Command::Submit(req)) => self.start(req),
+                None => return,
+            }
+        }
+    }
+
+    fn token(&mut self) -> u64 {
+        self.next += 1;
+        self.next & !SERVED
+    }
+
+    fn connect(&mut self, address: Vec<u8>, tx: mpsc::Sender<Result<()>>) {
+        if self.ep.is_some() {
+            let _ = tx.send(Err(Error::InvalidArgument("transport is already connected".into())));
+            return;
+        }
+        // SAFETY: on_endpoint_error only pushes onto this thread's queue; arg is unused.
+        match unsafe { self.worker.connect(&address, on_endpoint_error, std::ptr::null_mut()) } {
+            Ok(ep) => self.ep = Some(ep),
+            Err(why) => {
+                let _ = tx.send(Err(Error::transfer(TransferKind::PeerLost, format!("ucx transport: {why}"))));
+                return;
+            }
+        }
+        // A ping proves the peer is there (UCX connects lazily).
+        let t = self.token();
+        self.pending.insert(t, Pending { kind: PendingKind::Ping(tx), _header: Vec::new(), sent: false, answer: None });
+        self.send(t, AM_PING, header(&[t], &[]), std::ptr::null(), 0);
+    }
+
+    /// Sends an active message of ours on the endpoint, expecting an answer; `token`'s pending
+    /// entry keeps the header alive until UCX is done with it.
+    fn send(&mut self, token: u64, id: u32, h: Vec<u8>, data: *const u8, len: usize) {
+        let Some(ep) = self.ep else {
+            self.finish(token, Some(Err(Failed::new(TransferKind::PeerLost, "ucx transport is not connected"))));
+            return;
+        };
+        // SAFETY: `ep` is this worker's live endpoint; `data` is a registered local range
+        // that the Request's registration keeps alive until it completes, which waits for
+        // on_sent.
+        let started =
+            unsafe { self.worker.am_send(ep, id, &h, data, len, ucx::UCP_AM_SEND_FLAG_REPLY, on_sent, token as usize) };
+        if let Some(p) = self.pending.get_mut(&token) {
+            p._header = h;
+        }
+        match started {
+            Started::Done => self.sent(token, ucx::UCS_OK),
+            Started::Pending(_) => {}
+            Started::Failed(s) => self.sent(token, s),
+        }
+    }
+
+    fn start(&mut self, req: Request) {
+        if let Some(why) = self.shared.lost.get() {
+            req.complete(Err(Failed::new(TransferKind::PeerLost, format!("ucx transport is not connected: {why}"))));
+            return;
+        }
+        let t = self.token();
+        let r = &req.remote;
+        let (id, h, data, len) = match req.direction {
+            Direction::Write => (
+                AM_WRITE,
+                header(&[t, r.buffer_id, r.offset, req.len as u64], &r.access_key),
+                req.local_ptr().cast_const(),
+                req.len,
+            ),
+            Direction::Read => {
+                (AM_READ, header(&[t, r.buffer_id, r.offset, req.len as u64], &r.access_key), std::ptr::null(), 0)
+            }
+            Direction::Atomic(op, operand) => {
+                let code = match op {
+                    Atomic::SlotPut => 1,
+                    Atomic::Set32 => 2,
+                    Atomic::Set64 => 3,
+                };
+                (AM_ATOMIC, header(&[t, r.buffer_id, r.offset, code, operand], &r.access_key), std::ptr::null(), 0)
+            }
+        };
+        self.pending
+            .insert(t, Pending { kind: PendingKind::Transfer(req), _header: Vec::new(), sent: false, answer: None });
+        self.send(t, id, h, data, len);
+    }
+
+    /// UCX is done with the buffers of send `token`.
+    fn sent(&mut self, token: u64, status: Status) {
+        if token & SERVED != 0 {
+            // An answer of ours went out (or failed: the peer is gone; it learns nothing more).
+            self.served.remove(&token);
+            return;
+        }
+        let Some(p) = self.pending.get_mut(&token) else { return };
+        p.sent = true;
+        if status != ucx::UCS_OK && p.answer.is_none() {
+            p.answer = Some(Err(lost_status("while sending", status)));
+        }
+        self.try_finish(token);
+    }
+
+    fn finish(&mut self, token: u64, answer: Option<std::result::Result<(), Failed>>) {
+        if let Some(p) = self.pending.get_mut(&token) {
+            p.sent = true;
+            if p.answer.is_none() {
+                p.answer = answer;
+            }
+        }
+        self.try_finish(token);
+    }
+
+    fn try_finish(&mut self, token: u64) {
+        let done = self.pending.get(&token).is_some_and(|p| p.sent && p.answer.is_some());
+        if !done {
+            return;
+        }
+        let Some(p) = self.pending.remove(&token) else { return };
+        let answer = p.answer.unwrap_or(Ok(()));
+        match p.kind {
+            PendingKind::Ping(tx) => {
+                if answer.is_ok() {
+                    self.shared.connected.store(true, Ordering::Release);
+                }
+                let _ = tx.send(answer.map_err(|f| Error::transfer(f.kind, f.message)));
+            }
+            PendingKind::Transfer(req) => req.complete(answer),
+        }
+    }
+
+    /// Handles what the callbacks reported; whether there was anything.
+    fn handle_events(&mut self) -> bool {
+        let events = EVENTS.with(|q| std::mem::take(&mut *q.borrow_mut()));
+        let any = !events.is_empty();
+        for e in events {
+            match e {
+                Event::Sent { token, status } => self.sent(token, status),
+                Event::Received { token, status } => self.received(token, status),
+                Event::Message { id, header, data, reply_ep } => self.message(id, &header, data, reply_ep),
+                Event::EndpointFailed(s) => {
+                    self.peer_lost(format!("connection to the peer lost: {}", ucx::status_string(s)))
+                }
+            }
+        }
+        any
+    }
+
+    fn peer_lost(&mut self, why: String) {
+        let _ = self.shared.lost.set(why.clone());
+        let tokens: Vec<u64> = self.pending.keys().copied().collect();
+        for t in tokens {
+            if let Some(p) = self.pending.remove(&t) {
+                let f = Failed::new(TransferKind::PeerLost, format!("ucx transport: {why}"));
+                match p.kind {
+                    PendingKind::Ping(tx) => {
+                        let _ = tx.send(Err(Error::transfer(f.kind, f.message)));
+                    }
+                    PendingKind::Transfer(req) => req.complete(Err(f)),
+                }
+            }
+        }
+    }
+
+    /// Rendezvous data `token` landed (ours: a read's bytes; served: a peer's write).
+    fn received(&mut self, token: u64, status: Status) {
+        if token & SERVED != 0 {
+            if let Some(s) = self.served.remove(&token)
+                && let Some((ep, req)) = s.answer_to
+            {
+                let code = if status == ucx::UCS_OK { OK } else { REFUSED };
+                let msg = if status == ucx::UCS_OK { String::new() } else { ucx::status_string(status) };
+                self.answer(ep, AM_DONE, req, code, &msg);
+            }
+            return;
+        }
+        let answer = if status == ucx::UCS_OK { Ok(()) } else { Err(lost_status("while receiving", status)) };
+        self.finish(token, Some(answer));
+    }
+
+    fn message(&mut self, id: u32, h: &[u8], data: Data, reply_ep: Handle) {
+        match id {
+            AM_DONE => {
+                let (Some(t), Some(code)) = (field(h, 0), field(h, 1)) else { return self.drop_data(data) };
+                let msg = String::from_utf8_lossy(h.get(16..).unwrap_or_default()).into_owned();
+                let answer = match code {
+                    OK => Ok(()),
+                    BUSY => Err(Failed::new(TransferKind::Busy, "ucx transport: the signal slot is busy")),
+                    _ => Err(Failed::new(TransferKind::Refused, msg)),
+                };
+                self.drop_data(data);
+                self.finish(t & !SERVED, Some(answer));
+            }
+            AM_READ_DATA => self.read_data(h, data),
+            AM_PING | AM_WRITE | AM_READ | AM_ATOMIC => {
+                if reply_ep.is_null() {
+                    // Every request of ours asks for a reply endpoint; anything else is not a peer.
+                    return self.drop_data(data);
+                }
+                let Some(req) = field(h, 0) else { return self.drop_data(data) };
+                match id {
+                    AM_PING => {
+                        self.drop_data(data);
+                        self.answer(reply_ep, AM_DONE, req, OK, "");
+                    }
+                    AM_WRITE => self.serve_write(h, data, reply_ep, req),
+                    AM_READ => {
+                        self.drop_data(data);
+                        self.serve_read(h, reply_ep, req);
+                    }
+                    _ => {
+                        self.drop_data(data);
+                        self.serve_atomic(h, reply_ep, req);
+                    }
+                }
+            }
+            _ => self.drop_data(data),
+        }
+    }
+
+    fn drop_data(&mut self, data: Data) {
+        if let Data::Rendezvous(desc, _) = data {
+            // SAFETY: an undelivered descriptor handed to on_message, released once.
+            unsafe { self.worker.am_data_release(desc) };
+        }
+    }
+
+    /// The registration a request names, after the access check.
+    fn access(&self, h: &[u8], write: bool) -> std::result::Result<(Arc<Registration>, u64, u64), String> {
+        let (Some(buffer), Some(offset), Some(len), Some(key)) = (field(h, 1), field(h, 2), field(h, 3), key_of(h, 4))
+        else {
+            return Err("malformed ucx request".into());
+        };
+        let reg = self.shared.table.read().unwrap_or_else(|p| p.into_inner()).get(&buffer).cloned();
+        let reg = reg.ok_or("unknown remote buffer")?;
+        reg.check_access(&key, offset, len, write)?;
+        Ok((reg, offset, len))
+    }
+
+    fn answer(&mut self, ep: Handle, id: u32, req: u64, code: u64, msg: &str) {
+        let msg = &msg.as_bytes()[..msg.len().min(MAX_MESSAGE)];
+        self.reply(ep, id, header(&[req, code], msg), None, std::ptr::null(), 0);
+    }
+
+    /// Sends an answer on a reply endpoint; its served entry keeps the header (and the
+    /// registration whose bytes it carries) alive until UCX is done with them.
+    fn reply(&mut self, ep: Handle, id: u32, h: Vec<u8>, reg: Option<Arc<Registration>>, data: *const u8, len: usize) {
+        let t = self.token() | SERVED;
+        let entry = self.served.entry(t).or_insert(Served { _reg: reg, _header: h, answer_to: None });
+        let h = entry._header.as_slice();
+        // SAFETY: `ep` is the reply endpoint UCX handed with the request; the header and the
+        // bytes (a checked range of the registration) live in `served` until on_sent.
+        match unsafe { self.worker.am_send(ep, id, h, data, len, 0, on_sent, t as usize) } {
+            Started::Done => self.sent(t, ucx::UCS_OK),
+            Started::Pending(_) => {}
+            Started::Failed(s) => {
+                tracing::debug!("ucx transport: answering a peer: {}", ucx::status_string(s));
+                self.sent(t, s);
+            }
+        }
+    }
+
+    fn serve_write(&mut self, h: &[u8], data: Data, ep: Handle, req: u64) {
+        let (reg, offset, len) = match self.access(h, true) {
+            Ok(x) => x,
+            Err(msg) => {
+                self.drop_data(data);
+                return self.answer(ep, AM_DONE, req, REFUSED, &msg);
+            }
+        };
+        let at = reg.ptr().wrapping_add(offset as usize);
+        match data {
+            Data::Bytes(b) if b.len() as u64 == len => {
+                // SAFETY: check_access put [offset, offset+len) inside the live registration,
+                // which `reg` keeps alive; `b` is our own copy of the peer's bytes.
+                unsafe { std::ptr::copy_nonoverlapping(b.as_ptr(), at, b.len()) };
+                self.answer(ep, AM_DONE, req, OK, "");
+            }
+            Data::Rendezvous(desc, n) if n as u64 == len => {
+                let t = self.token() | SERVED;
+                self.served.insert(t, Served { _reg: Some(reg), _header: Vec::new(), answer_to: Some((ep, req)) });
+                // SAFETY: `desc` is undelivered; the destination range was checked above and
+                // stays alive in `served` until on_received.
+                match unsafe { self.worker.am_recv_data(desc, at, n, on_received, t as usize) } {
+                    Started::Done => self.received(t, ucx::UCS_OK),
+                    Started::Pending(_) => {}
+                    Started::Failed(s) => self.received(t, s),
+                }
+            }
+            other => {
+                self.drop_data(other);
+                self.answer(ep, AM_DONE, req, REFUSED, "the write's length does not match its data");
+            }
+        }
+    }
+
+    fn serve_read(&mut self, h: &[u8], ep: Handle, req: u64) {
+        let (reg, offset, len) = match self.access(h, false) {
+            Ok(x) => x,
+            Err(msg) => return self.answer(ep, AM_READ_DATA, req, REFUSED, &msg),
+        };
+        let at = reg.ptr().wrapping_add(offset as usize);
+        self.reply(ep, AM_READ_DATA, header(&[req, OK], &[]), Some(reg), at, len as usize);
+    }
+
+    fn serve_atomic(&mut self, h: &[u8], ep: Handle, req: u64) {
+        let (Some(buffer), Some(offset), Some(code), Some(operand), Some(key)) =
+            (field(h, 1), field(h, 2), field(h, 3), field(h, 4), key_of(h, 5))
+        else {
+            return self.answer(ep, AM_DONE, req, REFUSED, "malformed ucx atomic");
+        };
+        let op = match code {
+            1 => Atomic::SlotPut,
+            2 => Atomic::Set32,
+            3 => Atomic::Set64,
+            _ => return self.answer(ep, AM_DONE, req, REFUSED, &format!("unknown remote atomic {code}")),
+        };
+        let reg = self.shared.table.read().unwrap_or_else(|p| p.into_inner()).get(&buffer).cloned();
+        let Some(reg) = reg else { return self.answer(ep, AM_DONE, req, REFUSED, "unknown remote buffer") };
+        match super::target::apply_atomic(&reg, &key, offset, op, operand) {
+            Ok(false) => self.answer(ep, AM_DONE, req, OK, ""),
+            Ok(true) => self.answer(ep, AM_DONE, req, BUSY, ""),
+            Err(msg) => self.answer(ep, AM_DONE, req, REFUSED, &msg),
+        }
+    }
+
+    /// The answer to one of our reads: its bytes, or why not.
+    fn read_data(&mut self, h: &[u8], data: Data) {
+        let (Some(t), Some(code)) = (field(h, 0), field(h, 1)) else { return self.drop_data(data) };
+        let t = t & !SERVED;
+        let want = match self.pending.get(&t) {
+            Some(Pending { kind: PendingKind::Transfer(r), .. }) if r.direction == Direction::Read => {
+                (r.local_ptr(), r.len)
+            }
+            _ => return self.drop_data(data),
+        };
+        if code != OK {
+            self.drop_data(data);
+            let msg = String::from_utf8_lossy(h.get(16..).unwrap_or_default()).into_owned();
+            return self.finish(t, Some(Err(Failed::new(TransferKind::Refused, msg))));
+        }
+        match data {
+            Data::Bytes(b) if b.len() == want.1 => {
+                // SAFETY: the request's local range is a live mutable registration of `len`
+                // bytes, kept alive by the pending request.
+                unsafe { std::ptr::copy_nonoverlapping(b.as_ptr(), want.0, b.len()) };
+                self.finish(t, Some(Ok(())));
+            }
+            Data::Rendezvous(desc, n) if n == want.1 => {
+                // SAFETY: `desc` is undelivered; the destination is the pending read's range.
+                match unsafe { self.worker.am_recv_data(desc, want.0, n, on_received, t as usize) } {
+                    Started::Done => self.received(t, ucx::UCS_OK),
+                    Started::Pending(_) => {}
+                    Started::Failed(s) => self.received(t, s),
+                }
+            }
+            other => {
+                self.drop_data(other);
+                self.finish(
+                    t,
+                    Some(Err(Failed::new(TransferKind::Refused, "the peer answered a read with the wrong length"))),
+                );
+            }
+        }
+    }
+
+    /// Closes the endpoint (flushing it for a moment, then by force), fails what is left, and
+    /// lets the worker go.
+    fn close(mut self) {
+        if let Some(ep) = self.ep.take() {
+            let deadline = Instant::now() + Duration::from_secs(2);
+            // SAFETY: our live endpoint, closed once.
+            if let Started::Pending(r) = unsafe { self.worker.close(ep, false) } {
+                // SAFETY: `r` is the close request, checked until it is done, then freed.
+                while unsafe { self.worker.request_status(r) } == ucx::UCS_INPROGRESS && Instant::now() < deadline {
+                    self.worker.progress();
+                }
+                // SAFETY: as above.
+                if unsafe { self.worker.request_status(r) } == ucx::UCS_INPROGRESS {
+                    // SAFETY: as above.
+                    unsafe { self.worker.request_cancel(r) };
+                    self.worker.progress();
+                }
+                // SAFETY: as above; freed once.
+                unsafe { ucx::request_free(r) };
+            }
+        }
+        // Let outstanding served sends and receives finish or fail, briefly.
+        let deadline = Instant::now() + Duration::from_millis(200);
+        while !self.served.is_empty() && Instant::now() < deadline {
+            self.worker.progress();
+            self.handle_events();
+        }
+        self.handle_events();
+        self.peer_lost("the transport is closed".into());
+        // Events queued after this point have no one to read them.
+        EVENTS.with(|q| q.borrow_mut().clear());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::{Atomic, Options, new_transport};
+    use crate::error::TransferKind;
+    use crate::tensor::{DType, Tensor};
+
+    /// Remote atomics behave the same over every backend that serves them: a slot put raises
+    /// the signal once and finds it busy until consumed, sets store the operand, and the
+    /// owner's checks refuse what they refuse for data.
+    fn atomics_on(backend: &str) {
+        let (a, b) = match (new_transport(backend, None, &Options::new()), new_transport(backend, None, &Options::new()))
+        {
+            (Ok(a), Ok(b)) => (a, b),
+            (Err(e), _) | (_, Err(e)) => {
+                assert_eq!(e.transfer_kind(), Some(TransferKind::Unsupported), "{e}");
+                eprintln!("SKIPPED: {e}");
+                return;
+            }
+        };
+        let (ua, ub) = (a.bind(None).unwrap(), b.bind(None).unwrap());
+        a.connect(&ub, None).unwrap();
+        b.connect(&ua, None).unwrap();
+        let scratch = Tensor::zeros(&[8], DType::U8).unwrap();
+        let word = Tensor::zeros(&[2], DType::I64).unwrap();
+        let ro = Tensor::zeros(&[1], DType::I64).unwrap();
+        let s = a.register_memory(&scratch).unwrap();
+        let (w, r) = (b.register_memory(&word).unwrap(), b.register_memory_read_only(&ro).unwrap());
+        let (theirs, theirs_ro) = (w.to_remote_buffer().unwrap(), r.to_remote_buffer().unwrap());
+        let four = s.to_view(0, Some(4)).unwrap();
+        let eight = s.to_view(0, Some(8)).unwrap();
+        let slot = theirs.slice(0, 4).unwrap();
+        a.start_atomic(&four, &slot, Atomic::SlotPut, 1, None).unwrap().wait(None).unwrap();
+        assert_eq!(word.to_vec::<i64>().unwrap()[0], 1, "{backend}: the slot holds the signal");
+        let busy = a.start_atomic(&four, &slot, Atomic::SlotPut, 1, None).unwrap().wait(None).unwrap_err();
+        assert_eq!(busy.transfer_kind(), Some(TransferKind::Busy), "{backend}: {busy}");
+        let high = theirs.slice(8, 8).unwrap();
+        a.start_atomic(&eight, &high, Atomic::Set64, 0x1234_5678_9abc_def0, None).unwrap().wait(None).unwrap();
+        assert_eq!(word.to_vec::<i64>().unwrap()[1], 0x1234_5678_9abc_def0_u64 as i64, "{backend}");
+        // A descriptor forged to say writable: the owner refuses anyway.
+        let mut forged = theirs_ro.slice(0, 8).unwrap();
+        forged.writable = true;
+        let refused = a.start_atomic(&eight, &forged, Atomic::Set64, 7, None).unwrap().wait(None).unwrap_err();
+        assert_eq!(refused.transfer_kind(), Some(TransferKind::Refused), "{backend}: {refused}");
+        assert!(refused.to_string().contains("read-only"), "{backend}: {refused}");
+        assert_eq!(ro.to_vec::<i64>().unwrap()[0], 0, "{backend}: read-only memory untouched");
+        let misaligned = a.start_atomic(&four, &theirs.slice(2, 4).unwrap(), Atomic::Set32, 9, None).unwrap();
+        let e = misaligned.wait(None).unwrap_err();
+        assert_eq!(e.transfer_kind(), Some(TransferKind::Refused), "{backend}: {e}");
+    }
+
+    #[test]
+    fn remote_atomics_over_tcp_and_ucx_agree() {
+        atomics_on("tcp");
+        atomics_on("ucx");
+    }
+}

@@ -80,6 +80,9 @@ knobs! {
     /// The tcp transport's published address.
     TCP_HOST = "SYMMEM_TRANSPORT_TCP_HOST", "the route to MASTER_ADDR",
         "the address a tcp transport endpoint listens on and publishes to its peers; by default, in a job, the local address of the route to its store (loopback on one host), else 127.0.0.1";
+    /// The backend of symmetric memory's links between hosts.
+    XHOST_BACKEND = "SYMMEM_XHOST_BACKEND", "tcp",
+        "the transport symmetric memory's links between hosts use: `tcp`, or `ucx` (opt-in: UCX does not authenticate its peers); every rank must say the same";
     /// The tcp transport's chunk size.
     TCP_CHUNK_SIZE = "SYMMEM_TRANSPORT_TCP_CHUNK_SIZE", "1048576", "the largest chunk of a striped tcp transfer, in bytes";
     /// The store the `symmem store` client commands talk to.
@@ -204,6 +207,11 @@ pub fn tcp_flows() -> Result<Option<usize>> {
 /// `SYMMEM_TRANSPORT_TCP_CHUNK_SIZE`, if set.
 pub fn tcp_chunk_size() -> Result<Option<usize>> {
     parsed(env::TCP_CHUNK_SIZE)
+}
+
+/// `SYMMEM_XHOST_BACKEND`, if set (trimmed, lower case).
+pub fn xhost_backend() -> Option<String> {
+    value(env::XHOST_BACKEND).map(|v| v.trim().to_ascii_lowercase()).filter(|v| !v.is_empty())
 }
 
 /// `SYMMEM_TRANSPORT_TCP_HOST`, if set.

@@ -447,6 +447,26 @@ fn two_hosts_on_loopback_match_one_host_bit_for_bit() {
     assert_same(&got, &reference());
 }
 
+/// Whether the ucx backend runs here; says SKIPPED with the reason if not.
+fn have_ucx() -> bool {
+    match symmem::transport::ucx::available() {
+        Ok(()) => true,
+        Err(why) => {
+            eprintln!("SKIPPED: no ucx here ({why})");
+            false
+        }
+    }
+}
+
+#[test]
+fn two_hosts_linked_by_ucx_match_one_host_bit_for_bit() {
+    if !have_ucx() {
+        return;
+    }
+    let got = digests(&launch(Layout::Loopback, 2, "rank_hosts", &[("SYMMEM_XHOST_BACKEND", "ucx")]), 4);
+    assert_same(&got, &reference());
+}
+
 #[test]
 fn two_network_namespaces_match_one_host_bit_for_bit() {
     let hosts = match Hosts::create() {
@@ -516,6 +536,32 @@ fn a_vanished_host_fails_the_others_naming_its_ranks() {
         2,
         "rank_lost",
         &[("SYMMEM_TEST_MARKER", &m), ("SYMMEM_OP_TIMEOUT", "10")],
+        |pids| {
+            while !marker.exists() && t0.elapsed() < Duration::from_secs(60) {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            let _ = Command::new("kill").args(["-9", &pids[1].to_string()]).status();
+        },
+    );
+    let _ = std::fs::remove_file(&marker);
+    assert_lost(&outs, Duration::from_secs(10));
+    assert!(t0.elapsed() < Duration::from_secs(100), "nothing hung");
+}
+
+#[test]
+fn a_vanished_host_linked_by_ucx_fails_the_others_naming_its_ranks() {
+    if !have_ucx() {
+        return;
+    }
+    let marker = std::env::temp_dir().join(format!("symmem-vanish-ucx-{}", std::process::id()));
+    let _ = std::fs::remove_file(&marker);
+    let m = marker.to_str().unwrap().to_string();
+    let t0 = Instant::now();
+    let outs = launch_with(
+        Layout::Loopback,
+        2,
+        "rank_lost",
+        &[("SYMMEM_TEST_MARKER", &m), ("SYMMEM_OP_TIMEOUT", "10"), ("SYMMEM_XHOST_BACKEND", "ucx")],
         |pids| {
             while !marker.exists() && t0.elapsed() < Duration::from_secs(60) {
                 std::thread::sleep(Duration::from_millis(20));

@@ -82,6 +82,25 @@ fn link_timeout() -> Duration {
     crate::config::op_timeout()
 }
 
+/// The backend of links between hosts: `SYMMEM_XHOST_BACKEND` if set, else the first
+/// built-in that `auto` composes with what links need (remote atomics, any host).
+fn link_backend() -> Result<String> {
+    // Links signal peers with remote atomics, and cross hosts.
+    let fits = |c: &transport::Caps| c.remote_atomics && c.reach == Reach::AnyHost;
+    match crate::config::xhost_backend() {
+        Some(name) => match transport::caps_of(&name) {
+            Some(c) if fits(&c) => Ok(name),
+            _ => Err(Error::InvalidArgument(format!(
+                "SYMMEM_XHOST_BACKEND={name:?} is not a backend that links hosts (tcp, ucx)"
+            ))),
+        },
+        None => transport::pick(fits).map(str::to_string).ok_or_else(|| Error::Unsupported {
+            what: "links between hosts".into(),
+            needs: "a transport with remote atomics".into(),
+        }),
+    }
+}
+
 /// Connects this rank to each of `remote` (ranks of `group` on other hosts; `hosts[r]` names
 /// rank r's host). Collective over the ranks of the group that have remote peers.
 pub(crate) fn connect(group: &Group, step: u64, remote: &[usize], hosts: &[String]) -> Result<Links> {
@@ -90,13 +109,10 @@ pub(crate) fn connect(group: &Group, step: u64, remote: &[usize], hosts: &[Strin
     let mut options = Options::new();
     options.insert("timeout".into(), format!("{}", timeout.as_secs_f64()));
     let store = group.store();
-    // Links signal peers with remote atomics, and cross hosts.
-    let backend = transport::pick(|c| c.remote_atomics && c.reach == Reach::AnyHost).ok_or_else(|| {
-        Error::Unsupported { what: "links between hosts".into(), needs: "a transport with remote atomics".into() }
-    })?;
+    let backend = link_backend()?;
     let mut bound = Vec::with_capacity(remote.len());
     for &peer in remote {
-        let t = new_transport(backend, None, &options)?;
+        let t = new_transport(&backend, None, &options)?;
         let url = t.bind(Some(timeout))?;
         store.set(&format!("symm-net/{step}/{me}/{peer}"), &url)?;
         bound.push((peer, t));

@@ -31,7 +31,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-pub(crate) use registry::pick;
+pub(crate) use registry::{caps_of, pick};
 pub use registry::{Caps, Factory, Reach, available_transports, register_transport};
 pub(crate) use work::WorkState;
 pub use work::{Work, WorkFuture, wait_all};

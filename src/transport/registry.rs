@@ -118,6 +118,11 @@ pub(crate) fn pick(need: impl Fn(&Caps) -> bool) -> Option<&'static str> {
     BUILT_IN.iter().find(|b| b.auto_member && need(&b.caps)).map(|b| b.name)
 }
 
+/// The declared capabilities of the built-in backend `name`.
+pub(crate) fn caps_of(name: &str) -> Option<Caps> {
+    BUILT_IN.iter().find(|b| b.name == name).map(|b| b.caps)
+}
+
 fn registry() -> &'static Mutex<BTreeMap<String, Factory>> {
     static R: OnceLock<Mutex<BTreeMap<String, Factory>>> = OnceLock::new();
     R.get_or_init(|| {

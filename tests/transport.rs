@@ -739,7 +739,7 @@ fn auto_composes_its_members_and_reports_the_chosen_paths_caps() {
     let peer = new_transport("tcp", None, &Options::new()).unwrap();
     let tcp_url = peer.bind(None).unwrap();
     let b64 = |u: &[u8]| base64::Engine::encode(&base64::engine::general_purpose::URL_SAFE_NO_PAD, u);
-    let url = format!("auto://?ucx={}&tcp={}", b64(b"ucx://elsewhere"), b64(&tcp_url));
+    let url = format!("auto://?rdma={}&tcp={}", b64(b"rdma://elsewhere"), b64(&tcp_url));
     let a = new_transport("auto", None, &Options::new()).unwrap();
     a.bind(None).unwrap();
     a.connect(url.as_bytes(), None).unwrap();
@@ -748,7 +748,7 @@ fn auto_composes_its_members_and_reports_the_chosen_paths_caps() {
 
     // Only unknown members, or a duplicated one: a clear error.
     let a = new_transport("auto", None, &Options::new()).unwrap();
-    let err = a.connect(format!("auto://?ucx={}", b64(b"x")).as_bytes(), None).unwrap_err().to_string();
+    let err = a.connect(format!("auto://?rdma={}", b64(b"x")).as_bytes(), None).unwrap_err().to_string();
     assert!(err.contains("invalid auto transport URL"), "{err}");
     let err = a.connect(format!("auto://?tcp={0}&tcp={0}", b64(&tcp_url)).as_bytes(), None).unwrap_err().to_string();
     assert!(err.contains("invalid auto transport URL"), "{err}");
@@ -766,4 +766,43 @@ fn auto_composes_its_members_and_reports_the_chosen_paths_caps() {
     let err = new_transport("auto", None, &opts(&[("flows", "2"), ("bogus", "1")])).unwrap_err().to_string();
     assert!(err.contains("unknown auto transport option \"bogus\""), "{err}");
     new_transport("auto", None, &opts(&[("flows", "2"), ("timeout", "5")])).unwrap();
+}
+
+/// Run by `auto_takes_ucx_when_asked` with SYMMEM_XHOST_BACKEND=ucx: auto offers ucx, and
+/// connects through it to a peer that offers it.
+#[test]
+#[ignore = "run by auto_takes_ucx_when_asked"]
+fn auto_with_ucx_opted_in() {
+    if std::env::var("SYMMEM_XHOST_BACKEND").as_deref() != Ok("ucx") {
+        return;
+    }
+    let a = new_transport("auto", None, &Options::new()).unwrap();
+    let offered = String::from_utf8(a.bind(None).unwrap()).unwrap();
+    assert!(offered.contains("ucx="), "auto offers ucx: {offered}");
+    // A peer on "another host": its auto URL without its shm member.
+    let peer = new_transport("auto", None, &Options::new()).unwrap();
+    let theirs = String::from_utf8(peer.bind(None).unwrap()).unwrap();
+    let parts: Vec<&str> = theirs.trim_start_matches("auto://?").split('&').filter(|p| !p.starts_with("shm=")).collect();
+    a.connect(format!("auto://?{}", parts.join("&")).as_bytes(), None).unwrap();
+    assert!(a.describe().starts_with("auto via ucx"), "{}", a.describe());
+    let src = bytes(1 << 20, 3);
+    let dst = Tensor::zeros(&[1 << 20], DType::U8).unwrap();
+    let (ms, md) = (a.register_memory(&src).unwrap(), peer.register_memory(&dst).unwrap());
+    a.write(&ms.to_view(0, None).unwrap(), &descriptor(&md), None).unwrap();
+    assert_eq!(dst.to_vec::<u8>().unwrap(), src.to_vec::<u8>().unwrap());
+    println!("auto via ucx ok");
+}
+
+#[test]
+fn auto_takes_ucx_when_asked() {
+    if !runs_here("ucx") {
+        return;
+    }
+    let out = Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "auto_with_ucx_opted_in", "--include-ignored", "--nocapture", "--test-threads=1"])
+        .env("SYMMEM_XHOST_BACKEND", "ucx")
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success() && text.contains("auto via ucx ok"), "{text}\n{}", String::from_utf8_lossy(&out.stderr));
 }

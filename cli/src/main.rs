@@ -875,7 +875,16 @@ fn info() {
     say!(
         "             shm: same host, one copy (memcpy through mappings, or process_vm_writev/readv); needs the same user and no ptrace restriction"
     );
-    say!("             auto: shm for a peer on this host when the kernel allows it, tcp otherwise");
+    match symmem::transport::ucx::version() {
+        Ok(v) => say!(
+            "             ucx: any two hosts over UCX {v} (UCX_TLS, UCX_NET_DEVICES pass through); opt-in: UCX does not authenticate peers"
+        ),
+        Err(why) => say!("             ucx: unavailable ({why})"),
+    }
+    say!(
+        "             auto: shm for a peer on this host when the kernel allows it, else {}tcp",
+        if symmem::config::xhost_backend().as_deref() == Some("ucx") { "ucx (SYMMEM_XHOST_BACKEND=ucx), else " } else { "" }
+    );
     say!("  symmetric  CPU: shared memory (memfd) between ranks of one host; needs /proc/<pid>/fd access to peers");
     say!();
     say!("this machine");

@@ -116,6 +116,7 @@ struct Api {
     request_cancel: unsafe extern "C" fn(Handle, *mut c_void),
     request_free: unsafe extern "C" fn(*mut c_void),
     status_string: unsafe extern "C" fn(Status) -> *const c_char,
+    version_string: unsafe extern "C" fn() -> *const c_char,
     _ucs: libloading::Library,
     _ucp: libloading::Library,
 }
@@ -161,6 +162,7 @@ fn load() -> Result<Api, String> {
         request_cancel: sym!(ucp, "ucp_request_cancel"),
         request_free: sym!(ucp, "ucp_request_free"),
         status_string: sym!(ucs, "ucs_status_string"),
+        version_string: sym!(ucp, "ucp_get_version_string"),
         _ucs: ucs,
         _ucp: ucp,
     })
@@ -169,6 +171,13 @@ fn load() -> Result<Api, String> {
 /// Whether UCX can be used here, or why not.
 pub fn available() -> Result<(), String> {
     context().map(|_| ())
+}
+
+/// The loaded UCX's version (e.g. "1.13.1"), or why UCX cannot be used.
+pub fn version() -> Result<String, String> {
+    let a = api()?;
+    // SAFETY: ucp_get_version_string returns a static NUL-terminated string.
+    Ok(unsafe { CStr::from_ptr((a.version_string)()) }.to_string_lossy().into_owned())
 }
 
 /// UCX's name for a status.

@@ -56,6 +56,9 @@ pub(crate) struct BuiltIn {
     pub(crate) options: &'static [&'static str],
     /// Whether `auto` composes it; `auto` prefers same-host members, then this order.
     pub(crate) auto_member: bool,
+    /// Whether it joins `auto` (first among network members) when `SYMMEM_XHOST_BACKEND`
+    /// names it.
+    pub(crate) opt_in: bool,
     /// Builds one.
     pub(crate) build: fn(&Options) -> Result<Box<dyn Backend>>,
 }
@@ -69,6 +72,7 @@ pub(crate) const BUILT_IN: &[BuiltIn] = &[
         caps: shm::CAPS,
         options: shm::OPTIONS,
         auto_member: true,
+        opt_in: false,
         build: |o| Ok(Box::new(shm::ShmBackend::new(o)?)),
     },
     BuiltIn {
@@ -76,6 +80,7 @@ pub(crate) const BUILT_IN: &[BuiltIn] = &[
         caps: tcp::CAPS,
         options: tcp::OPTIONS,
         auto_member: true,
+        opt_in: false,
         build: |o| Ok(Box::new(tcp::TcpBackend::new(o)?)),
     },
     // Opt-in: UCX does not authenticate who connects to a worker (see `ucx`'s docs).
@@ -84,6 +89,7 @@ pub(crate) const BUILT_IN: &[BuiltIn] = &[
         caps: ucx::CAPS,
         options: ucx::OPTIONS,
         auto_member: false,
+        opt_in: true,
         build: |o| Ok(Box::new(ucx::UcxBackend::new(o)?)),
     },
     BuiltIn {
@@ -91,6 +97,7 @@ pub(crate) const BUILT_IN: &[BuiltIn] = &[
         caps: Caps::NONE,
         options: &[],
         auto_member: false,
+        opt_in: false,
         build: |o| Ok(Box::new(auto::AutoBackend::new(o)?)),
     },
     // The name PyTorch knows symmem by (its transport entry point): `auto` underneath, so a
@@ -101,15 +108,23 @@ pub(crate) const BUILT_IN: &[BuiltIn] = &[
         caps: Caps::NONE,
         options: &[],
         auto_member: false,
+        opt_in: false,
         build: |o| Ok(Box::new(auto::AutoBackend::new(o)?)),
     },
 ];
 
 /// The members `auto` composes, in its order of preference: same-host backends first (they are
 /// the specialists), then the others in [`BUILT_IN`]'s order.
+///
+/// A backend that is not a member by default (`ucx`) joins, first among the network members,
+/// when `SYMMEM_XHOST_BACKEND` names it.
 pub(crate) fn auto_members() -> impl Iterator<Item = &'static BuiltIn> {
+    let opted = crate::config::xhost_backend();
+    let chosen = move |b: &&BuiltIn| b.opt_in && opted.as_deref() == Some(b.name);
     let same = BUILT_IN.iter().filter(|b| b.auto_member && b.caps.reach == Reach::SameHost);
-    same.chain(BUILT_IN.iter().filter(|b| b.auto_member && b.caps.reach != Reach::SameHost))
+    let opted_in = BUILT_IN.iter().filter(chosen.clone());
+    let rest = BUILT_IN.iter().filter(move |b| b.auto_member && b.caps.reach != Reach::SameHost && !chosen(b));
+    same.chain(opted_in).chain(rest)
 }
 
 /// The first built-in backend, in [`BUILT_IN`]'s order, whose declared capabilities satisfy

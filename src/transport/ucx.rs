@@ -69,6 +69,11 @@ pub fn available() -> std::result::Result<(), String> {
     ucx::available()
 }
 
+/// The loaded UCX's version, or why UCX cannot be used.
+pub fn version() -> std::result::Result<String, String> {
+    ucx::available().and_then(|()| ucx::version())
+}
+
 /// A `ucx` transport endpoint.
 pub struct UcxBackend {
     shared: Arc<Shared>,

@@ -5,9 +5,14 @@
 # HOSTS=2 plays two hosts on this machine: symmem splits the ranks over two "hosts" that reach
 # each other through its tcp transport (`--hosts 2`), and Open MPI is restricted to its TCP
 # transport (`--mca btl tcp,self`, every pair over TCP loopback, as between hosts).
-# Needs Debian's openmpi-bin and libopenmpi-dev (installed if missing, as root).
+# XHOST=ucx links symmem's played hosts with its ucx backend (SYMMEM_XHOST_BACKEND) instead of
+# tcp; MPI_PML=ucx runs Open MPI on its UCX pml instead of ob1 with the tcp btl. With HOSTS=2,
+# both UCX users are restricted to UCX's tcp transport (UCX_TLS=tcp), as between hosts here.
+# Needs Debian's openmpi-bin and libopenmpi-dev (installed if missing, as root), and libucx0
+# for the UCX variants.
 #   bench/compare_mpi.sh [RANKS] [SIZES]     e.g. bench/compare_mpi.sh 2 8,4096,65536,1048576,16777216
 #   HOSTS=2 OP=all-to-all bench/compare_mpi.sh 4 8,65536,1048576,16777216
+#   HOSTS=2 XHOST=ucx MPI_PML=ucx bench/compare_mpi.sh 4 8,65536,1048576,16777216
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RANKS=${1:-2}
@@ -15,8 +20,14 @@ SIZES=${2:-8,4096,65536,1048576,16777216}
 RUNS=${RUNS:-3}
 HOSTS=${HOSTS:-1}
 OP=${OP:-all-reduce}
+XHOST=${XHOST:-tcp}
+MPI_PML=${MPI_PML:-ob1}
 MPI_ARGS=()
-if [ "$HOSTS" -gt 1 ]; then MPI_ARGS=(--mca btl tcp,self); fi
+if [ "$HOSTS" -gt 1 ]; then
+    if [ "$MPI_PML" = ucx ]; then MPI_ARGS=(--mca pml ucx --mca pml_ucx_tls any --mca pml_ucx_devices any -x UCX_TLS=tcp); else MPI_ARGS=(--mca pml ob1 --mca btl tcp,self); fi
+    export UCX_TLS=tcp
+fi
+export SYMMEM_XHOST_BACKEND="$XHOST" XHOST MPI_PML
 if [ "$OP" = all-to-all ]; then export MPI_BENCH_OP=alltoall; MPI_NAME=mpi_alltoall; SYM_NAME=all_to_all;
 else MPI_NAME=mpi_allreduce; SYM_NAME=all_reduce; fi
 if ! command -v mpicc >/dev/null; then
@@ -39,7 +50,9 @@ for r in rows:
     by.setdefault((r["bench"], r["bytes"]), []).append(r["lat_us"])
 sizes = sorted({b for (_, b) in by})
 mpi, sym, hosts = sys.argv[3], sys.argv[4], sys.argv[5]
-print(f"{sym}, {sys.argv[2]} ranks on {hosts} host(s), float32, median of {len(by.get((mpi, sizes[0]), []))} runs' medians (us)")
+import os
+how = f"symmem over {os.environ.get('XHOST', 'tcp')}, Open MPI pml {os.environ.get('MPI_PML', 'ob1')}" if hosts != "1" else "one host"
+print(f"{sym}, {sys.argv[2]} ranks on {hosts} host(s) ({how}), float32, median of {len(by.get((mpi, sizes[0]), []))} runs' medians (us)")
 print(f"{'bytes':>10} {'Open MPI':>12} {'symmem':>12} {'speedup':>8}")
 for b in sizes:
     m = statistics.median(by.get((mpi, b), [float("nan")]))

@@ -682,7 +682,7 @@ pub fn transport_rank(backend: &str, window: usize, sizes: &[usize]) -> Result<(
     let t = Duration::from_secs(60);
     let transport = new_transport_rank(backend, None, group.store(), peer, me, t, &Options::new())?;
     let max = sizes.iter().copied().max().unwrap_or(1);
-    let same_host = backend != "tcp";
+    let same_host = transport.caps().reach == symmem::transport::Reach::SameHost;
     // Heap memory everywhere; for same-host backends also memory in a shared-memory file, which
     // shm moves through a mapping instead of cross-memory attach.
     let kinds: &[&str] = if same_host { &["heap", "shared"] } else { &["heap"] };

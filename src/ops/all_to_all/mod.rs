@@ -54,11 +54,16 @@ pub fn all_to_all(input: &Tensor, out: &Tensor, group: &Group) -> Result<()> {
             format!("the first dimension {:?} must be divisible by world size {ws}", input.shape().first()),
         ));
     }
-    let Some(h) = prologue(OP, input, group, &[])? else { return Ok(()) };
+    let h = symmetric(OP, input, group)?;
+    if input.numel() == 0 {
+        return Ok(());
+    }
     let block = input.nbytes() / ws;
     if select(input.nbytes(), if h.all_local() { 1 } else { 2 }) == Algo::HostPush {
+        // Host push checks the ranks' arguments itself, in its one exchange (no entry barrier).
         return host_push::all_to_all(input, out, group, &h, timeout());
     }
+    enter_on(OP, input, group, &h, &[])?;
     fetch(&h, |_| (h.rank() * block, block))?;
     for k in 0..ws {
         let j = (h.rank() + k) % ws;

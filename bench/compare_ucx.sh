@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# symmem's ucx transport next to UCX's own ucx_perftest, both on UCX's tcp transport
+# (UCX_TLS=tcp, loopback: what two hosts without RDMA use), same sizes, each run RUNS times
+# (default 3); prints medians side by side.
+#   symmem: `symmem bench transport --backend ucx` (a one-sided write or read of SIZE bytes,
+#           latency = until its completion is known to the initiator, i.e. a round trip;
+#           bandwidth = a window of 8 in flight).
+#   UCX:    ucp_put_lat (one-way latency of a put ping-pong, i.e. half a round trip) and
+#           ucp_put_bw (bandwidth of back-to-back puts).
+# Needs ucx-utils (ucx_perftest) and libucx0 (installed if missing, as root).
+#   bench/compare_ucx.sh [SIZES]      e.g. bench/compare_ucx.sh 8,65536,1048576,16777216
+set -euo pipefail
+cd "$(dirname "$0")/.."
+SIZES=${1:-8,65536,1048576,16777216}
+RUNS=${RUNS:-3}
+if ! command -v ucx_perftest >/dev/null; then
+    apt-get update -qq && apt-get install -y -qq ucx-utils libucx0 >/dev/null
+fi
+export UCX_TLS=${UCX_TLS:-tcp}
+cargo build --release -q
+out=target/bench/compare_ucx.txt
+mkdir -p target/bench
+: > "$out"
+port=$((20000 + RANDOM % 20000))
+for run in $(seq "$RUNS"); do
+    target/release/symmem bench transport --backend ucx --json --sizes "$SIZES" | sed 's/^/SYMMEM /' >> "$out"
+    for s in ${SIZES//,/ }; do
+        for t in ucp_put_lat ucp_put_bw; do
+            n=$(( s >= 1048576 ? 200 : 2000 ))
+            port=$((port + 1))
+            ucx_perftest -p "$port" >/dev/null 2>&1 &
+            srv=$!
+            sleep 0.3
+            line=$(timeout 120 ucx_perftest 127.0.0.1 -p "$port" -t "$t" -s "$s" -n "$n" 2>/dev/null | grep '^Final:' || true)
+            wait "$srv" 2>/dev/null || true
+            echo "UCX $t $s $line" >> "$out"
+        done
+    done
+done
+python3 - "$out" <<'PY'
+import json, statistics, sys
+sym, ucx = {}, {}
+for l in open(sys.argv[1]):
+    if l.startswith("SYMMEM "):
+        r = json.loads(l[7:])
+        if r["bench"] in ("write", "read"):
+            sym.setdefault((r["bench"], r["bytes"]), []).append((r["lat_us"], r.get("gbps") or 0.0))
+    elif l.startswith("UCX "):
+        p = l.split()
+        if len(p) >= 12:
+            # Final: iters p50 avg overall bw_avg bw_overall ...
+            ucx.setdefault((p[1], int(p[2])), []).append((float(p[5]), float(p[9]) * 1.048576e6 / 1e9))
+med = lambda xs, i: statistics.median(x[i] for x in xs) if xs else float("nan")
+sizes = sorted({b for (_, b) in sym} | {b for (_, b) in ucx})
+print(f"ucx transport over UCX_TLS={__import__('os').environ.get('UCX_TLS')}, medians of runs")
+print(f"{'bytes':>10} {'write RTT us':>13} {'put_lat x2 us':>14} {'write GB/s':>11} {'put_bw GB/s':>12} {'bw ratio':>9}")
+for b in sizes:
+    w = sym.get(("write", b), [])
+    lat = ucx.get(("ucp_put_lat", b), [])
+    bw = ucx.get(("ucp_put_bw", b), [])
+    wl, ul = med(w, 0), 2 * med(lat, 0)
+    wb, ub = med(w, 1), med(bw, 1)
+    print(f"{b:>10} {wl:>13.2f} {ul:>14.2f} {wb:>11.3f} {ub:>12.3f} {wb / ub if ub else float('nan'):>8.2f}x")
+PY

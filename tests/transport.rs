@@ -340,7 +340,7 @@ fn runs_here(backend: &str) -> bool {
             drop(t);
             true
         }
-        Err(e) if e.transfer_kind() == Some(TransferKind::Unsupported) => {
+        Err(e @ Error::Unsupported { .. }) => {
             eprintln!("SKIPPED: the {backend} backend is unavailable here: {e}");
             false
         }
@@ -782,7 +782,8 @@ fn auto_with_ucx_opted_in() {
     // A peer on "another host": its auto URL without its shm member.
     let peer = new_transport("auto", None, &Options::new()).unwrap();
     let theirs = String::from_utf8(peer.bind(None).unwrap()).unwrap();
-    let parts: Vec<&str> = theirs.trim_start_matches("auto://?").split('&').filter(|p| !p.starts_with("shm=")).collect();
+    let parts: Vec<&str> =
+        theirs.trim_start_matches("auto://?").split('&').filter(|p| !p.starts_with("shm=")).collect();
     a.connect(format!("auto://?{}", parts.join("&")).as_bytes(), None).unwrap();
     assert!(a.describe().starts_with("auto via ucx"), "{}", a.describe());
     let src = bytes(1 << 20, 3);
@@ -804,5 +805,62 @@ fn auto_takes_ucx_when_asked() {
         .output()
         .unwrap();
     let text = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success() && text.contains("auto via ucx ok"), "{text}\n{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success() && text.contains("auto via ucx ok"),
+        "{text}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// Run by `without_libucx_the_ucx_backend_says_why_and_the_rest_works`, in a mount namespace
+/// where libucp.so.0 is an empty file.
+#[test]
+#[ignore = "run by without_libucx_the_ucx_backend_says_why_and_the_rest_works"]
+fn ucx_hidden() {
+    if std::env::var("SYMMEM_TEST_UCX_HIDDEN").is_err() {
+        return;
+    }
+    let err = new_transport("ucx", None, &Options::new()).unwrap_err();
+    assert!(matches!(err, Error::Unsupported { .. }), "{err}");
+    assert!(err.to_string().contains("libucp.so.0 cannot be loaded"), "{err}");
+    assert!(symmem::transport::ucx::available().is_err());
+    let (a, b) = pair("auto");
+    let src = bytes(64, 1);
+    let dst = Tensor::zeros(&[64], DType::U8).unwrap();
+    let (ms, md) = (a.register_memory(&src).unwrap(), b.register_memory(&dst).unwrap());
+    a.write(&ms.to_view(0, None).unwrap(), &descriptor(&md), None).unwrap();
+    assert_eq!(dst.to_vec::<u8>().unwrap(), src.to_vec::<u8>().unwrap());
+    println!("ucx hidden ok");
+}
+
+#[test]
+fn without_libucx_the_ucx_backend_says_why_and_the_rest_works() {
+    let lib = ["/usr/lib/x86_64-linux-gnu/libucp.so.0", "/lib/x86_64-linux-gnu/libucp.so.0"]
+        .iter()
+        .find_map(|p| std::fs::canonicalize(p).ok());
+    let Some(lib) = lib else {
+        eprintln!("SKIPPED: libucx is not installed here, which the ucx suite already covers");
+        return;
+    };
+    let me = std::env::current_exe().unwrap();
+    let script = format!(
+        "mount --bind /dev/null {} && exec {} --exact ucx_hidden --include-ignored --nocapture --test-threads=1",
+        lib.display(),
+        me.display()
+    );
+    let out =
+        match Command::new("unshare").args(["-m", "sh", "-c", &script]).env("SYMMEM_TEST_UCX_HIDDEN", "1").output() {
+            Ok(o) => o,
+            Err(e) => {
+                eprintln!("SKIPPED: no unshare here ({e})");
+                return;
+            }
+        };
+    let text = String::from_utf8_lossy(&out.stdout);
+    let errs = String::from_utf8_lossy(&out.stderr);
+    if !out.status.success() && (errs.contains("Operation not permitted") || errs.contains("permission denied")) {
+        eprintln!("SKIPPED: cannot make a mount namespace here ({errs})");
+        return;
+    }
+    assert!(out.status.success() && text.contains("ucx hidden ok"), "{text}\n{errs}");
 }

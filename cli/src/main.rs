@@ -883,7 +883,11 @@ fn info() {
     }
     say!(
         "             auto: shm for a peer on this host when the kernel allows it, else {}tcp",
-        if symmem::config::xhost_backend().as_deref() == Some("ucx") { "ucx (SYMMEM_XHOST_BACKEND=ucx), else " } else { "" }
+        if symmem::config::xhost_backend().as_deref() == Some("ucx") {
+            "ucx (SYMMEM_XHOST_BACKEND=ucx), else "
+        } else {
+            ""
+        }
     );
     say!("  symmetric  CPU: shared memory (memfd) between ranks of one host; needs /proc/<pid>/fd access to peers");
     say!();

@@ -129,8 +129,8 @@ fn api() -> Result<&'static Api, String> {
 fn load() -> Result<Api, String> {
     // SAFETY: loading UCX runs its library constructors, which only initialize UCX's own
     // state; the libraries stay loaded for the life of the process (they live in `API`).
-    let ucp = unsafe { libloading::Library::new("libucp.so.0") }
-        .map_err(|e| format!("UCX is not installed (libucp.so.0: {e}); install libucx0"))?;
+    let ucp =
+        unsafe { libloading::Library::new("libucp.so.0") }.map_err(|e| format!("libucp.so.0 cannot be loaded: {e}"))?;
     // SAFETY: as above; libucs is a dependency of libucp, already loaded by it.
     let ucs = unsafe { libloading::Library::new("libucs.so.0") }.map_err(|e| format!("libucs.so.0: {e}"))?;
     macro_rules! sym {

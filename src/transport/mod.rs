@@ -31,8 +31,8 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-pub(crate) use registry::{caps_of, pick};
 pub use registry::{Caps, Factory, Reach, available_transports, register_transport};
+pub(crate) use registry::{caps_of, pick};
 pub(crate) use work::WorkState;
 pub use work::{Work, WorkFuture, wait_all};
 
@@ -888,8 +888,11 @@ pub fn new_transport(backend: &str, device: Option<Device>, options: &Options) -
             needs: "a CUDA device and a GPU-capable backend".into(),
         });
     }
-    let b =
-        factory(options).map_err(|e| Error::InvalidArgument(format!("failed to create transport {name:?}: {e}")))?;
+    let b = factory(options).map_err(|e| match e {
+        // A backend this process cannot run (a missing library) says what it needs.
+        e @ Error::Unsupported { .. } => e,
+        e => Error::InvalidArgument(format!("failed to create transport {name:?}: {e}")),
+    })?;
     if !b.supported() {
         b.shutdown();
         return Err(Error::Unsupported {

@@ -17,6 +17,11 @@
 //! UCX can write into its process, as with NIXL. symmem never picks `ucx` by itself; use it
 //! on a private fabric.
 //!
+//! UCX promises no order between active messages; symmem's requests carry their endpoint's
+//! sequence number and the owner applies them in that order (a request waits while the one
+//! before it is still landing), so a signal started after a write lands after it, as over
+//! tcp. A peer can park at most 4096 requests ahead of its order.
+//!
 //! One thread per transport owns the UCX worker (single-thread mode): it progresses, sleeps
 //! on the worker's event descriptor, serves peers and completes Works. Callers hand it
 //! requests through a queue and an eventfd.
@@ -37,8 +42,10 @@ use super::{Atomic, Backend, Direction, Options, Registration, Request};
 use crate::error::{Error, Failed, Result, TransferKind};
 use crate::sys::ucx::{self, AmRecvParam, Handle, Started, Status, Worker};
 
-/// What it can do: remote atomics (applied by the owner); no order between transfers.
-pub const CAPS: Caps = Caps { remote_atomics: true, in_order_up_to: 0, reach: Reach::AnyHost };
+/// What it can do: remote atomics (applied by the owner), and transfers that take effect in
+/// the order they were started, whatever their size (the owner applies each endpoint's
+/// requests in sequence).
+pub const CAPS: Caps = Caps { remote_atomics: true, in_order_up_to: usize::MAX, reach: Reach::AnyHost };
 /// The options it takes.
 pub const OPTIONS: &[&str] = &["timeout"];
 
@@ -369,6 +376,8 @@ struct Served {
     _header: Vec<u8>,
     /// For a write landing by rendezvous: where to answer, and the peer's request id.
     answer_to: Option<(Handle, u64)>,
+    /// The peer endpoint whose next request waits for this one.
+    order: Option<u64>,
 }
 
 struct Core {
@@ -376,9 +385,35 @@ struct Core {
     worker: Worker,
     ep: Option<Handle>,
     next: u64,
+    /// This endpoint's identity in its requests (random) and its last request's number.
+    origin: u64,
+    seq: u64,
     pending: HashMap<u64, Pending>,
     served: HashMap<u64, Served>,
+    /// Per peer endpoint (its origin), the order its requests take effect in.
+    orders: HashMap<u64, Order>,
 }
+
+/// Requests of one peer endpoint take effect in the order they were started: request `next`
+/// runs once the one before it completed (its bytes landed, or were sent); later ones wait.
+#[derive(Default)]
+struct Order {
+    next: u64,
+    busy: bool,
+    parked: std::collections::BTreeMap<u64, Parked>,
+}
+
+/// A request waiting for its turn.
+struct Parked {
+    id: u32,
+    header: Vec<u8>,
+    data: Data,
+    reply_ep: Handle,
+}
+
+/// The most requests of one peer endpoint that may wait for their turn; beyond, they are
+/// refused (a peer cannot make this endpoint hold without bound).
+const MAX_PARKED: usize = 4096;
 
 /// A header of little-endian u64 fields.
 fn header(fields: &[u64], tail: &[u8]) -> Vec<u8> {
@@ -433,7 +468,19 @@ impl Core {
             }
         };
         let _ = ready.send(Ok(address));
-        let mut core = Core { shared, worker, ep: None, next: 1, pending: HashMap::new(), served: HashMap::new() };
+        let mut origin = [0u8; 8];
+        let _ = getrandom::fill(&mut origin);
+        let mut core = Core {
+            shared,
+            worker,
+            ep: None,
+            next: 1,
+            origin: u64::from_le_bytes(origin),
+            seq: 0,
+            pending: HashMap::new(),
+            served: HashMap::new(),
+            orders: HashMap::new(),
+        };
         core.serve(efd);
         core.close();
     }
@@ -530,24 +577,32 @@ impl Core {
             return;
         }
         let t = self.token();
+        // The owner applies this endpoint's requests in the order of `seq`, whatever order UCX
+        // delivers them in.
+        self.seq += 1;
+        let (origin, seq) = (self.origin, self.seq);
         let r = &req.remote;
         let (id, h, data, len) = match req.direction {
             Direction::Write => (
                 AM_WRITE,
-                header(&[t, r.buffer_id, r.offset, req.len as u64], &r.access_key),
+                header(&[t, origin, seq, r.buffer_id, r.offset, req.len as u64], &r.access_key),
                 req.local_ptr().cast_const(),
                 req.len,
             ),
-            Direction::Read => {
-                (AM_READ, header(&[t, r.buffer_id, r.offset, req.len as u64], &r.access_key), std::ptr::null(), 0)
-            }
+            Direction::Read => (
+                AM_READ,
+                header(&[t, origin, seq, r.buffer_id, r.offset, req.len as u64], &r.access_key),
+                std::ptr::null(),
+                0,
+            ),
             Direction::Atomic(op, operand) => {
                 let code = match op {
                     Atomic::SlotPut => 1,
                     Atomic::Set32 => 2,
                     Atomic::Set64 => 3,
                 };
-                (AM_ATOMIC, header(&[t, r.buffer_id, r.offset, code, operand], &r.access_key), std::ptr::null(), 0)
+                let h = header(&[t, origin, seq, r.buffer_id, r.offset, code, operand], &r.access_key);
+                (AM_ATOMIC, h, std::ptr::null(), 0)
             }
         };
         self.pending
@@ -559,7 +614,9 @@ impl Core {
     fn sent(&mut self, token: u64, status: Status) {
         if token & SERVED != 0 {
             // An answer of ours went out (or failed: the peer is gone; it learns nothing more).
-            self.served.remove(&token);
+            if let Some(Served { order: Some(origin), .. }) = self.served.remove(&token) {
+                self.advance(origin);
+            }
             return;
         }
         let Some(p) = self.pending.get_mut(&token) else { return };
@@ -634,12 +691,14 @@ impl Core {
     /// Rendezvous data `token` landed (ours: a read's bytes; served: a peer's write).
     fn received(&mut self, token: u64, status: Status) {
         if token & SERVED != 0 {
-            if let Some(s) = self.served.remove(&token)
-                && let Some((ep, req)) = s.answer_to
-            {
+            let Some(s) = self.served.remove(&token) else { return };
+            if let Some((ep, req)) = s.answer_to {
                 let code = if status == ucx::UCS_OK { OK } else { REFUSED };
                 let msg = if status == ucx::UCS_OK { String::new() } else { ucx::status_string(status) };
                 self.answer(ep, AM_DONE, req, code, &msg);
+            }
+            if let Some(origin) = s.order {
+                self.advance(origin);
             }
             return;
         }
@@ -667,24 +726,65 @@ impl Core {
                     return self.drop_data(data);
                 }
                 let Some(req) = field(h, 0) else { return self.drop_data(data) };
-                match id {
-                    AM_PING => {
-                        self.drop_data(data);
-                        self.answer(reply_ep, AM_DONE, req, OK, "");
-                    }
-                    AM_WRITE => self.serve_write(h, data, reply_ep, req),
-                    AM_READ => {
-                        self.drop_data(data);
-                        self.serve_read(h, reply_ep, req);
-                    }
-                    _ => {
-                        self.drop_data(data);
-                        self.serve_atomic(h, reply_ep, req);
-                    }
+                if id == AM_PING {
+                    self.drop_data(data);
+                    return self.answer(reply_ep, AM_DONE, req, OK, "");
                 }
+                let (Some(origin), Some(seq)) = (field(h, 1), field(h, 2)) else {
+                    self.drop_data(data);
+                    return self.answer(reply_ep, AM_DONE, req, REFUSED, "malformed ucx request");
+                };
+                let o = self.orders.entry(origin).or_insert_with(|| Order { next: 1, ..Order::default() });
+                if seq < o.next || o.parked.contains_key(&seq) || o.parked.len() >= MAX_PARKED {
+                    self.drop_data(data);
+                    let why = "a request out of its endpoint's order (repeated, or too far ahead)";
+                    let answer_id = if id == AM_READ { AM_READ_DATA } else { AM_DONE };
+                    return self.answer(reply_ep, answer_id, req, REFUSED, why);
+                }
+                o.parked.insert(seq, Parked { id, header: h.to_vec(), data, reply_ep });
+                self.drain(origin);
             }
             _ => self.drop_data(data),
         }
+    }
+
+    /// Runs the requests of `origin` whose turn it is, until one is still in flight.
+    fn drain(&mut self, origin: u64) {
+        loop {
+            let Some(o) = self.orders.get_mut(&origin) else { return };
+            if o.busy {
+                return;
+            }
+            let next = o.next;
+            let Some(p) = o.parked.remove(&next) else { return };
+            let in_flight = match p.id {
+                AM_WRITE => self.serve_write(&p.header, p.data, p.reply_ep, origin),
+                AM_READ => {
+                    self.drop_data(p.data);
+                    self.serve_read(&p.header, p.reply_ep, origin)
+                }
+                _ => {
+                    self.drop_data(p.data);
+                    self.serve_atomic(&p.header, p.reply_ep);
+                    false
+                }
+            };
+            let Some(o) = self.orders.get_mut(&origin) else { return };
+            if in_flight {
+                o.busy = true;
+                return;
+            }
+            o.next += 1;
+        }
+    }
+
+    /// The request of `origin` in flight completed: the next may run.
+    fn advance(&mut self, origin: u64) {
+        if let Some(o) = self.orders.get_mut(&origin) {
+            o.busy = false;
+            o.next += 1;
+        }
+        self.drain(origin);
     }
 
     fn drop_data(&mut self, data: Data) {
@@ -696,7 +796,7 @@ impl Core {
 
     /// The registration a request names, after the access check.
     fn access(&self, h: &[u8], write: bool) -> std::result::Result<(Arc<Registration>, u64, u64), String> {
-        let (Some(buffer), Some(offset), Some(len), Some(key)) = (field(h, 1), field(h, 2), field(h, 3), key_of(h, 4))
+        let (Some(buffer), Some(offset), Some(len), Some(key)) = (field(h, 3), field(h, 4), field(h, 5), key_of(h, 6))
         else {
             return Err("malformed ucx request".into());
         };
@@ -708,33 +808,51 @@ impl Core {
 
     fn answer(&mut self, ep: Handle, id: u32, req: u64, code: u64, msg: &str) {
         let msg = &msg.as_bytes()[..msg.len().min(MAX_MESSAGE)];
-        self.reply(ep, id, header(&[req, code], msg), None, std::ptr::null(), 0);
+        self.reply(ep, id, header(&[req, code], msg), None, std::ptr::null(), 0, None);
     }
 
     /// Sends an answer on a reply endpoint; its served entry keeps the header (and the
-    /// registration whose bytes it carries) alive until UCX is done with them.
-    fn reply(&mut self, ep: Handle, id: u32, h: Vec<u8>, reg: Option<Arc<Registration>>, data: *const u8, len: usize) {
+    /// registration whose bytes it carries) alive until UCX is done with them, and then lets
+    /// the next request of `order` run. Whether the send is still in flight.
+    #[allow(clippy::too_many_arguments, reason = "an answer's parts")]
+    fn reply(
+        &mut self,
+        ep: Handle,
+        id: u32,
+        h: Vec<u8>,
+        reg: Option<Arc<Registration>>,
+        data: *const u8,
+        len: usize,
+        order: Option<u64>,
+    ) -> bool {
         let t = self.token() | SERVED;
-        let entry = self.served.entry(t).or_insert(Served { _reg: reg, _header: h, answer_to: None });
+        let entry = self.served.entry(t).or_insert(Served { _reg: reg, _header: h, answer_to: None, order });
         let h = entry._header.as_slice();
         // SAFETY: `ep` is the reply endpoint UCX handed with the request; the header and the
         // bytes (a checked range of the registration) live in `served` until on_sent.
         match unsafe { self.worker.am_send(ep, id, h, data, len, 0, on_sent, t as usize) } {
-            Started::Done => self.sent(t, ucx::UCS_OK),
-            Started::Pending(_) => {}
-            Started::Failed(s) => {
-                tracing::debug!("ucx transport: answering a peer: {}", ucx::status_string(s));
-                self.sent(t, s);
+            Started::Pending(_) => true,
+            Started::Done => {
+                self.served.remove(&t);
+                false
+            }
+            Started::Failed(st) => {
+                tracing::debug!("ucx transport: answering a peer: {}", ucx::status_string(st));
+                self.served.remove(&t);
+                false
             }
         }
     }
 
-    fn serve_write(&mut self, h: &[u8], data: Data, ep: Handle, req: u64) {
+    /// Serves a write of `origin` (its turn); whether its bytes are still landing.
+    fn serve_write(&mut self, h: &[u8], data: Data, ep: Handle, origin: u64) -> bool {
+        let req = field(h, 0).unwrap_or(0);
         let (reg, offset, len) = match self.access(h, true) {
             Ok(x) => x,
             Err(msg) => {
                 self.drop_data(data);
-                return self.answer(ep, AM_DONE, req, REFUSED, &msg);
+                self.answer(ep, AM_DONE, req, REFUSED, &msg);
+                return false;
             }
         };
         let at = reg.ptr().wrapping_add(offset as usize);
@@ -744,37 +862,60 @@ impl Core {
                 // which `reg` keeps alive; `b` is our own copy of the peer's bytes.
                 unsafe { std::ptr::copy_nonoverlapping(b.as_ptr(), at, b.len()) };
                 self.answer(ep, AM_DONE, req, OK, "");
+                false
             }
             Data::Rendezvous(desc, n) if n as u64 == len => {
                 let t = self.token() | SERVED;
-                self.served.insert(t, Served { _reg: Some(reg), _header: Vec::new(), answer_to: Some((ep, req)) });
                 // SAFETY: `desc` is undelivered; the destination range was checked above and
-                // stays alive in `served` until on_received.
+                // `reg` keeps it alive (in `served` until on_received, if in flight).
                 match unsafe { self.worker.am_recv_data(desc, at, n, on_received, t as usize) } {
-                    Started::Done => self.received(t, ucx::UCS_OK),
-                    Started::Pending(_) => {}
-                    Started::Failed(s) => self.received(t, s),
+                    Started::Pending(_) => {
+                        let s = Served {
+                            _reg: Some(reg),
+                            _header: Vec::new(),
+                            answer_to: Some((ep, req)),
+                            order: Some(origin),
+                        };
+                        self.served.insert(t, s);
+                        true
+                    }
+                    Started::Done => {
+                        self.answer(ep, AM_DONE, req, OK, "");
+                        false
+                    }
+                    Started::Failed(st) => {
+                        self.answer(ep, AM_DONE, req, REFUSED, &ucx::status_string(st));
+                        false
+                    }
                 }
             }
             other => {
                 self.drop_data(other);
                 self.answer(ep, AM_DONE, req, REFUSED, "the write's length does not match its data");
+                false
             }
         }
     }
 
-    fn serve_read(&mut self, h: &[u8], ep: Handle, req: u64) {
+    /// Serves a read of `origin` (its turn); whether its bytes are still being sent.
+    fn serve_read(&mut self, h: &[u8], ep: Handle, origin: u64) -> bool {
+        let req = field(h, 0).unwrap_or(0);
         let (reg, offset, len) = match self.access(h, false) {
             Ok(x) => x,
-            Err(msg) => return self.answer(ep, AM_READ_DATA, req, REFUSED, &msg),
+            Err(msg) => {
+                self.answer(ep, AM_READ_DATA, req, REFUSED, &msg);
+                return false;
+            }
         };
         let at = reg.ptr().wrapping_add(offset as usize);
-        self.reply(ep, AM_READ_DATA, header(&[req, OK], &[]), Some(reg), at, len as usize);
+        self.reply(ep, AM_READ_DATA, header(&[req, OK], &[]), Some(reg), at, len as usize, Some(origin))
     }
 
-    fn serve_atomic(&mut self, h: &[u8], ep: Handle, req: u64) {
+    /// Serves a remote atomic (its turn); it is done when this returns.
+    fn serve_atomic(&mut self, h: &[u8], ep: Handle) {
+        let req = field(h, 0).unwrap_or(0);
         let (Some(buffer), Some(offset), Some(code), Some(operand), Some(key)) =
-            (field(h, 1), field(h, 2), field(h, 3), field(h, 4), key_of(h, 5))
+            (field(h, 3), field(h, 4), field(h, 5), field(h, 6), key_of(h, 7))
         else {
             return self.answer(ep, AM_DONE, req, REFUSED, "malformed ucx atomic");
         };
@@ -915,6 +1056,50 @@ mod tests {
         let misaligned = a.start_atomic(&four, &theirs.slice(2, 4).unwrap(), Atomic::Set32, 9, None).unwrap();
         let e = misaligned.wait(None).unwrap_err();
         assert_eq!(e.transfer_kind(), Some(TransferKind::Refused), "{backend}: {e}");
+    }
+
+    /// A signal started right after a large write (UCX rendezvous) lands after the write's
+    /// bytes, without the initiator waiting in between: the owner keeps the order.
+    #[test]
+    fn a_signal_after_a_write_lands_after_its_bytes() {
+        let (a, b) = match (new_transport("ucx", None, &Options::new()), new_transport("ucx", None, &Options::new())) {
+            (Ok(a), Ok(b)) => (a, b),
+            (Err(e), _) | (_, Err(e)) => {
+                eprintln!("SKIPPED: {e}");
+                return;
+            }
+        };
+        let (ua, ub) = (a.bind(None).unwrap(), b.bind(None).unwrap());
+        a.connect(&ub, None).unwrap();
+        b.connect(&ua, None).unwrap();
+        let n = 4 << 20;
+        let src = Tensor::zeros(&[n], DType::U8).unwrap();
+        let dst = Tensor::zeros(&[n], DType::U8).unwrap();
+        let flag = Tensor::zeros(&[1], DType::I64).unwrap();
+        let scratch = Tensor::zeros(&[8], DType::U8).unwrap();
+        let (ms, s8) = (a.register_memory(&src).unwrap(), a.register_memory(&scratch).unwrap());
+        let (md, mf) = (b.register_memory(&dst).unwrap(), b.register_memory(&flag).unwrap());
+        let (theirs, their_flag) = (md.to_remote_buffer().unwrap(), mf.to_remote_buffer().unwrap());
+        for round in 1..=8u8 {
+            src.fill(round).unwrap();
+            let w = a.start_write(&ms.to_view(0, None).unwrap(), &theirs, None).unwrap();
+            let f = a
+                .start_atomic(&s8.to_view(0, Some(8)).unwrap(), &their_flag, Atomic::Set64, u64::from(round), None)
+                .unwrap();
+            // Poll the flag as a peer would, then look at the bytes.
+            let word = flag.data_ptr().cast::<std::sync::atomic::AtomicI64>();
+            let t = std::time::Instant::now();
+            // SAFETY: the flag tensor is 8 aligned bytes that live for this test; the backend's
+            // owner thread stores to it atomically.
+            while unsafe { &*word }.load(std::sync::atomic::Ordering::Acquire) != i64::from(round) {
+                assert!(t.elapsed() < std::time::Duration::from_secs(20), "the signal never came");
+                std::thread::yield_now();
+            }
+            let got = dst.to_vec::<u8>().unwrap();
+            assert!(got.iter().all(|&x| x == round), "round {round}: the signal overtook the write");
+            w.wait(None).unwrap();
+            f.wait(None).unwrap();
+        }
     }
 
     #[test]

@@ -32,7 +32,7 @@ pub const UCP_FEATURE_RMA: u64 = 2;
 pub const UCP_FEATURE_WAKEUP: u64 = 16;
 
 const UCP_WORKER_PARAM_FIELD_THREAD_MODE: u64 = 1;
-const UCS_THREAD_MODE_SINGLE: u32 = 0;
+const UCS_THREAD_MODE_SERIALIZED: u32 = 1;
 
 const UCP_EP_PARAM_FIELD_REMOTE_ADDRESS: u64 = 1;
 const UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE: u64 = 2;
@@ -293,14 +293,15 @@ fn context() -> Result<&'static Context, String> {
     .map_err(Clone::clone)
 }
 
-/// A UCP worker in single-thread mode: every call on it and its endpoints must come from one
-/// thread at a time (the `ucx` transport's progress thread owns it).
+/// A UCP worker in serialized mode: any thread may call it, one at a time (the `ucx` transport
+/// holds a mutex around it and everything its callbacks touch).
 pub struct Worker {
     h: Handle,
     api: &'static Api,
 }
 
-// SAFETY: the worker may move between threads; the owner guarantees one thread at a time.
+// SAFETY: a serialized-mode worker may be used from any thread; the owner guarantees one
+// thread at a time (a mutex).
 unsafe impl Send for Worker {}
 
 impl Worker {
@@ -309,7 +310,7 @@ impl Worker {
         let ctx = context()?;
         let api = api()?;
         let mut p = Params::<{ WORKER_PARAMS_SIZE / 8 }>::new();
-        p.set64(0, UCP_WORKER_PARAM_FIELD_THREAD_MODE).set32(8, UCS_THREAD_MODE_SINGLE);
+        p.set64(0, UCP_WORKER_PARAM_FIELD_THREAD_MODE).set32(8, UCS_THREAD_MODE_SERIALIZED);
         let mut h: Handle = std::ptr::null_mut();
         // SAFETY: a ucp_worker_params_t of 1.13's size naming only the thread mode; `h` is an
         // out-pointer; the context lives for the process.
@@ -337,7 +338,7 @@ impl Worker {
 
     /// Progresses communication once; the number of events processed.
     pub fn progress(&self) -> u32 {
-        // SAFETY: the worker is live and called from its owning thread.
+        // SAFETY: the worker is live; the owner serializes calls.
         unsafe { (self.api.worker_progress)(self.h) }
     }
 
@@ -355,7 +356,7 @@ impl Worker {
     /// Arms the event descriptor: `Ok(true)` armed (safe to sleep on it), `Ok(false)` events
     /// are pending (progress again first).
     pub fn arm(&self) -> Result<bool, String> {
-        // SAFETY: the worker is live and called from its owning thread.
+        // SAFETY: the worker is live; the owner serializes calls.
         match unsafe { (self.api.worker_arm)(self.h) } {
             UCS_OK => Ok(true),
             UCS_ERR_BUSY => Ok(false),

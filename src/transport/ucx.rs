@@ -22,12 +22,15 @@
 //! before it is still landing), so a signal started after a write lands after it, as over
 //! tcp. A peer can park at most 4096 requests ahead of its order.
 //!
-//! One thread per transport owns the UCX worker (single-thread mode): it progresses, sleeps
-//! on the worker's event descriptor, serves peers and completes Works. Callers hand it
-//! requests through a queue and an eventfd.
+//! Each endpoint has a UCX worker in serialized mode behind a mutex. A caller sends its own
+//! requests (no hand-off to another thread on the way out); a progress thread per endpoint
+//! progresses the worker whenever it is not idle, serving peers and completing Works, and
+//! sleeps on the worker's event descriptor otherwise. UCX's callbacks run on whichever thread
+//! progresses and queue what they saw in that thread's queue, which it drains before letting
+//! go of the lock.
 
 use std::cell::RefCell;
-use std::collections::{HashMap, VecDeque};
+use std::collections::HashMap;
 use std::ffi::c_void;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -84,6 +87,10 @@ pub fn version() -> std::result::Result<String, String> {
 /// A `ucx` transport endpoint.
 pub struct UcxBackend {
     shared: Arc<Shared>,
+    /// The worker and everything UCX's callbacks touch; whoever holds the lock may call UCX
+    /// (the worker is in serialized mode) and handles the events its calls produced before
+    /// letting go.
+    core: Arc<Mutex<Core>>,
     url: Vec<u8>,
     timeout: Duration,
     thread: Mutex<Option<std::thread::JoinHandle<()>>>,
@@ -99,25 +106,14 @@ impl std::fmt::Debug for UcxBackend {
 struct Shared {
     /// Registrations peers may reach, by id.
     table: RwLock<HashMap<u64, Arc<Registration>>>,
-    commands: Mutex<VecDeque<Command>>,
-    /// Wakes the progress thread for a command.
+    /// Wakes the progress thread to stop.
     wake: OwnedFd,
     connected: AtomicBool,
     lost: OnceLock<String>,
     stop: AtomicBool,
 }
 
-enum Command {
-    Connect(Vec<u8>, mpsc::Sender<Result<()>>),
-    Submit(Request),
-}
-
 impl Shared {
-    fn send(&self, c: Command) {
-        self.commands.lock().unwrap_or_else(|p| p.into_inner()).push_back(c);
-        self.poke();
-    }
-
     fn poke(&self) {
         let _ = rustix::io::write(&self.wake, &1u64.to_ne_bytes());
     }
@@ -156,33 +152,63 @@ impl UcxBackend {
                 .map_err(|e| Error::io("eventfd", e.into()))?;
         let shared = Arc::new(Shared {
             table: RwLock::new(HashMap::new()),
-            commands: Mutex::new(VecDeque::new()),
             wake,
             connected: AtomicBool::new(false),
             lost: OnceLock::new(),
             stop: AtomicBool::new(false),
         });
-        // The worker is made on the thread that owns it, which reports its address back.
-        let (tx, rx) = mpsc::channel::<std::result::Result<Vec<u8>, String>>();
-        let s = shared.clone();
+        let (core, address, efd) = Core::new(shared.clone()).map_err(unavailable)?;
+        let core = Arc::new(Mutex::new(core));
+        let (c, s) = (core.clone(), shared.clone());
         let thread = std::thread::Builder::new()
             .name("symmem-ucx".into())
-            .spawn(move || Core::run(s, tx))
+            .spawn(move || progress_loop(&c, &s, efd))
             .map_err(|e| Error::io("spawn the ucx progress thread", e))?;
-        let address = match rx.recv() {
-            Ok(Ok(a)) => a,
-            Ok(Err(why)) => {
-                let _ = thread.join();
-                return Err(unavailable(why));
-            }
-            Err(_) => {
-                let _ = thread.join();
-                return Err(unavailable("the progress thread failed to start".into()));
-            }
-        };
         let url = format!("{URL_PREFIX}{}", URL_SAFE_NO_PAD.encode(address)).into_bytes();
-        Ok(UcxBackend { shared, url, timeout, thread: Mutex::new(Some(thread)) })
+        Ok(UcxBackend { shared, core, url, timeout, thread: Mutex::new(Some(thread)) })
     }
+
+    /// Runs `f` on the core, then handles what UCX reported meanwhile.
+    fn with_core<T>(&self, f: impl FnOnce(&mut Core) -> T) -> T {
+        let mut c = self.core.lock().unwrap_or_else(|p| p.into_inner());
+        let out = f(&mut c);
+        c.worker.progress();
+        c.handle_events();
+        out
+    }
+}
+
+/// The progress thread: progresses the worker while there is anything to do, serving peers
+/// and completing transfers, and sleeps on the worker's event descriptor when idle.
+fn progress_loop(core: &Mutex<Core>, shared: &Shared, efd: i32) {
+    // SAFETY: UCX's event descriptor lives as long as the worker, which the core keeps until
+    // after this loop (it is closed below, then dropped with the last handle).
+    let efd = unsafe { BorrowedFd::borrow_raw(efd) };
+    while !shared.stop.load(Ordering::Acquire) {
+        {
+            let mut c = core.lock().unwrap_or_else(|p| p.into_inner());
+            let mut busy = false;
+            while c.worker.progress() > 0 {
+                busy = true;
+            }
+            if c.handle_events() || busy {
+                continue;
+            }
+            match c.worker.arm() {
+                Ok(true) => {}
+                Ok(false) => continue,
+                Err(why) => tracing::warn!("{why}"),
+            }
+        }
+        let mut fds = [
+            rustix::event::PollFd::new(&efd, rustix::event::PollFlags::IN),
+            rustix::event::PollFd::new(&shared.wake, rustix::event::PollFlags::IN),
+        ];
+        let _ = rustix::event::poll(&mut fds, Some(&rustix::time::Timespec { tv_sec: 0, tv_nsec: 100_000_000 }));
+        let mut b = [0u8; 8];
+        let _ = rustix::io::read(shared.wake.as_fd(), &mut b);
+    }
+    core.lock().unwrap_or_else(|p| p.into_inner()).close();
 }
 
 fn parse_url(url: &[u8]) -> Result<Vec<u8>> {
@@ -219,7 +245,7 @@ impl Backend for UcxBackend {
     fn connect(&self, url: &[u8], timeout: Duration) -> Result<()> {
         let address = parse_url(url)?;
         let (tx, rx) = mpsc::channel();
-        self.shared.send(Command::Connect(address, tx));
+        self.with_core(|c| c.connect(address, tx));
         match rx.recv_timeout(timeout) {
             Ok(r) => r,
             Err(mpsc::RecvTimeoutError::Timeout) => Err(Error::timeout(
@@ -249,7 +275,8 @@ impl Backend for UcxBackend {
         if let Some(why) = self.shared.lost.get() {
             return Err(Error::transfer(TransferKind::PeerLost, format!("ucx transport is not connected: {why}")));
         }
-        self.shared.send(Command::Submit(req));
+        // Sent from this thread: no hand-off to the progress thread on the way out.
+        self.with_core(|c| c.start(req));
         Ok(())
     }
 
@@ -394,6 +421,11 @@ struct Core {
     orders: HashMap<u64, Order>,
 }
 
+// SAFETY: the core's raw UCX handles (endpoints, reply endpoints, rendezvous descriptors) and
+// its serialized-mode worker are touched only by the thread holding the mutex the core lives
+// in, so moving the core between threads (through that mutex) is sound.
+unsafe impl Send for Core {}
+
 /// Requests of one peer endpoint take effect in the order they were started: request `next`
 /// runs once the one before it completed (its bytes landed, or were sent); later ones wait.
 #[derive(Default)]
@@ -444,33 +476,20 @@ fn lost_status(what: &str, s: Status) -> Failed {
 }
 
 impl Core {
-    fn run(shared: Arc<Shared>, ready: mpsc::Sender<std::result::Result<Vec<u8>, String>>) {
-        let worker = match Worker::new() {
-            Ok(w) => w,
-            Err(why) => {
-                let _ = ready.send(Err(why));
-                return;
-            }
-        };
+    /// A worker with its handlers, its address and its event descriptor.
+    fn new(shared: Arc<Shared>) -> std::result::Result<(Core, Vec<u8>, i32), String> {
+        let worker = Worker::new()?;
         for id in [AM_PING, AM_WRITE, AM_READ, AM_ATOMIC, AM_DONE, AM_READ_DATA] {
-            // SAFETY: on_message only pushes onto this thread's event queue, and the id rides
-            // in `arg` as an integer, never dereferenced; it is sound for the worker's life.
-            if let Err(why) = unsafe { worker.set_am_handler(id, on_message, id as usize as *mut c_void) } {
-                let _ = ready.send(Err(why));
-                return;
-            }
+            // SAFETY: on_message only pushes onto the calling thread's event queue, which the
+            // lock holder drains before letting go; the id rides in `arg` as an integer, never
+            // dereferenced. Sound for the worker's life.
+            unsafe { worker.set_am_handler(id, on_message, id as usize as *mut c_void) }?;
         }
-        let (address, efd) = match worker.address().and_then(|a| worker.event_fd().map(|fd| (a, fd))) {
-            Ok(x) => x,
-            Err(why) => {
-                let _ = ready.send(Err(why));
-                return;
-            }
-        };
-        let _ = ready.send(Ok(address));
+        let address = worker.address()?;
+        let efd = worker.event_fd()?;
         let mut origin = [0u8; 8];
-        let _ = getrandom::fill(&mut origin);
-        let mut core = Core {
+        getrandom::fill(&mut origin).map_err(|e| format!("random origin: {e}"))?;
+        let core = Core {
             shared,
             worker,
             ep: None,
@@ -481,48 +500,7 @@ impl Core {
             served: HashMap::new(),
             orders: HashMap::new(),
         };
-        core.serve(efd);
-        core.close();
-    }
-
-    fn serve(&mut self, efd: i32) {
-        // SAFETY: UCX's event descriptor lives as long as the worker, which outlives this loop.
-        let efd = unsafe { BorrowedFd::borrow_raw(efd) };
-        while !self.shared.stop.load(Ordering::Acquire) {
-            self.take_commands();
-            while self.worker.progress() > 0 {}
-            if self.handle_events() {
-                continue;
-            }
-            match self.worker.arm() {
-                Ok(true) => {}
-                Ok(false) => continue,
-                Err(why) => {
-                    tracing::warn!("{why}");
-                }
-            }
-            if !self.shared.commands.lock().unwrap_or_else(|p| p.into_inner()).is_empty() {
-                continue;
-            }
-            let mut fds = [
-                rustix::event::PollFd::new(&efd, rustix::event::PollFlags::IN),
-                rustix::event::PollFd::new(&self.shared.wake, rustix::event::PollFlags::IN),
-            ];
-            let _ = rustix::event::poll(&mut fds, Some(&rustix::time::Timespec { tv_sec: 0, tv_nsec: 100_000_000 }));
-            let mut b = [0u8; 8];
-            let _ = rustix::io::read(self.shared.wake.as_fd(), &mut b);
-        }
-    }
-
-    fn take_commands(&mut self) {
-        loop {
-            let c = self.shared.commands.lock().unwrap_or_else(|p| p.into_inner()).pop_front();
-            match c {
-                Some(Command::Connect(address, tx)) => self.connect(address, tx),
-                Some(Command::Submit(req)) => self.start(req),
-                None => return,
-            }
-        }
+        Ok((core, address, efd))
     }
 
     fn token(&mut self) -> u64 {
@@ -976,7 +954,7 @@ impl Core {
 
     /// Closes the endpoint (flushing it for a moment, then by force), fails what is left, and
     /// lets the worker go.
-    fn close(mut self) {
+    fn close(&mut self) {
         if let Some(ep) = self.ep.take() {
             let deadline = Instant::now() + Duration::from_secs(2);
             // SAFETY: our live endpoint, closed once.

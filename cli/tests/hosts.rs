@@ -481,6 +481,23 @@ fn two_network_namespaces_match_one_host_bit_for_bit() {
     assert_same(&got, &reference());
 }
 
+#[test]
+fn two_network_namespaces_linked_by_ucx_match_one_host_bit_for_bit() {
+    if !have_ucx() {
+        return;
+    }
+    let hosts = match Hosts::create() {
+        Ok(h) => h,
+        Err(why) => {
+            eprintln!("SKIPPED: cannot create network namespaces here ({why})");
+            return;
+        }
+    };
+    // UCX's own variables stay unset: it finds the veth link by itself.
+    let got = digests(&launch(Layout::Netns(&hosts), 2, "rank_hosts", &[("SYMMEM_XHOST_BACKEND", "ucx")]), 4);
+    assert_same(&got, &reference());
+}
+
 /// All-reduces until something fails; rank 0 writes the marker file once it is running.
 #[test]
 #[ignore = "a rank program; run by the lost-host tests below"]

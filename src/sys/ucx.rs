@@ -384,21 +384,37 @@ impl Worker {
         Ok(())
     }
 
-    /// An endpoint to the worker at `address`, whose failures call `on_error(arg, ep, status)`.
+    /// An endpoint to the worker at `address`. With `on_error`, UCX detects a vanished peer
+    /// (`UCP_ERR_HANDLING_MODE_PEER`) and calls `on_error(arg, ep, status)`; not every UCX
+    /// transport can (1.13's shared-memory ones cannot), so callers may retry without.
     ///
     /// # Safety
     /// `on_error` must be sound to call with `arg` during any later `progress` of this
     /// worker while the endpoint exists.
-    pub unsafe fn connect(&self, address: &[u8], on_error: ErrCallback, arg: *mut c_void) -> Result<Handle, String> {
+    pub unsafe fn connect(
+        &self,
+        address: &[u8],
+        on_error: Option<ErrCallback>,
+        arg: *mut c_void,
+    ) -> Result<Handle, String> {
         let mut p = Params::<{ EP_PARAMS_SIZE / 8 }>::new();
-        p.set64(
-            0,
-            UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE | UCP_EP_PARAM_FIELD_ERR_HANDLER,
-        )
-        .set64(8, address.as_ptr() as u64)
-        .set32(16, UCP_ERR_HANDLING_MODE_PEER)
-        .set64(24, on_error as usize as u64)
-        .set64(32, arg as u64);
+        p.set64(8, address.as_ptr() as u64);
+        match on_error {
+            Some(cb) => {
+                p.set64(
+                    0,
+                    UCP_EP_PARAM_FIELD_REMOTE_ADDRESS
+                        | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE
+                        | UCP_EP_PARAM_FIELD_ERR_HANDLER,
+                )
+                .set32(16, UCP_ERR_HANDLING_MODE_PEER)
+                .set64(24, cb as usize as u64)
+                .set64(32, arg as u64);
+            }
+            None => {
+                p.set64(0, UCP_EP_PARAM_FIELD_REMOTE_ADDRESS);
+            }
+        }
         let mut ep: Handle = std::ptr::null_mut();
         // SAFETY: a ucp_ep_params_t of 1.13's size; `address` is a worker address (UCX
         // validates what it parses); `ep` is an out-pointer.

@@ -513,8 +513,20 @@ impl Core {
             let _ = tx.send(Err(Error::InvalidArgument("transport is already connected".into())));
             return;
         }
-        // SAFETY: on_endpoint_error only pushes onto this thread's queue; arg is unused.
-        match unsafe { self.worker.connect(&address, on_endpoint_error, std::ptr::null_mut()) } {
+        // SAFETY: on_endpoint_error only pushes onto the calling thread's queue (drained by the
+        // lock holder); arg is unused.
+        let with_errors = unsafe { self.worker.connect(&address, Some(on_endpoint_error), std::ptr::null_mut()) };
+        let ep = with_errors.or_else(|why| {
+            // A UCX transport without peer failure detection (1.13's shared memory): connect
+            // anyway; a vanished peer then fails transfers by their timeouts.
+            // SAFETY: no callback.
+            let ep = unsafe { self.worker.connect(&address, None, std::ptr::null_mut()) }?;
+            tracing::warn!(
+                "ucx transport: the UCX transports in use cannot detect a vanished peer ({why}); its transfers will fail by timeout"
+            );
+            Ok::<_, String>(ep)
+        });
+        match ep {
             Ok(ep) => self.ep = Some(ep),
             Err(why) => {
                 let _ = tx.send(Err(Error::transfer(TransferKind::PeerLost, format!("ucx transport: {why}"))));

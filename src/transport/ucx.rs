@@ -65,6 +65,8 @@ const AM_READ: u32 = 3;
 const AM_ATOMIC: u32 = 4;
 const AM_DONE: u32 = 5;
 const AM_READ_DATA: u32 = 6;
+/// The last request of an endpoint that closes: its order state goes once all before it ran.
+const AM_BYE: u32 = 7;
 
 // Reply codes.
 const OK: u64 = 0;
@@ -393,6 +395,8 @@ struct Pending {
 enum PendingKind {
     Ping(mpsc::Sender<Result<()>>),
     Transfer(Request),
+    /// The goodbye of a closing endpoint (nobody waits for it).
+    Bye,
 }
 
 /// A peer's transfer this endpoint is serving: the registration stays alive until UCX is
@@ -446,6 +450,9 @@ struct Parked {
 /// The most requests of one peer endpoint that may wait for their turn; beyond, they are
 /// refused (a peer cannot make this endpoint hold without bound).
 const MAX_PARKED: usize = 4096;
+/// The most peer endpoints whose order this endpoint keeps at once (each forgotten when it
+/// says goodbye); beyond, new ones are refused.
+const MAX_ORIGINS: usize = 4096;
 
 /// A header of little-endian u64 fields.
 fn header(fields: &[u64], tail: &[u8]) -> Vec<u8> {
@@ -479,7 +486,7 @@ impl Core {
     /// A worker with its handlers, its address and its event descriptor.
     fn new(shared: Arc<Shared>) -> std::result::Result<(Core, Vec<u8>, i32), String> {
         let worker = Worker::new()?;
-        for id in [AM_PING, AM_WRITE, AM_READ, AM_ATOMIC, AM_DONE, AM_READ_DATA] {
+        for id in [AM_PING, AM_WRITE, AM_READ, AM_ATOMIC, AM_DONE, AM_READ_DATA, AM_BYE] {
             // SAFETY: on_message only pushes onto the calling thread's event queue, which the
             // lock holder drains before letting go; the id rides in `arg` as an integer, never
             // dereferenced. Sound for the worker's life.
@@ -642,6 +649,7 @@ impl Core {
                 let _ = tx.send(answer.map_err(|f| Error::transfer(f.kind, f.message)));
             }
             PendingKind::Transfer(req) => req.complete(answer),
+            PendingKind::Bye => {}
         }
     }
 
@@ -673,6 +681,7 @@ impl Core {
                         let _ = tx.send(Err(Error::transfer(f.kind, f.message)));
                     }
                     PendingKind::Transfer(req) => req.complete(Err(f)),
+                    PendingKind::Bye => {}
                 }
             }
         }
@@ -710,7 +719,7 @@ impl Core {
                 self.finish(t & !SERVED, Some(answer));
             }
             AM_READ_DATA => self.read_data(h, data),
-            AM_PING | AM_WRITE | AM_READ | AM_ATOMIC => {
+            AM_PING | AM_WRITE | AM_READ | AM_ATOMIC | AM_BYE => {
                 if reply_ep.is_null() {
                     // Every request of ours asks for a reply endpoint; anything else is not a peer.
                     return self.drop_data(data);
@@ -724,6 +733,11 @@ impl Core {
                     self.drop_data(data);
                     return self.answer(reply_ep, AM_DONE, req, REFUSED, "malformed ucx request");
                 };
+                if !self.orders.contains_key(&origin) && self.orders.len() >= MAX_ORIGINS {
+                    self.drop_data(data);
+                    let answer_id = if id == AM_READ { AM_READ_DATA } else { AM_DONE };
+                    return self.answer(reply_ep, answer_id, req, REFUSED, "too many peer endpoints");
+                }
                 let o = self.orders.entry(origin).or_insert_with(|| Order { next: 1, ..Order::default() });
                 if seq < o.next || o.parked.contains_key(&seq) || o.parked.len() >= MAX_PARKED {
                     self.drop_data(data);
@@ -748,6 +762,16 @@ impl Core {
             let next = o.next;
             let Some(p) = o.parked.remove(&next) else { return };
             let in_flight = match p.id {
+                AM_BYE => {
+                    // Everything the endpoint sent before closing ran: forget it.
+                    self.drop_data(p.data);
+                    if let Some(o) = self.orders.remove(&origin) {
+                        for (_, q) in o.parked {
+                            self.drop_data(q.data);
+                        }
+                    }
+                    return;
+                }
                 AM_WRITE => self.serve_write(&p.header, p.data, p.reply_ep, origin),
                 AM_READ => {
                     self.drop_data(p.data);
@@ -967,6 +991,13 @@ impl Core {
     /// Closes the endpoint (flushing it for a moment, then by force), fails what is left, and
     /// lets the worker go.
     fn close(&mut self) {
+        if self.ep.is_some() {
+            // Goodbye, after everything this endpoint sent (the owner forgets its order).
+            self.seq += 1;
+            let t = self.token();
+            self.pending.insert(t, Pending { kind: PendingKind::Bye, _header: Vec::new(), sent: false, answer: None });
+            self.send(t, AM_BYE, header(&[t, self.origin, self.seq], &[]), std::ptr::null(), 0);
+        }
         if let Some(ep) = self.ep.take() {
             let deadline = Instant::now() + Duration::from_secs(2);
             // SAFETY: our live endpoint, closed once.
@@ -1089,6 +1120,39 @@ mod tests {
             assert!(got.iter().all(|&x| x == round), "round {round}: the signal overtook the write");
             w.wait(None).unwrap();
             f.wait(None).unwrap();
+        }
+    }
+
+    /// An owner remembers a peer endpoint's order only while it lives: the peer's goodbye
+    /// (sent when it closes, after its last request) makes it forget.
+    #[test]
+    fn an_owner_forgets_a_peer_endpoint_that_said_goodbye() {
+        let owner = match super::UcxBackend::new(&Options::new()) {
+            Ok(b) => b,
+            Err(e) => {
+                eprintln!("SKIPPED: {e}");
+                return;
+            }
+        };
+        let remembered = || owner.core.lock().unwrap().orders.len();
+        let url = super::Backend::bind(&owner, std::time::Duration::from_secs(5)).unwrap();
+        let a = new_transport("ucx", None, &Options::new()).unwrap();
+        a.connect(&url, None).unwrap();
+        let scratch = Tensor::zeros(&[8], DType::U8).unwrap();
+        let s = a.register_memory(&scratch).unwrap();
+        // A descriptor of a buffer the owner never registered: refused, but it ran in order.
+        let forged = super::super::RemoteBuffer::deserialize(
+            br#"{"version":1,"backend":"ucx","fields":{"buffer_id":7,"offset":0,"length":8,"access_key":"AAAAAAAAAAAAAAAAAAAAAA==","writable":1}}"#,
+        )
+        .unwrap();
+        let e = a.start_atomic(&s.to_view(0, Some(8)).unwrap(), &forged, Atomic::Set64, 1, None).unwrap().wait(None);
+        assert_eq!(e.unwrap_err().transfer_kind(), Some(TransferKind::Refused));
+        assert_eq!(remembered(), 1, "the owner keeps the order of a live peer endpoint");
+        a.close(None).unwrap();
+        let t = std::time::Instant::now();
+        while remembered() != 0 {
+            assert!(t.elapsed() < std::time::Duration::from_secs(10), "the owner never forgot the closed endpoint");
+            std::thread::sleep(std::time::Duration::from_millis(5));
         }
     }
 

@@ -10,6 +10,8 @@ use std::time::Duration;
 
 use symmem::store::{ClientOptions, Secret, ServerOptions, Store, StoreServer, TcpStore};
 
+mod common;
+
 const BIN: &str = env!("CARGO_BIN_EXE_symmem");
 
 fn python() -> Option<String> {
@@ -321,4 +323,51 @@ fn a_pytorch_process_and_a_rust_process_pair_with_new_transport_rank() {
     assert!(out.status.success() && text.contains("PY OK"), "{text}\n{}", String::from_utf8_lossy(&out.stderr));
     println!("{}", text.trim());
     t.close(None).unwrap();
+}
+
+/// README's "Run across hosts" with torchrun: two machines (network and UTS namespaces, each
+/// its own hostname and address), one torchrun each pointing at the first, 2 ranks per host,
+/// and no symmem setting but the job secret torchrun's store cannot carry.
+#[test]
+fn torchrun_on_two_machines_needs_no_symmem_settings() {
+    let py = need_torch!();
+    let has_pkg = Command::new(&py).args(["-c", "import symmem.symm"]).output().is_ok_and(|o| o.status.success());
+    if !has_pkg {
+        eprintln!("SKIPPED: the symmem Python package is not installed in {py} (run python/test.sh)");
+        return;
+    }
+    let hosts = match common::Hosts::create() {
+        Ok(h) => h,
+        Err(why) => {
+            eprintln!("SKIPPED: cannot create network namespaces here ({why})");
+            return;
+        }
+    };
+    let node = |i: usize| {
+        let mut c = Command::new("ip");
+        c.args(["netns", "exec", &hosts.names[i], "unshare", "--uts", "sh", "-c", "hostname \"$0\" && exec \"$@\""])
+            .arg(format!("machine{i}"))
+            .arg(&py)
+            .args(["-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", &i.to_string()])
+            .args(["--master-addr", "10.213.0.1", "--master-port", "29500", "--nproc-per-node", "2"])
+            .arg(script("across_hosts.py"))
+            .env("SYMMEM_JOB_SECRET", "a secret both machines share");
+        for (k, _) in std::env::vars_os() {
+            let k = k.to_string_lossy().into_owned();
+            if k.starts_with("SYMMEM_") && k != "SYMMEM_JOB_SECRET" {
+                c.env_remove(k);
+            }
+        }
+        c.output().unwrap()
+    };
+    let (a, b) = std::thread::scope(|s| {
+        let b = s.spawn(|| node(1));
+        (node(0), b.join().unwrap())
+    });
+    let text = format!("{}{}", String::from_utf8_lossy(&a.stdout), String::from_utf8_lossy(&b.stdout));
+    let errs = format!("{}{}", String::from_utf8_lossy(&a.stderr), String::from_utf8_lossy(&b.stderr));
+    assert!(a.status.success() && b.status.success(), "{text}\n{errs}");
+    for r in 0..4 {
+        assert!(text.contains(&format!("rank {r} of 4 sum 10.0")), "{text}\n{errs}");
+    }
 }

@@ -277,6 +277,17 @@ impl Backend for UcxBackend {
         if let Some(why) = self.shared.lost.get() {
             return Err(Error::transfer(TransferKind::PeerLost, format!("ucx transport is not connected: {why}")));
         }
+        // Whoever waits for it progresses the worker while spinning, so its completion needs
+        // no hand-off from the progress thread either.
+        let core = Arc::downgrade(&self.core);
+        req.work.set_progress(Arc::new(move || {
+            if let Some(core) = core.upgrade()
+                && let Ok(mut c) = core.try_lock()
+            {
+                c.worker.progress();
+                c.handle_events();
+            }
+        }));
         // Sent from this thread: no hand-off to the progress thread on the way out.
         self.with_core(|c| c.start(req));
         Ok(())

@@ -22,10 +22,15 @@ const PENDING: u8 = 0;
 const SUCCEEDED: u8 = 1;
 const FAILED: u8 = 2;
 
+/// What a waiter may call to advance its own transfer (a backend whose completions need
+/// polling, such as UCX's): called while it spins, so the completion needs no other thread.
+pub(crate) type Progress = Arc<dyn Fn() + Send + Sync>;
+
 /// Shared completion state of a Work.
 #[derive(Default)]
 pub(crate) struct WorkState {
     state: AtomicU8,
+    progress: OnceLock<Progress>,
     error: OnceLock<Failed>,
     waiters: Mutex<Vec<Waker>>,
     cv: Condvar,
@@ -45,6 +50,11 @@ impl WorkState {
         let s = WorkState::default();
         *s.keep.lock().unwrap_or_else(|p| p.into_inner()) = keep;
         Arc::new(s)
+    }
+
+    /// Lets waiters advance the transfer themselves while they spin.
+    pub(crate) fn set_progress(&self, p: Progress) {
+        let _ = self.progress.set(p);
     }
 
     /// Completes the work; later calls are ignored.
@@ -101,7 +111,10 @@ impl WorkState {
             if self.poll_state() != PENDING {
                 return true;
             }
-            std::hint::spin_loop();
+            match self.progress.get() {
+                Some(p) => p(),
+                None => std::hint::spin_loop(),
+            }
         }
         let mut guard = self.waiters.lock().unwrap_or_else(|p| p.into_inner());
         loop {

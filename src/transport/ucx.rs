@@ -1167,6 +1167,87 @@ mod tests {
         }
     }
 
+    /// What a stranger speaking UCX sends an endpoint: headers too short, ids out of place,
+    /// requests without a reply endpoint, forged keys, lengths that lie, far-future sequence
+    /// numbers. The endpoint refuses or drops each, and keeps serving its real peer.
+    #[test]
+    fn malformed_active_messages_change_nothing_and_the_owner_keeps_serving() {
+        use crate::sys::ucx::{Started, UCP_AM_SEND_FLAG_REPLY, Worker};
+        let (a, b) = match (new_transport("ucx", None, &Options::new()), new_transport("ucx", None, &Options::new())) {
+            (Ok(a), Ok(b)) => (a, b),
+            (Err(e), _) | (_, Err(e)) => {
+                eprintln!("SKIPPED: {e}");
+                return;
+            }
+        };
+        let ub = b.bind(None).unwrap();
+        a.connect(&ub, None).unwrap();
+        let dst = Tensor::zeros(&[64], DType::U8).unwrap();
+        let md = b.register_memory(&dst).unwrap();
+        let d = md.to_remote_buffer().unwrap();
+        // The stranger: a raw worker of its own, no handlers.
+        let w = Worker::new().unwrap();
+        let address = super::parse_url(&ub).unwrap();
+        unsafe extern "C" fn nothing(_: *mut std::ffi::c_void, _: crate::sys::ucx::Handle, _: i32) {}
+        unsafe extern "C" fn sent(r: *mut std::ffi::c_void, _: i32, _: *mut std::ffi::c_void) {
+            // SAFETY: UCX hands the completed request, freed once here.
+            unsafe { crate::sys::ucx::request_free(r) };
+        }
+        unsafe extern "C" fn ignore(
+            _: *mut std::ffi::c_void,
+            _: *const std::ffi::c_void,
+            _: usize,
+            _: *mut std::ffi::c_void,
+            _: usize,
+            _: *const crate::sys::ucx::AmRecvParam,
+        ) -> i32 {
+            0
+        }
+        for id in 1..=7 {
+            // SAFETY: `ignore` touches nothing.
+            unsafe { w.set_am_handler(id, ignore, std::ptr::null_mut()) }.unwrap();
+        }
+        // SAFETY: `nothing` does nothing; no arg.
+        let ep = unsafe { w.connect(&address, Some(nothing), std::ptr::null_mut()) }.unwrap();
+        let h = |f: &[u64], tail: &[u8]| super::header(f, tail);
+        let payload = [0xEEu8; 64];
+        let wrong_key = [9u8; 16];
+        let attempts: Vec<(u32, Vec<u8>, usize, u32)> = vec![
+            (super::AM_WRITE, vec![1, 2, 3], 64, UCP_AM_SEND_FLAG_REPLY),
+            (super::AM_WRITE, h(&[1, 77, 1, d.buffer_id, 0, 64], &d.access_key), 64, 0),
+            (super::AM_WRITE, h(&[2, 77, 1, d.buffer_id, 0, 64], &wrong_key), 64, UCP_AM_SEND_FLAG_REPLY),
+            (super::AM_WRITE, h(&[3, 77, 2, d.buffer_id, 0, 1 << 40], &d.access_key), 64, UCP_AM_SEND_FLAG_REPLY),
+            (super::AM_WRITE, h(&[4, 77, 3, d.buffer_id, 60, 64], &d.access_key), 64, UCP_AM_SEND_FLAG_REPLY),
+            (super::AM_WRITE, h(&[5, 78, u64::MAX, d.buffer_id, 0, 64], &d.access_key), 64, UCP_AM_SEND_FLAG_REPLY),
+            (super::AM_ATOMIC, h(&[6, 79, 1, d.buffer_id, 0, 9, 1], &d.access_key), 0, UCP_AM_SEND_FLAG_REPLY),
+            (super::AM_DONE, h(&[123_456, 0], &[]), 0, UCP_AM_SEND_FLAG_REPLY),
+            (super::AM_READ_DATA, h(&[123_456, 0], &[]), 64, 0),
+            (999, vec![0; 8], 0, 0),
+            (0, vec![0; 8], 8, UCP_AM_SEND_FLAG_REPLY),
+        ];
+        let keep: Vec<Vec<u8>> = attempts.iter().map(|a| a.1.clone()).collect();
+        for ((id, _, len, flags), hdr) in attempts.iter().zip(&keep) {
+            // SAFETY: `ep` is the stranger's live endpoint; header and payload outlive the
+            // loop below, which progresses until the sends are done.
+            match unsafe { w.am_send(ep, *id, hdr, payload.as_ptr(), *len, *flags, sent, 0) } {
+                Started::Done | Started::Pending(_) | Started::Failed(_) => {}
+            }
+        }
+        let t = std::time::Instant::now();
+        while t.elapsed() < std::time::Duration::from_millis(500) {
+            w.progress();
+        }
+        assert!(dst.to_vec::<u8>().unwrap().iter().all(|&x| x == 0), "nothing the stranger sent landed");
+        // The real peer is still served.
+        let src = Tensor::from_slice(&[64], &[7u8; 64]).unwrap();
+        let ms = a.register_memory(&src).unwrap();
+        a.write(&ms.to_view(0, None).unwrap(), &d, None).unwrap();
+        assert_eq!(dst.to_vec::<u8>().unwrap(), vec![7u8; 64]);
+        // SAFETY: the stranger's endpoint, closed once, by force.
+        let _ = unsafe { w.close(ep, true) };
+        w.progress();
+    }
+
     #[test]
     fn remote_atomics_over_tcp_and_ucx_agree() {
         atomics_on("tcp");

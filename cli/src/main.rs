@@ -229,7 +229,7 @@ struct CollectiveArgs {
     /// "hosts" reach each other through the tcp transport.
     #[arg(long, default_value_t = 1)]
     hosts: usize,
-    /// Message sizes (bytes; K and M suffixes allowed).
+    /// Message sizes (bytes; K, M and G suffixes allowed), comma-separated.
     #[arg(long, value_delimiter = ',', default_values_t = ["8".to_string(), "4K".into(), "64K".into(), "1M".into(), "16M".into()])]
     sizes: Vec<String>,
     /// Element type.
@@ -250,14 +250,22 @@ struct CollectiveArgs {
 }
 
 fn parse_size(s: &str) -> Result<usize> {
+    size_arg(s).map_err(|e| anyhow::anyhow!(e))
+}
+
+/// A size in bytes with an optional K, M or G suffix (powers of 1024), checked for overflow.
+fn size_arg(s: &str) -> std::result::Result<usize, String> {
     let s = s.trim();
     let (num, mult) = match s.chars().last() {
-        Some('K' | 'k') => (&s[..s.len() - 1], 1024),
-        Some('M' | 'm') => (&s[..s.len() - 1], 1024 * 1024),
-        Some('G' | 'g') => (&s[..s.len() - 1], 1024 * 1024 * 1024),
+        Some('K' | 'k') => (&s[..s.len() - 1], 1usize << 10),
+        Some('M' | 'm') => (&s[..s.len() - 1], 1 << 20),
+        Some('G' | 'g') => (&s[..s.len() - 1], 1 << 30),
         _ => (s, 1),
     };
-    Ok(num.parse::<usize>().with_context(|| format!("size {s:?} is not a number of bytes"))? * mult)
+    num.parse::<usize>()
+        .ok()
+        .and_then(|n| n.checked_mul(mult))
+        .ok_or_else(|| format!("size {s:?} is not a number of bytes (K, M and G suffixes allowed) that fits in memory"))
 }
 
 fn bench_collective(op: &str, a: &CollectiveArgs) -> Result<ExitCode> {
@@ -312,8 +320,9 @@ enum BenchCommand {
         /// The transport backend.
         #[arg(long, default_value = "tcp")]
         backend: String,
-        /// Message sizes in bytes.
-        #[arg(long, value_delimiter = ',', default_values_t = [8usize, 4096, 65536, 1 << 20, 16 << 20, 64 << 20])]
+        /// Message sizes (bytes; K, M and G suffixes allowed), comma-separated.
+        #[arg(long, value_delimiter = ',', value_parser = size_arg,
+              default_values = ["8", "4K", "64K", "1M", "16M", "64M"])]
         sizes: Vec<usize>,
         /// Transfers in flight for the bandwidth runs.
         #[arg(long, default_value_t = 8)]

@@ -444,3 +444,20 @@ fn bench_store_emits_json_lines() {
         }
     }
 }
+
+#[test]
+fn bench_sizes_take_suffixes_everywhere_and_refuse_overflow() {
+    // 2^54 KiB is 2^64 bytes: it wrapped to 0 before; now every bench refuses it by name.
+    for args in [
+        ["bench", "transport", "--sizes", "18014398509481984K"],
+        ["bench", "all-reduce", "--sizes", "18014398509481984K"],
+        ["bench", "transport", "--sizes", "4Q"],
+    ] {
+        let out = symmem(&args);
+        assert!(!out.status.success(), "{args:?}");
+        let err = text(&out.stderr);
+        assert!(err.contains("is not a number of bytes"), "{args:?}: {err}");
+    }
+    let help = text(&symmem(&["bench", "transport", "--help"]).stdout);
+    assert!(help.contains("K, M and G suffixes"), "{help}");
+}

@@ -461,3 +461,9 @@ fn bench_sizes_take_suffixes_everywhere_and_refuse_overflow() {
     let help = text(&symmem(&["bench", "transport", "--help"]).stdout);
     assert!(help.contains("K, M and G suffixes"), "{help}");
 }
+
+#[test]
+fn version_names_the_release_and_the_commit() {
+    let v = text(&symmem(&["--version"]).stdout);
+    assert!(v.starts_with(&format!("symmem {} (commit ", env!("CARGO_PKG_VERSION"))), "{v}");
+}

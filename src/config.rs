@@ -108,7 +108,7 @@ fn raw(env: &str) -> Option<&'static std::ffi::OsStr> {
     VALUES[i].get_or_init(|| std::env::var_os(env).filter(|v| !v.is_empty())).as_deref()
 }
 
-/// The value of knob `env` (one of [`env`]'s names), read from the environment the first time
+/// The value of knob `env` (one of [`env`](mod@env)'s names), read from the environment the first time
 /// it is asked for; `None` when unset, empty or not UTF-8.
 pub fn value(env: &str) -> Option<&'static str> {
     raw(env).and_then(std::ffi::OsStr::to_str)

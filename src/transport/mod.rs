@@ -409,7 +409,8 @@ impl RemoteBuffer {
         )
     }
 
-    /// Parses envelope bytes strictly (see [`crate::wire::descriptor`]).
+    /// Parses envelope bytes strictly (unknown fields, duplicates, wrong types and bad base64 are
+    /// refused, as by PyTorch's parser).
     pub fn deserialize(data: &[u8]) -> Result<RemoteBuffer> {
         let bad = |e: descriptor::DescriptorError| Error::InvalidArgument(e.to_string());
         let backend = descriptor::backend_of(data).map_err(bad)?;

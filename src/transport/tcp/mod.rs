@@ -54,7 +54,7 @@ use client::Client;
 /// Requests up to this size go whole on one flow, written by the caller.
 const INLINE: usize = 64 * 1024;
 
-/// What the tcp backend can do: any host, remote atomics; requests up to [`INLINE`] bytes all
+/// What the tcp backend can do: any host, remote atomics; requests up to `INLINE` (64 KiB) all
 /// travel on flow 0, which the peer serves in order, so they take effect in the order started.
 pub const CAPS: Caps = Caps { remote_atomics: true, in_order_up_to: INLINE, reach: Reach::AnyHost };
 

@@ -12,5 +12,5 @@ fn main() {
         .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
         .filter(|c| !c.is_empty())
         .unwrap_or_else(|| "unknown".into());
-    println!("cargo:rustc-env=SYMMEM_COMMIT={commit}");
+    println!("cargo:rustc-env=CLI_GIT_COMMIT={commit}");
 }

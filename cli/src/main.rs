@@ -31,7 +31,7 @@ fn emit(line: std::fmt::Arguments<'_>) {
 }
 
 #[derive(Parser)]
-#[command(name = "symmem", version = concat!(env!("CARGO_PKG_VERSION"), " (commit ", env!("SYMMEM_COMMIT"), ")"), about = "Symmetric memory and one-sided transports for CPU processes")]
+#[command(name = "symmem", version = concat!(env!("CARGO_PKG_VERSION"), " (commit ", env!("CLI_GIT_COMMIT"), ")"), about = "Symmetric memory and one-sided transports for CPU processes")]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -873,7 +873,7 @@ fn store(args: StoreArgs) -> Result<ExitCode> {
 }
 
 fn info() {
-    say!("symmem {} (commit {})", env!("CARGO_PKG_VERSION"), env!("SYMMEM_COMMIT"));
+    say!("symmem {} (commit {})", env!("CARGO_PKG_VERSION"), env!("CLI_GIT_COMMIT"));
     say!();
     say!("backends");
     say!("  store      tcp: PyTorch TCPStore protocol (torch 2.15), server and client; needs a reachable TCP port");

@@ -109,3 +109,6 @@ pub use store::{MemoryStore, PrefixStore, Store, TcpStore};
 pub use symm::{MemPool, SymmHandle};
 pub use tensor::{DType, Device, Tensor};
 pub use transport::{Memory, RemoteBuffer, Transport, new_transport, new_transport_rank};
+
+/// This library's version.
+pub const VERSION: &str = env!("CARGO_PKG_VERSION");

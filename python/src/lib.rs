@@ -285,6 +285,9 @@ fn available_transports() -> Vec<String> {
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     // Warnings (an unauthenticated store, a lost peer) reach the user's stderr.
     symmem::log_to_stderr();
+    // The package's version, and the version of the symmem library it was built with.
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    m.add("library_version", symmem::VERSION)?;
     m.add_class::<PyTransport>()?;
     m.add_class::<PyMemory>()?;
     m.add_class::<PyView>()?;

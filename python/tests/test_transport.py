@@ -255,3 +255,10 @@ def test_transfer_failures_raise_the_exception_of_their_kind():
     finally:
         peer.kill()
         peer.wait()
+
+
+def test_the_package_reports_its_version():
+    from importlib.metadata import version
+
+    assert symmem.__version__ == version("symmem"), symmem.__version__
+    assert symmem._native.library_version.count(".") == 2

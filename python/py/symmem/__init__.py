@@ -15,6 +15,8 @@ from . import _native, errors
 from ._native import MemoryView, MutableMemoryView, RemoteBuffer, Work, available_transports
 from ._native import Transport as _NativeTransport
 
+__version__ = _native.__version__
+
 __all__ = [
     "Memory",
     "MemoryView",

@@ -3,6 +3,9 @@
 from collections.abc import Buffer as _BufferProtocol
 from typing import Any
 
+__version__: str
+library_version: str
+
 def available_transports() -> list[str]: ...
 def new_transport_rank(
     backend: str,

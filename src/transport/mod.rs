@@ -360,6 +360,33 @@ impl std::ops::Deref for MutableMemoryView {
     }
 }
 
+/// The options of a backend that takes only `timeout` (seconds, positive and finite; 30 when
+/// absent): its value, or an error naming the backend and the bad or unknown option.
+pub(crate) fn timeout_option(backend: &str, options: &Options) -> Result<Duration> {
+    let mut timeout = Duration::from_secs(30);
+    for (k, v) in options {
+        match k.as_str() {
+            "timeout" => {
+                timeout = v
+                    .trim()
+                    .parse::<f64>()
+                    .ok()
+                    .and_then(|s| Duration::try_from_secs_f64(s).ok())
+                    .filter(|t| !t.is_zero())
+                    .ok_or_else(|| {
+                        Error::InvalidArgument(format!("{backend} transport option timeout={v:?} is not valid"))
+                    })?;
+            }
+            other => {
+                return Err(Error::InvalidArgument(format!(
+                    "unknown {backend} transport option {other:?} (known: timeout)"
+                )));
+            }
+        }
+    }
+    Ok(timeout)
+}
+
 /// The fields of the built-in backends' descriptors, in declaration order.
 const SCHEMA: &[(&str, Kind)] = &[
     ("buffer_id", Kind::Int),

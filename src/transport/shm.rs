@@ -309,27 +309,7 @@ pub const OPTIONS: &[&str] = &["timeout"];
 impl ShmBackend {
     /// A backend; options: `timeout` (seconds).
     pub fn new(options: &Options) -> Result<ShmBackend> {
-        let mut timeout = Duration::from_secs(30);
-        for (k, v) in options {
-            match k.as_str() {
-                "timeout" => {
-                    timeout = v
-                        .trim()
-                        .parse::<f64>()
-                        .ok()
-                        .and_then(|s| Duration::try_from_secs_f64(s).ok())
-                        .filter(|t| !t.is_zero())
-                        .ok_or_else(|| {
-                            Error::InvalidArgument(format!("shm transport option timeout={v:?} is not valid"))
-                        })?;
-                }
-                other => {
-                    return Err(Error::InvalidArgument(format!(
-                        "unknown shm transport option {other:?} (known: timeout)"
-                    )));
-                }
-            }
-        }
+        let timeout = super::timeout_option("shm", options)?;
         let mut token = [0u8; 16];
         getrandom::fill(&mut token).map_err(|e| Error::io("draw an endpoint token", std::io::Error::other(e)))?;
         Ok(ShmBackend {

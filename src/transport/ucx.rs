@@ -124,27 +124,7 @@ impl Shared {
 impl UcxBackend {
     /// A new endpoint with its worker and progress thread, or why UCX is unavailable.
     pub fn new(o: &Options) -> Result<UcxBackend> {
-        let mut timeout = Duration::from_secs(30);
-        for (k, v) in o {
-            match k.as_str() {
-                "timeout" => {
-                    timeout = v
-                        .trim()
-                        .parse::<f64>()
-                        .ok()
-                        .and_then(|s| Duration::try_from_secs_f64(s).ok())
-                        .filter(|d| !d.is_zero())
-                        .ok_or_else(|| {
-                            Error::InvalidArgument(format!("ucx transport option timeout={v:?} is not valid"))
-                        })?;
-                }
-                other => {
-                    return Err(Error::InvalidArgument(format!(
-                        "unknown ucx transport option {other:?} (known: timeout)"
-                    )));
-                }
-            }
-        }
+        let timeout = super::timeout_option("ucx", o)?;
         let unavailable = |why: String| Error::Unsupported {
             what: "the ucx transport".into(),
             needs: format!("UCX 1.13+ (Debian: libucx0); {why}"),

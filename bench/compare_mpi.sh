@@ -10,7 +10,8 @@
 # both UCX users are restricted to UCX's tcp transport (UCX_TLS=tcp), as between hosts here.
 # Needs Debian's openmpi-bin and libopenmpi-dev (installed if missing, as root), and libucx0
 # for the UCX variants.
-#   bench/compare_mpi.sh [RANKS] [SIZES]     e.g. bench/compare_mpi.sh 2 8,4096,65536,1048576,16777216
+# SIZES take symmem's units (B, K or KiB, M or MiB, G or GiB), separated by commas or spaces.
+#   bench/compare_mpi.sh [RANKS] [SIZES]     e.g. bench/compare_mpi.sh 2 8,4K,64K,1M,16M
 #   HOSTS=2 OP=all-to-all bench/compare_mpi.sh 4 8,65536,1048576,16777216
 #   HOSTS=2 XHOST=ucx MPI_PML=ucx bench/compare_mpi.sh 4 8,65536,1048576,16777216
 set -euo pipefail
@@ -34,20 +35,22 @@ if ! command -v mpicc >/dev/null; then
     apt-get update -qq && apt-get install -y -qq openmpi-bin libopenmpi-dev >/dev/null
 fi
 cargo build --release -q
+# One size parser for every command and script: symmem's.
+SIZES_B=$(target/release/symmem __sizes "$SIZES")
 mkdir -p target/bench
 mpicc -O2 -o target/bench/mpi_allreduce bench/mpi_allreduce.c
 out=target/bench/compare.jsonl
 : > "$out"
 for run in $(seq "$RUNS"); do
-    mpirun --allow-run-as-root --oversubscribe "${MPI_ARGS[@]}" -np "$RANKS" target/bench/mpi_allreduce ${SIZES//,/ } >> "$out"
-    target/release/symmem bench "$OP" --json --ranks "$RANKS" --hosts "$HOSTS" --sizes "$SIZES" >> "$out"
+    mpirun --allow-run-as-root --oversubscribe "${MPI_ARGS[@]}" -np "$RANKS" target/bench/mpi_allreduce $SIZES_B >> "$out"
+    target/release/symmem bench "$OP" --json -n "$RANKS" --hosts "$HOSTS" --sizes "$SIZES" --no-baseline >> "$out"
 done
 python3 - "$out" "$RANKS" "$MPI_NAME" "$SYM_NAME" "$HOSTS" <<'PY'
 import json, statistics, sys
 rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
 by = {}
 for r in rows:
-    by.setdefault((r["bench"], r["bytes"]), []).append(r["lat_us"])
+    by.setdefault((r["bench"], r["size"]), []).append(r["time_us"])
 sizes = sorted({b for (_, b) in by})
 mpi, sym, hosts = sys.argv[3], sys.argv[4], sys.argv[5]
 import os

@@ -18,13 +18,15 @@ if ! command -v ucx_perftest >/dev/null; then
 fi
 export UCX_TLS=${UCX_TLS:-tcp}
 cargo build --release -q
+# One size parser for every command and script: symmem's (B, K/KiB, M/MiB, G/GiB).
+SIZES_B=$(target/release/symmem __sizes "$SIZES")
 out=target/bench/compare_ucx.txt
 mkdir -p target/bench
 : > "$out"
 port=$((20000 + RANDOM % 20000))
 for run in $(seq "$RUNS"); do
     target/release/symmem bench transport --backend ucx --json --sizes "$SIZES" | sed 's/^/SYMMEM /' >> "$out"
-    for s in ${SIZES//,/ }; do
+    for s in $SIZES_B; do
         for t in ucp_put_lat ucp_put_bw; do
             n=$(( s >= 1048576 ? 200 : 2000 ))
             port=$((port + 1))
@@ -44,7 +46,7 @@ for l in open(sys.argv[1]):
     if l.startswith("SYMMEM "):
         r = json.loads(l[7:])
         if r["bench"] in ("write", "read"):
-            sym.setdefault((r["bench"], r["bytes"]), []).append((r["lat_us"], r.get("gbps") or 0.0))
+            sym.setdefault((r["bench"], r["size"]), []).append((r["time_us"], r.get("stream_gbps") or 0.0))
     elif l.startswith("UCX "):
         p = l.split()
         if len(p) >= 12:

@@ -1,7 +1,7 @@
 /* A minimal timing loop around Open MPI's MPI_Allreduce (float sum), or MPI_Alltoall when
  * MPI_BENCH_OP=alltoall (equal blocks of the size's bytes split over the ranks), printing the
- * same JSON fields as `symmem bench all-reduce --json`: median and p99 latency per size,
- * measured on rank 0 over back-to-back calls, after a warm-up.
+ * same JSON fields as `symmem bench all-reduce --json` (size, count, time_us median, p99_us; the
+ * bandwidths follow from them), measured on rank 0 over back-to-back calls, after a warm-up.
  * Build: mpicc -O2 -o mpi_allreduce bench/mpi_allreduce.c
  * Run:   mpirun --allow-run-as-root --oversubscribe -np 2 ./mpi_allreduce 8 4096 65536 */
 #include <mpi.h>
@@ -41,8 +41,12 @@ int main(int argc, char **argv) {
         qsort(lat, iters, sizeof(double), cmp);
         double median = lat[(iters - 1) / 2], p99 = lat[(int)((iters - 1) * 0.99)];
         if (rank == 0)
-            printf("{\"bench\":\"%s\",\"ranks\":%d,\"bytes\":%ld,\"iters\":%d,\"lat_us\":%.3f,\"p99_us\":%.3f}\n",
-                   a2a ? "mpi_alltoall" : "mpi_allreduce", size, count * 4, iters, median, p99);
+            printf("{\"bench\":\"%s\",\"ranks\":%d,\"hosts\":1,\"size\":%ld,\"count\":%ld,\"dtype\":\"float32\","
+                   "\"iters\":%d,\"time_us\":%.3f,\"p99_us\":%.3f,\"algbw\":null,\"busbw\":null,"
+                   "\"note\":\"baseline: Open MPI %s\"}\n",
+                   a2a ? "mpi_alltoall" : "mpi_allreduce", size, count * 4, count, iters, median, p99,
+                   a2a ? "MPI_Alltoall" : "MPI_Allreduce");
+        fflush(stdout);
         free(in);
         free(out);
         free(lat);

@@ -13,29 +13,83 @@ use serde::{Deserialize, Serialize};
 use symmem::store::{AsyncStoreClient, ClientOptions, Secret, ServerOptions, StoreServer};
 use symmem::{Error, Result};
 
-/// One result line.
+/// One result line, in nccl-tests' and OSU's terms.
+///
+/// `time_us` is the median time of one operation (one at a time), `p99_us` its 99th
+/// percentile; `algbw` is `size / time_us` and `busbw` is `algbw` times nccl-tests' factor for
+/// the collective ([`bus_factor`]), both in GB/s (10^9 bytes per second). `stream_gbps` (in
+/// `extra`) is the bandwidth of transfers issued back to back, `window` of them in flight.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct BenchResult {
-    /// What was measured, e.g. `store_set` or `rendezvous_multi_get`.
+    /// What was measured, e.g. `all_reduce`, `write` or `store_set`.
     pub bench: String,
     /// Ranks (or concurrent clients) taking part.
     pub ranks: usize,
+    /// Hosts (played on this machine) the ranks span.
+    pub hosts: usize,
     /// Message size in bytes, where one applies.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub bytes: Option<u64>,
+    pub size: Option<u64>,
+    /// Elements per message, where a dtype applies.
+    pub count: Option<u64>,
+    /// Element type, where one applies.
+    pub dtype: Option<String>,
     /// Measured iterations (per rank).
     pub iters: u64,
-    /// Median latency, microseconds.
-    pub lat_us: f64,
-    /// 99th-percentile latency, microseconds.
-    pub p99_us: f64,
-    /// Bandwidth in 10^9 bytes per second, where one applies.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub gbps: Option<f64>,
-    /// Anything else worth reporting (`ops_per_s`, `backend`, `algo`, ...).
+    /// Median time of one operation, microseconds.
+    pub time_us: f64,
+    /// 99th-percentile time of one operation, microseconds (absent for streams).
+    pub p99_us: Option<f64>,
+    /// Algorithm bandwidth, `size / time_us`, GB/s.
+    pub algbw: Option<f64>,
+    /// Bus bandwidth, `algbw` times the collective's factor, GB/s.
+    pub busbw: Option<f64>,
+    /// Anything else worth reporting (`algo`, `backend`, `memory`, `window`, `stream_gbps`,
+    /// `ops_per_s`, `note`, ...).
     #[serde(flatten)]
     pub extra: serde_json::Map<String, serde_json::Value>,
 }
+
+impl BenchResult {
+    /// A timing row without a message size.
+    pub fn timing(bench: &str, ranks: usize, iters: usize, time_us: f64, p99_us: f64) -> BenchResult {
+        BenchResult {
+            bench: bench.into(),
+            ranks,
+            hosts: 1,
+            size: None,
+            count: None,
+            dtype: None,
+            iters: iters as u64,
+            time_us,
+            p99_us: Some(p99_us),
+            algbw: None,
+            busbw: None,
+            extra: serde_json::Map::new(),
+        }
+    }
+
+    /// Adds the message size, and the bandwidths it implies (`factor`: the bus factor).
+    pub fn sized(mut self, size: usize, factor: f64) -> BenchResult {
+        self.size = Some(size as u64);
+        let algbw = if self.time_us > 0.0 { size as f64 / (self.time_us * 1e3) } else { 0.0 };
+        self.algbw = Some(algbw);
+        self.busbw = Some(algbw * factor);
+        self
+    }
+
+    /// Adds an extra field.
+    pub fn with(mut self, key: &str, value: impl Into<serde_json::Value>) -> BenchResult {
+        self.extra.insert(key.into(), value.into());
+        self
+    }
+}
+
+/// The fields every row has, in the order tables and CSV print them.
+pub const FIELDS: [&str; 11] =
+    ["bench", "ranks", "hosts", "size", "count", "dtype", "iters", "time_us", "p99_us", "algbw", "busbw"];
+
+/// The extra fields CSV gives columns of (a row's other extras are left out of CSV).
+pub const CSV_EXTRA: [&str; 6] = ["algo", "backend", "memory", "window", "stream_gbps", "ops_per_s"];
 
 /// The median and 99th percentile of `samples`, in microseconds.
 pub fn percentiles(samples: &mut [Duration]) -> (f64, f64) {
@@ -127,14 +181,13 @@ pub fn store(options: &StoreBenchOptions, mut emit: impl FnMut(BenchResult)) -> 
     Ok(())
 }
 
-fn latency_row(bench: &str, bytes: Option<u64>, lat: &mut [Duration], note: &str) -> BenchResult {
-    let iters = lat.len() as u64;
+fn latency_row(bench: &str, lat: &mut [Duration], note: &str) -> BenchResult {
+    let iters = lat.len();
     let total: Duration = lat.iter().sum();
     let (median, p99) = percentiles(lat);
-    let mut extra = serde_json::Map::new();
-    extra.insert("ops_per_s".into(), (iters as f64 / total.as_secs_f64()).round().into());
-    extra.insert("note".into(), note.into());
-    BenchResult { bench: bench.into(), ranks: 1, bytes, iters, lat_us: median, p99_us: p99, gbps: None, extra }
+    BenchResult::timing(bench, 1, iters, median, p99)
+        .with("ops_per_s", (iters as f64 / total.as_secs_f64()).round())
+        .with("note", note)
 }
 
 /// The floor: an 8-byte blocking TCP ping-pong between two threads over loopback.
@@ -166,7 +219,7 @@ fn tcp_pingpong(iters: usize) -> Result<BenchResult> {
     }
     drop(c);
     let _ = echo.join();
-    Ok(latency_row("tcp_pingpong", Some(8), &mut lat, "baseline: blocking TCP round trip, two threads"))
+    Ok(latency_row("tcp_pingpong", &mut lat, "baseline: blocking 8-byte TCP round trip, two threads"))
 }
 
 /// One rank's synchronous store round trip, through `TcpStore`.
@@ -181,7 +234,7 @@ fn sync_add(addr: &str, options: &ClientOptions, iters: usize) -> Result<BenchRe
             lat.push(t.elapsed());
         }
     }
-    Ok(latency_row("store_add_sync", None, &mut lat, "TcpStore::add, the path a rank uses"))
+    Ok(latency_row("store_add_sync", &mut lat, "TcpStore::add, the path a rank uses"))
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -259,29 +312,23 @@ async fn throughput(
     }
     let wall = t0.elapsed();
     let (median, p99) = percentiles(&mut lat);
-    let mut extra = serde_json::Map::new();
-    extra.insert("ops_per_s".into(), ((clients * ops) as f64 / wall.as_secs_f64()).round().into());
     let note = match op {
         Op::Set => "set+check round trip",
         Op::Get => "wait+get, as torch's get",
         Op::Add => "add",
     };
-    extra.insert("note".into(), note.into());
     let name = match op {
         Op::Set => "store_set",
         Op::Get => "store_get",
         Op::Add => "store_add",
     };
-    Ok(BenchResult {
-        bench: name.into(),
-        ranks: clients,
-        bytes: (!matches!(op, Op::Add)).then_some(value_bytes as u64),
-        iters: ops as u64,
-        lat_us: median,
-        p99_us: p99,
-        gbps: None,
-        extra,
-    })
+    let mut row = BenchResult::timing(name, clients, ops, median, p99)
+        .with("ops_per_s", ((clients * ops) as f64 / wall.as_secs_f64()).round())
+        .with("note", format!("{note}; ops_per_s over all clients"));
+    if !matches!(op, Op::Add) {
+        row.size = Some(value_bytes as u64);
+    }
+    Ok(row)
 }
 
 /// How simulated ranks exchange their rendezvous records.
@@ -372,20 +419,10 @@ async fn rendezvous(
         Exchange::PerKey => n + 2 * n * (n - 1),
         Exchange::Gather => 3 * (n - 1) + 3,
     };
-    let mut extra = serde_json::Map::new();
-    extra.insert("total_ms".into(), (wall.as_secs_f64() * 1e3).into());
-    extra.insert("ops_per_s".into(), (requests as f64 / wall.as_secs_f64()).round().into());
-    extra.insert("record_bytes".into(), record_bytes.into());
-    Ok(BenchResult {
-        bench: how.name().into(),
-        ranks: n,
-        bytes: None,
-        iters: 1,
-        lat_us: median,
-        p99_us: p99,
-        gbps: None,
-        extra,
-    })
+    Ok(BenchResult::timing(how.name(), n, 1, median, p99)
+        .with("total_ms", wall.as_secs_f64() * 1e3)
+        .with("ops_per_s", (requests as f64 / wall.as_secs_f64()).round())
+        .with("record_bytes", record_bytes))
 }
 
 /// A rank's symmetric-rendezvous record as a real job publishes it (JSON, about 200 bytes):
@@ -481,15 +518,37 @@ fn launch_bench(
     let mut launch = symmem::launch::LaunchOptions::local(ranks / hosts, exe, args);
     launch.env.push((BENCH_OUT_ENV.into(), out.clone().into()));
     launch.timeout = Some(timeout);
-    let result = symmem::launch::run_hosts(&launch, hosts).and_then(|outcome| {
+    // The job runs on a thread of its own; this one hands on every row as soon as it lands.
+    let job = std::thread::spawn(move || symmem::launch::run_hosts(&launch, hosts));
+    let mut seen = 0usize;
+    let mut drain = |last: bool| -> Result<()> {
+        let text = match std::fs::read(&out) {
+            Ok(t) => t,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+            Err(e) => return Err(Error::io(format!("read {}", out.display()), e)),
+        };
+        // Whole lines only: a row still being appended waits for the next look.
+        let end = if last { text.len() } else { text.iter().rposition(|&b| b == b'\n').map_or(0, |i| i + 1) };
+        for line in String::from_utf8_lossy(&text[seen.min(end)..end]).lines().filter(|l| !l.trim().is_empty()) {
+            emit(serde_json::from_str(line).map_err(|e| Error::InvalidArgument(format!("bad result {line:?}: {e}")))?);
+        }
+        seen = seen.max(end);
+        Ok(())
+    };
+    let mut result = Ok(());
+    while !job.is_finished() {
+        std::thread::sleep(Duration::from_millis(50));
+        if result.is_ok() {
+            result = drain(false);
+        }
+    }
+    let outcome = job.join().map_err(|_| Error::InvalidArgument("the benchmark launcher panicked".into()));
+    let result = result.and_then(|()| {
+        let outcome = outcome??;
         if outcome != symmem::launch::Outcome::Success {
             return Err(Error::InvalidArgument(format!("benchmark job of {ranks} ranks failed: {outcome}")));
         }
-        let text = std::fs::read_to_string(&out).map_err(|e| Error::io(format!("read {}", out.display()), e))?;
-        for line in text.lines() {
-            emit(serde_json::from_str(line).map_err(|e| Error::InvalidArgument(format!("bad result {line:?}: {e}")))?);
-        }
-        Ok(())
+        drain(true)
     });
     let _ = std::fs::remove_dir_all(&dir);
     result
@@ -511,14 +570,43 @@ pub fn signal(options: &SignalBenchOptions, mut emit: impl FnMut(BenchResult)) -
 }
 
 fn report(rows: &[BenchResult]) -> Result<()> {
-    let path = symmem::config::value(BENCH_OUT_ENV)
-        .ok_or(Error::Env { var: BENCH_OUT_ENV, reason: "not set (run through `symmem bench`)".into() })?;
-    let mut text = String::new();
+    let mut out = Reporter::new(true)?;
     for r in rows {
-        text.push_str(&serde_json::to_string(r).unwrap_or_default());
-        text.push('\n');
+        out.row(r.clone())?;
     }
-    std::fs::write(path, text).map_err(|e| Error::io(format!("write {path:?}"), e))
+    Ok(())
+}
+
+/// Hands a launched rank's rows to `symmem bench` as each is measured: one JSON line each,
+/// appended to the file [`BENCH_OUT_ENV`] names, which the launcher reads as it grows.
+struct Reporter {
+    file: Option<std::fs::File>,
+}
+
+impl Reporter {
+    /// Whether this rank reports (`active`), else rows are dropped.
+    fn new(active: bool) -> Result<Reporter> {
+        if !active {
+            return Ok(Reporter { file: None });
+        }
+        let path = symmem::config::value(BENCH_OUT_ENV)
+            .ok_or(Error::Env { var: BENCH_OUT_ENV, reason: "not set (run through `symmem bench`)".into() })?;
+        let file = std::fs::OpenOptions::new()
+            .append(true)
+            .create(true)
+            .open(path)
+            .map_err(|e| Error::io(format!("open {path:?}"), e))?;
+        Ok(Reporter { file: Some(file) })
+    }
+
+    fn row(&mut self, r: BenchResult) -> Result<()> {
+        use std::io::Write;
+        let Some(f) = &mut self.file else { return Ok(()) };
+        let mut line = serde_json::to_string(&r).map_err(|e| Error::InvalidArgument(format!("encode a row: {e}")))?;
+        line.push('\n');
+        // One write per line: the reader never sees half a row followed by another's.
+        f.write_all(line.as_bytes()).map_err(|e| Error::io("report a row", e))
+    }
 }
 
 fn pin_to_cpu(cpu: usize) -> bool {
@@ -532,10 +620,8 @@ fn half_round_trips(mut rtt: Vec<Duration>, name: &str, ranks: usize, note: &str
     for d in &mut rtt {
         *d /= 2;
     }
-    let mut row = latency_row(name, Some(4), &mut rtt, note);
-    row.ranks = ranks;
-    row.extra.remove("ops_per_s");
-    row
+    let (median, p99) = percentiles(&mut rtt);
+    BenchResult::timing(name, ranks, rtt.len(), median, p99).with("note", note)
 }
 
 /// One rank of the signal benchmark (run by `symmem bench signal` through the launcher).
@@ -576,10 +662,10 @@ pub fn signal_rank(iters: usize) -> Result<()> {
             lat.push(start.elapsed());
         }
     }
-    let mut row = latency_row("barrier", None, &mut lat, "signal-pad barrier (rank 0's view)");
-    row.ranks = ws;
-    row.extra.remove("ops_per_s");
-    rows.push(row);
+    let (median, p99) = percentiles(&mut lat);
+    rows.push(
+        BenchResult::timing("barrier", ws, lat.len(), median, p99).with("note", "signal-pad barrier (rank 0's view)"),
+    );
     group.barrier(t)?;
     if me == 0 { report(&rows) } else { Ok(()) }
 }
@@ -662,7 +748,8 @@ pub fn transport(options: &TransportBenchOptions, mut emit: impl FnMut(BenchResu
 
 /// Operations per size: enough to take a measurable time, bounded at both ends.
 fn ops_for(size: usize, budget: usize, lo: usize, hi: usize) -> usize {
-    (budget / size.max(1)).clamp(lo, hi)
+    // `hi` wins over `lo` (a user's `--iters 5` means 5), and at least one always runs.
+    (budget / size.max(1)).max(lo).min(hi).max(1)
 }
 
 fn gbps(bytes: usize, d: Duration) -> f64 {
@@ -704,7 +791,7 @@ pub fn transport_rank(backend: &str, window: usize, sizes: &[usize]) -> Result<(
         .lines()
         .map(|l| RemoteBuffer::deserialize(l.as_bytes()))
         .collect::<Result<_>>()?;
-    let mut rows = Vec::new();
+    let mut out = Reporter::new(me == 0)?;
 
     if !same_host {
         // The baseline: a plain TCP stream between the two processes.
@@ -749,18 +836,13 @@ pub fn transport_rank(backend: &str, window: usize, sizes: &[usize]) -> Result<(
                 let mut ack = [0u8];
                 s.read_exact(&mut ack).map_err(|e| Error::io("baseline ack", e))?;
                 let d = start.elapsed();
-                let mut extra = serde_json::Map::new();
-                extra.insert("note".into(), "baseline: plain TCP stream between the two processes".into());
-                rows.push(BenchResult {
-                    bench: "tcp_stream".into(),
-                    ranks: 2,
-                    bytes: Some(size as u64),
-                    iters: ops as u64,
-                    lat_us: 0.0,
-                    p99_us: 0.0,
-                    gbps: Some(gbps(ops * size, d)),
-                    extra,
-                });
+                // A stream has no per-message latency: its time is the mean per message.
+                let mut row = BenchResult::timing("tcp_stream", 2, ops, d.as_secs_f64() * 1e6 / ops as f64, 0.0)
+                    .sized(size, 1.0)
+                    .with("stream_gbps", gbps(ops * size, d))
+                    .with("note", "baseline: plain TCP stream between the two processes; time is the mean per message");
+                row.p99_us = None;
+                out.row(row)?;
             }
             let mut b = [0u8; 8];
             let mut lat = Vec::with_capacity(PINGS);
@@ -772,12 +854,12 @@ pub fn transport_rank(backend: &str, window: usize, sizes: &[usize]) -> Result<(
             }
             let mut row = latency_row(
                 "tcp_pingpong",
-                Some(8),
                 &mut lat[PINGS / 10..],
                 "baseline: 8-byte TCP round trip between the two processes",
             );
             row.ranks = 2;
-            rows.push(row);
+            row.extra.remove("ops_per_s");
+            out.row(row.sized(8, 1.0))?;
         }
     }
 
@@ -821,18 +903,12 @@ pub fn transport_rank(backend: &str, window: usize, sizes: &[usize]) -> Result<(
                 }
                 let d = start.elapsed();
                 let (median, p99) = percentiles(&mut lat);
-                let mut extra = serde_json::Map::new();
-                extra.insert("note".into(), note.into());
-                rows.push(BenchResult {
-                    bench: name.into(),
-                    ranks: 2,
-                    bytes: Some(size as u64),
-                    iters: iters as u64,
-                    lat_us: median,
-                    p99_us: p99,
-                    gbps: Some(gbps(ops * size, d)),
-                    extra,
-                });
+                out.row(
+                    BenchResult::timing(name, 2, iters, median, p99)
+                        .sized(size, 1.0)
+                        .with("stream_gbps", gbps(ops * size, d))
+                        .with("note", note),
+                )?;
             }
         }
     }
@@ -879,28 +955,21 @@ pub fn transport_rank(backend: &str, window: usize, sizes: &[usize]) -> Result<(
                         w.wait(None)?;
                     }
                     let d = start.elapsed();
-                    let mut extra = serde_json::Map::new();
-                    extra.insert("backend".into(), transport.describe().into());
-                    extra.insert("memory".into(), (*kind).into());
-                    extra.insert("window".into(), window.into());
-                    extra.insert("ops_per_s".into(), (ops as f64 / d.as_secs_f64()).round().into());
-                    rows.push(BenchResult {
-                        bench: dir.into(),
-                        ranks: 2,
-                        bytes: Some(size as u64),
-                        iters: iters as u64,
-                        lat_us: median,
-                        p99_us: p99,
-                        gbps: Some(gbps(ops * size, d)),
-                        extra,
-                    });
+                    out.row(
+                        BenchResult::timing(dir, 2, iters, median, p99)
+                            .sized(size, 1.0)
+                            .with("backend", transport.describe())
+                            .with("memory", *kind)
+                            .with("window", window)
+                            .with("stream_gbps", gbps(ops * size, d)),
+                    )?;
                 }
             }
         }
     }
     group.barrier(Duration::from_secs(600))?;
     transport.close(Some(t))?;
-    if me == 0 { report(&rows) } else { Ok(()) }
+    Ok(())
 }
 
 /// What `symmem bench <collective>` measures.
@@ -960,6 +1029,72 @@ pub fn collective(options: &OpBenchOptions, mut emit: impl FnMut(BenchResult)) -
     launch_bench(&options.exe, args, options.ranks, options.hosts, Duration::from_secs(1200), &mut emit)
 }
 
+/// Whether Open MPI's compiler wrapper and launcher are installed.
+pub fn have_open_mpi() -> bool {
+    let have = |tool: &str| {
+        std::process::Command::new(tool)
+            .arg("--version")
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success())
+    };
+    have("mpicc") && have("mpirun")
+}
+
+/// The baseline of `symmem bench all-reduce` and `all-to-all` on one host: Open MPI's
+/// `MPI_Allreduce` (float sum) or `MPI_Alltoall` at the same sizes and rank count
+/// (bench/mpi_allreduce.c, built with `mpicc`), each row handed to `emit` as it is measured.
+pub fn open_mpi(op: &str, ranks: usize, sizes: &[usize], emit: &mut dyn FnMut(BenchResult)) -> Result<()> {
+    use std::io::BufRead;
+    let dir = std::env::temp_dir().join(format!("symmem-bench-mpi-{}", std::process::id()));
+    let mut run = || -> Result<()> {
+        std::fs::create_dir_all(&dir).map_err(|e| Error::io(format!("create {}", dir.display()), e))?;
+        let src = dir.join("mpi_allreduce.c");
+        std::fs::write(&src, include_str!("../../bench/mpi_allreduce.c"))
+            .map_err(|e| Error::io("write the MPI source", e))?;
+        let bin = dir.join("mpi_allreduce");
+        let built = std::process::Command::new("mpicc")
+            .args(["-O2", "-o"])
+            .arg(&bin)
+            .arg(&src)
+            .output()
+            .map_err(|e| Error::io("run mpicc", e))?;
+        if !built.status.success() {
+            return Err(Error::InvalidArgument(format!("mpicc failed: {}", String::from_utf8_lossy(&built.stderr))));
+        }
+        let mut child = std::process::Command::new("mpirun")
+            .args(["--allow-run-as-root", "--oversubscribe", "-np", &ranks.to_string()])
+            .arg(&bin)
+            .args(sizes.iter().map(usize::to_string))
+            .env("MPI_BENCH_OP", if op == "all_to_all" { "alltoall" } else { "allreduce" })
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .map_err(|e| Error::io("run mpirun", e))?;
+        if let Some(out) = child.stdout.take() {
+            for line in std::io::BufReader::new(out).lines().map_while(std::result::Result::ok) {
+                let Ok(r) = serde_json::from_str::<BenchResult>(&line) else { continue };
+                let size = r.size.unwrap_or(0) as usize;
+                emit(r.sized(size, bus_factor(op, ranks)));
+            }
+        }
+        let out = child.wait_with_output().map_err(|e| Error::io("wait for mpirun", e))?;
+        if !out.status.success() {
+            return Err(Error::InvalidArgument(format!(
+                "mpirun failed ({}): {}",
+                out.status,
+                String::from_utf8_lossy(&out.stderr).lines().take(5).collect::<Vec<_>>().join(" / ")
+            )));
+        }
+        Ok(())
+    };
+    let result = run();
+    let _ = std::fs::remove_dir_all(&dir);
+    result
+}
+
 /// Parses `float32`, `f32`, `bf16`, ... into a dtype.
 pub fn parse_dtype(s: &str) -> Result<DType> {
     let s = s.to_ascii_lowercase();
@@ -977,7 +1112,7 @@ pub fn collective_rank(op: &str, algo: &str, dtype: DType, iters: usize, warmup:
     let group = symmem::Group::from_env()?;
     let ws = group.world_size();
     let es = dtype.size();
-    let mut rows = Vec::new();
+    let mut out_rows = Reporter::new(group.rank() == 0)?;
     for &size in sizes {
         // Elements per rank's input, rounded to what every operator accepts.
         let aligned = es.max(4) / es;
@@ -1014,20 +1149,16 @@ pub fn collective_rank(op: &str, algo: &str, dtype: DType, iters: usize, warmup:
             run()?;
         }
         let mut lat = Vec::with_capacity(n_iters);
-        let start = Instant::now();
         for _ in 0..n_iters {
             let t = Instant::now();
             run()?;
             lat.push(t.elapsed());
         }
-        let total = start.elapsed();
         let bytes = match op {
             "all_gather" => numel * ws * es,
             _ => numel * es,
         };
         let (median, p99) = percentiles(&mut lat);
-        let algbw = bytes as f64 / (median / 1e6) / 1e9;
-        let mut extra = serde_json::Map::new();
         let hosts = symmem::config::hosts();
         let used = match (op, algo) {
             ("all_reduce", "auto") => symmem::ops::all_reduce::select(bytes, ws, ws.div_ceil(hosts), hosts).name(),
@@ -1035,31 +1166,63 @@ pub fn collective_rank(op: &str, algo: &str, dtype: DType, iters: usize, warmup:
             ("all_to_all", _) => symmem::ops::all_to_all::select(bytes, hosts).name(),
             _ => "pull",
         };
-        extra.insert("algo".into(), used.into());
-        extra.insert("hosts".into(), (hosts as u64).into());
-        extra.insert("dtype".into(), dtype.to_string().into());
-        extra.insert("busbw_gbps".into(), (algbw * bus_factor(op, ws)).into());
-        extra.insert("ops_per_s".into(), (n_iters as f64 / total.as_secs_f64()).round().into());
-        rows.push(BenchResult {
-            bench: op.into(),
-            ranks: ws,
-            bytes: Some(bytes as u64),
-            iters: n_iters as u64,
-            lat_us: median,
-            p99_us: p99,
-            gbps: Some(algbw),
-            extra,
-        });
+        let mut row =
+            BenchResult::timing(op, ws, n_iters, median, p99).sized(bytes, bus_factor(op, ws)).with("algo", used);
+        row.hosts = hosts;
+        row.count = Some((bytes / es) as u64);
+        row.dtype = Some(dtype.to_string());
+        out_rows.row(row)?;
+        // Every rank starts the next size together.
+        group.barrier(Duration::from_secs(60))?;
     }
-    group.barrier(Duration::from_secs(60))?;
-    if group.rank() == 0 { report(&rows) } else { Ok(()) }
+    Ok(())
 }
 
 /// The font the plots use (Debian's fonts-dejavu-core).
 pub const PLOT_FONT: &str = "/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf";
 
-/// Draws latency and bandwidth against message size, one line per (bench, algo), into `path`
-/// (`.svg`, or `.png`).
+/// A size in bytes as a person reads it: `8 B`, `4 KiB`, `16 MiB`, `1.5 GiB`.
+pub fn human_size(bytes: f64) -> String {
+    let units = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut v = bytes;
+    let mut u = 0;
+    while v >= 1024.0 && u + 1 < units.len() {
+        v /= 1024.0;
+        u += 1;
+    }
+    if (v - v.round()).abs() < 1e-9 { format!("{v:.0} {}", units[u]) } else { format!("{v:.1} {}", units[u]) }
+}
+
+/// What a plot's title says besides the rows: the machine.
+pub fn machine() -> String {
+    let model = std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|t| {
+            t.lines()
+                .find(|l| l.starts_with("model name"))
+                .and_then(|l| l.split(':').nth(1))
+                .map(|m| m.trim().to_string())
+        })
+        .unwrap_or_else(|| std::env::consts::ARCH.to_string());
+    let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
+    format!("{model}, {cores} cores")
+}
+
+/// One line of a plot: its label, whether it is a baseline, and (size, time, p99, bandwidth)
+/// points.
+struct Line {
+    label: String,
+    baseline: bool,
+    points: Vec<(f64, f64, f64, Option<f64>)>,
+    /// The algorithm of each point, where the rows name one.
+    algos: Vec<Option<String>>,
+}
+
+/// Draws median time (with p99 dotted) and bandwidth against message size into `path`
+/// (`.svg`, or `.png`): one line per measured thing, baselines of the same run dashed in grey
+/// tones, sizes on a log axis in B/KiB/MiB, a title naming the operation, ranks, hosts, dtype
+/// and machine, and the legend below the panels. Collectives plot bus bandwidth; transports the
+/// bandwidth of back-to-back transfers (`stream_gbps`).
 pub fn plot(rows: &[BenchResult], path: &std::path::Path) -> Result<()> {
     use plotters::prelude::*;
     static FONT: std::sync::OnceLock<std::result::Result<(), String>> = std::sync::OnceLock::new();
@@ -1073,74 +1236,227 @@ pub fn plot(rows: &[BenchResult], path: &std::path::Path) -> Result<()> {
     })
     .clone()
     .map_err(Error::InvalidArgument)?;
-    let mut series: PlotSeries = Vec::new();
+    let mut lines: Vec<Line> = Vec::new();
+    let mut transport = false;
     for r in rows {
-        let Some(bytes) = r.bytes.filter(|&b| b > 0) else { continue };
-        let label = match r.extra.get("algo").and_then(|a| a.as_str()) {
-            Some(a) => format!("{} ({a})", r.bench),
-            None => r.bench.clone(),
+        let Some(size) = r.size.filter(|&b| b > 0) else { continue };
+        let note = r.extra.get("note").and_then(|n| n.as_str()).unwrap_or("");
+        let baseline = note.starts_with("baseline");
+        let mut label = match (baseline, r.bench.as_str()) {
+            (true, "mpi_allreduce") => "Open MPI MPI_Allreduce".to_string(),
+            (true, "mpi_alltoall") => "Open MPI MPI_Alltoall".to_string(),
+            (true, "tcp_stream") => "TCP stream".to_string(),
+            (true, "tcp_pingpong") => "TCP ping-pong (8 B)".to_string(),
+            (true, other) => other.to_string(),
+            (false, other) => format!("symmem {}", other.replace('_', "-")),
         };
-        let bw = r.extra.get("busbw_gbps").and_then(|v| v.as_f64()).or(r.gbps).unwrap_or(0.0);
-        let point = (bytes as f64, r.lat_us.max(1e-3), bw.max(1e-6));
-        match series.iter_mut().find(|(l, _)| *l == label) {
-            Some((_, v)) => v.push(point),
-            None => series.push((label, vec![point])),
+        let algo = r.extra.get("algo").and_then(|a| a.as_str()).map(|a| a.replace('_', "-"));
+        if let Some(m) = r.extra.get("memory").and_then(|a| a.as_str()) {
+            label = format!("{label}, {m} memory");
+            transport = true;
+        }
+        if baseline {
+            label = format!("{label} (baseline)");
+        }
+        // Transports: transfers back to back; collectives (and their baselines): busbw; a
+        // ping-pong has no bandwidth worth drawing.
+        let bw = r.extra.get("stream_gbps").and_then(|v| v.as_f64()).or(r.busbw.filter(|_| r.count.is_some()));
+        let point =
+            (size as f64, r.time_us.max(1e-3), r.p99_us.unwrap_or(r.time_us).max(1e-3), bw.filter(|&b| b > 0.0));
+        match lines.iter_mut().find(|l| l.label == label) {
+            Some(l) => {
+                l.points.push(point);
+                l.algos.push(algo);
+            }
+            None => lines.push(Line { label, baseline, points: vec![point], algos: vec![algo] }),
         }
     }
-    let pts = || series.iter().flat_map(|(_, v)| v.iter());
-    let (x0, x1) = pts().fold((f64::MAX, 1.0f64), |(a, b), p| (a.min(p.0), b.max(p.0)));
-    let (l0, l1) = pts().fold((f64::MAX, 0.0f64), |(a, b), p| (a.min(p.1), b.max(p.1)));
-    let (b0, b1) = pts().fold((f64::MAX, 0.0f64), |(a, b), p| (a.min(p.2), b.max(p.2)));
-    if series.is_empty() {
+    if lines.is_empty() {
         return Err(Error::InvalidArgument("nothing to plot: no result has a message size".into()));
     }
-    let bounds = [x0, x1, l0, l1, b0, b1];
-    let result = if path.extension().is_some_and(|e| e.eq_ignore_ascii_case("png")) {
-        draw_plot(BitMapBackend::new(path, (1200, 480)).into_drawing_area(), &series, bounds)
+    let main =
+        rows.iter().find(|r| !r.extra.get("note").and_then(|n| n.as_str()).unwrap_or("").starts_with("baseline"));
+    let main = main.unwrap_or(&rows[0]);
+    let what = if transport {
+        format!("one-sided transport ({})", main.extra.get("backend").and_then(|b| b.as_str()).unwrap_or("?"))
     } else {
-        draw_plot(SVGBackend::new(path, (1200, 480)).into_drawing_area(), &series, bounds)
+        main.bench.replace('_', "-")
+    };
+    let dtype = main.dtype.as_deref().map(|d| format!(", {d}")).unwrap_or_default();
+    let title = format!(
+        "symmem {what}: {} ranks on {} host{}{dtype}; {}",
+        main.ranks,
+        main.hosts,
+        if main.hosts == 1 { "" } else { "s" },
+        machine()
+    );
+    let bw_label = if transport {
+        "bandwidth, transfers back to back (GB/s)".to_string()
+    } else {
+        "bus bandwidth, busbw (GB/s)".to_string()
+    };
+    let result = if path.extension().is_some_and(|e| e.eq_ignore_ascii_case("png")) {
+        draw_plot(BitMapBackend::new(path, (1400, 640)).into_drawing_area(), &lines, &title, &bw_label)
+    } else {
+        draw_plot(SVGBackend::new(path, (1400, 640)).into_drawing_area(), &lines, &title, &bw_label)
     };
     result.map_err(|e| Error::InvalidArgument(format!("plot {}: {e}", path.display())))
 }
 
-/// Series of (size, latency, bandwidth) points, by label.
-type PlotSeries = Vec<(String, Vec<(f64, f64, f64)>)>;
+/// Powers of two from below `lo` to above `hi`, every `step`-th one, at most about 8.
+fn size_ticks(lo: f64, hi: f64) -> Vec<f64> {
+    let (a, b) = (lo.log2().floor() as i32, hi.log2().ceil() as i32);
+    let step = ((b - a) / 8 + 1).max(1);
+    (a..=b).step_by(step as usize).map(|e| 2f64.powi(e)).collect()
+}
+
+/// Decades and their 2 and 5 multiples between `lo` and `hi`, for a log value axis.
+fn value_ticks(lo: f64, hi: f64) -> Vec<f64> {
+    let mut v = Vec::new();
+    let (a, b) = (lo.log10().floor() as i32, hi.log10().ceil() as i32);
+    let mults: &[f64] = if b - a <= 3 { &[1.0, 2.0, 5.0] } else { &[1.0] };
+    for e in a..=b {
+        for m in mults {
+            let x = m * 10f64.powi(e);
+            if x >= lo && x <= hi {
+                v.push(x);
+            }
+        }
+    }
+    v
+}
+
+fn value_label(v: f64) -> String {
+    if v >= 100.0 || v == v.round() {
+        format!("{v:.0}")
+    } else if v >= 1.0 {
+        format!("{v:.1}")
+    } else {
+        let decimals = (1.0 - v.log10().floor()).max(1.0) as usize;
+        let s = format!("{v:.decimals$}");
+        s.trim_end_matches('0').trim_end_matches('.').to_string()
+    }
+}
 
 fn draw_plot<DB: plotters::prelude::DrawingBackend>(
     root: plotters::prelude::DrawingArea<DB, plotters::coord::Shift>,
-    series: &PlotSeries,
-    [x0, x1, l0, l1, b0, b1]: [f64; 6],
+    lines: &[Line],
+    title: &str,
+    bw_label: &str,
 ) -> std::result::Result<(), Box<dyn std::error::Error>>
 where
     DB::ErrorType: 'static,
 {
     use plotters::prelude::*;
     root.fill(&WHITE)?;
-    let halves = root.split_evenly((1, 2));
+    let root = root.titled(title, ("sans-serif", 20))?;
+    // Legend rows below the panels: three entries a row.
+    let legend_rows = lines.len().div_ceil(3) as u32;
+    let (panels, legend) = root.split_vertically(root.dim_in_pixel().1 - 28 * legend_rows - 16);
+    let halves = panels.split_evenly((1, 2));
+    let pts = || lines.iter().flat_map(|l| l.points.iter());
+    let (x0, x1) = pts().fold((f64::MAX, 1.0f64), |(a, b), p| (a.min(p.0), b.max(p.0)));
+    let colors: Vec<RGBAColor> = {
+        let (mut main, mut base) = (0, 0);
+        let strong = [
+            RGBColor(31, 119, 180),
+            RGBColor(214, 39, 40),
+            RGBColor(44, 160, 44),
+            RGBColor(148, 103, 189),
+            RGBColor(255, 127, 14),
+            RGBColor(23, 190, 207),
+        ];
+        let grey = [RGBColor(90, 90, 90), RGBColor(150, 150, 150), RGBColor(60, 60, 60), RGBColor(180, 180, 180)];
+        lines
+            .iter()
+            .map(|l| {
+                if l.baseline {
+                    base += 1;
+                    grey[(base - 1) % grey.len()].to_rgba()
+                } else {
+                    main += 1;
+                    strong[(main - 1) % strong.len()].to_rgba()
+                }
+            })
+            .collect()
+    };
     for (k, area) in halves.iter().enumerate() {
-        let (title, lo, hi) = if k == 0 { ("median latency (us)", l0, l1) } else { ("bandwidth (GB/s)", b0, b1) };
-        let mut chart = ChartBuilder::on(area)
-            .caption(title, ("sans-serif", 18))
-            .margin(12)
-            .x_label_area_size(36)
-            .y_label_area_size(56)
-            .build_cartesian_2d((x0 * 0.8..x1 * 1.25).log_scale(), (lo * 0.8..hi * 1.25).log_scale())?;
-        chart.configure_mesh().x_desc("message size (bytes)").label_style(("sans-serif", 12)).draw()?;
-        for (i, (label, v)) in series.iter().enumerate() {
-            let color = Palette99::pick(i).to_rgba();
-            let line: Vec<(f64, f64)> = v.iter().map(|p| (p.0, if k == 0 { p.1 } else { p.2 })).collect();
-            chart
-                .draw_series(LineSeries::new(line.clone(), color.stroke_width(2)))?
-                .label(label.clone())
-                .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 16, y)], color.stroke_width(2)));
-            chart.draw_series(line.into_iter().map(|p| Circle::new(p, 3, color.filled())))?;
+        let values: Vec<f64> =
+            if k == 0 { pts().flat_map(|p| [p.1, p.2]).collect() } else { pts().filter_map(|p| p.3).collect() };
+        if values.is_empty() {
+            continue;
         }
+        let (lo, hi) = values.iter().fold((f64::MAX, 0.0f64), |(a, b), &v| (a.min(v), b.max(v)));
+        let (lo, hi) = (lo * 0.7, hi * 1.4);
+        let caption = if k == 0 { "time per operation (us): median, p99 dotted" } else { bw_label };
+        let mut chart = ChartBuilder::on(area)
+            .caption(caption, ("sans-serif", 16))
+            .margin(14)
+            .x_label_area_size(44)
+            .y_label_area_size(64)
+            .build_cartesian_2d(
+                (x0 * 0.8..x1 * 1.25).log_scale().with_key_points(size_ticks(x0, x1)),
+                (lo..hi).log_scale().with_key_points(value_ticks(lo, hi)),
+            )?;
         chart
-            .configure_series_labels()
-            .background_style(WHITE.mix(0.8))
-            .border_style(BLACK)
-            .label_font(("sans-serif", 12))
+            .configure_mesh()
+            .x_desc("message size")
+            .x_label_formatter(&|v| human_size(*v))
+            .y_label_formatter(&|v| value_label(*v))
+            .label_style(("sans-serif", 13))
+            .axis_desc_style(("sans-serif", 14))
+            .light_line_style(WHITE)
+            .bold_line_style(RGBColor(225, 225, 225))
             .draw()?;
+        for (l, &color) in lines.iter().zip(&colors) {
+            let line: Vec<(f64, f64)> = if k == 0 {
+                l.points.iter().map(|p| (p.0, p.1)).collect()
+            } else {
+                l.points.iter().filter_map(|p| p.3.map(|b| (p.0, b))).collect()
+            };
+            if line.is_empty() {
+                continue;
+            }
+            let style = color.stroke_width(if l.baseline { 2 } else { 3 });
+            if l.baseline {
+                chart.draw_series(DashedLineSeries::new(line.clone(), 8, 5, style))?;
+            } else {
+                chart.draw_series(LineSeries::new(line.clone(), style))?;
+            }
+            chart.draw_series(line.iter().map(|&p| Circle::new(p, 4, color.filled())))?;
+            if k == 0 && !l.baseline {
+                let p99: Vec<(f64, f64)> = l.points.iter().map(|p| (p.0, p.2)).collect();
+                chart.draw_series(DashedLineSeries::new(p99, 2, 4, color.stroke_width(1)))?;
+                // Name the algorithm where it changes along the line.
+                let mut last: Option<&String> = None;
+                for (p, a) in l.points.iter().zip(&l.algos) {
+                    if let Some(a) = a
+                        && last != Some(a)
+                    {
+                        chart.draw_series(std::iter::once(Text::new(
+                            a.clone(),
+                            (p.0 * 1.1, p.1 * 0.8),
+                            ("sans-serif", 13).into_font().color(&color),
+                        )))?;
+                        last = Some(a);
+                    }
+                }
+            }
+        }
+    }
+    // The legend, outside the data.
+    let cells = legend.margin(4, 4, 60, 20).split_evenly((legend_rows as usize, 3));
+    for ((l, &color), cell) in lines.iter().zip(&colors).zip(cells.iter()) {
+        let y = 12;
+        if l.baseline {
+            for x in (0..36).step_by(12) {
+                cell.draw(&PathElement::new(vec![(x, y), (x + 7, y)], color.stroke_width(2)))?;
+            }
+        } else {
+            cell.draw(&PathElement::new(vec![(0, y), (36, y)], color.stroke_width(3)))?;
+        }
+        cell.draw(&Circle::new((18, y), 4, color.filled()))?;
+        cell.draw(&Text::new(l.label.clone(), (46, y - 8), ("sans-serif", 15)))?;
     }
     root.present()?;
     Ok(())

@@ -346,7 +346,7 @@ fn bench_signal_emits_the_baseline_and_every_rank_count() {
     let want = [("flag_pingpong", 2), ("signal_pingpong", 2), ("barrier", 2), ("barrier", 3)];
     assert_eq!(got, want.map(|(b, n)| (b.to_string(), n)));
     for r in &rows {
-        assert!(r["lat_us"].as_f64().is_some_and(|v| v > 0.0) && r["iters"].as_u64() == Some(200), "{r}");
+        assert!(r["time_us"].as_f64().is_some_and(|v| v > 0.0) && r["iters"].as_u64() == Some(200), "{r}");
     }
 }
 
@@ -356,12 +356,17 @@ fn bench_transport_emits_rows_and_baselines() {
     assert!(out.status.success(), "{}", text(&out.stderr));
     let rows: Vec<serde_json::Value> = text(&out.stdout).lines().map(|l| serde_json::from_str(l).unwrap()).collect();
     let got: Vec<(String, u64)> =
-        rows.iter().map(|r| (r["bench"].as_str().unwrap().to_string(), r["bytes"].as_u64().unwrap())).collect();
+        rows.iter().map(|r| (r["bench"].as_str().unwrap().to_string(), r["size"].as_u64().unwrap())).collect();
     let want =
         [("tcp_stream", 65536), ("tcp_pingpong", 8), ("write", 8), ("read", 8), ("write", 65536), ("read", 65536)];
     assert_eq!(got, want.map(|(b, n)| (b.to_string(), n)));
-    for r in rows.iter().filter(|r| r["bench"] == "write" || r["bench"] == "read") {
-        assert!(r["gbps"].as_f64().is_some_and(|g| g > 0.0) && r["lat_us"].as_f64().is_some_and(|l| l > 0.0), "{r}");
+    for r in &rows {
+        // Every row's time is real (the stream's too: its mean per message), and algbw is
+        // size / time.
+        let (size, time) = (r["size"].as_f64().unwrap(), r["time_us"].as_f64().unwrap());
+        assert!(time > 0.0, "{r}");
+        assert_close(r["algbw"].as_f64().unwrap(), size / time / 1e3, r);
+        assert!(r["stream_gbps"].as_f64().is_some_and(|g| g > 0.0) || r["bench"] == "tcp_pingpong", "{r}");
     }
     // shm: memcpy and process_vm_writev baselines, then heap (cross-memory attach) and shared
     // (mapped) memory.
@@ -381,41 +386,132 @@ fn bench_transport_emits_rows_and_baselines() {
     assert_eq!(got, ["memcpy", "process_vm_writev", "write/heap", "read/heap", "write/shared", "read/shared"]);
 }
 
+/// `got` equals `want` to the six significant digits the bench prints.
+fn assert_close(got: f64, want: f64, row: &serde_json::Value) {
+    assert!((got - want).abs() <= want.abs() * 2e-5 + 1e-12, "{got} != {want} in {row}");
+}
+
+/// nccl-tests' bus-bandwidth factor.
+fn bus_factor(op: &str, n: f64) -> f64 {
+    if op == "all_reduce" { 2.0 * (n - 1.0) / n } else { (n - 1.0) / n }
+}
+
 #[test]
-fn bench_collectives_report_busbw_and_plot() {
+fn bench_collectives_report_nccl_tests_fields_and_plot() {
     let dir = tempfile::tempdir().unwrap();
     let svg = dir.path().join("ar.svg");
+    let png = dir.path().join("ar.png");
     let out = symmem(&[
         "bench",
         "all-reduce",
         "--json",
-        "--ranks",
+        "-n",
         "3",
         "--sizes",
         "8,64K",
         "--iters",
         "50",
+        "--no-baseline",
         "--plot",
         svg.to_str().unwrap(),
     ]);
     assert!(out.status.success(), "{}", text(&out.stderr));
     let rows: Vec<serde_json::Value> = text(&out.stdout).lines().map(|l| serde_json::from_str(l).unwrap()).collect();
     assert_eq!(rows.len(), 2);
+    let fields = ["bench", "ranks", "hosts", "size", "count", "dtype", "iters", "time_us", "p99_us", "algbw", "busbw"];
     for r in &rows {
-        assert_eq!(r["bench"], "all_reduce");
-        assert!(
-            r["busbw_gbps"].as_f64().is_some_and(|b| b > 0.0) && r["lat_us"].as_f64().is_some_and(|l| l > 0.0),
-            "{r}"
+        for f in fields {
+            assert!(!r[f].is_null(), "{f} missing in {r}");
+        }
+        assert_eq!(
+            (r["bench"].as_str(), r["ranks"].as_u64(), r["dtype"].as_str()),
+            (Some("all_reduce"), Some(3), Some("float32"))
         );
+        let (size, time) = (r["size"].as_f64().unwrap(), r["time_us"].as_f64().unwrap());
+        assert_eq!(r["count"].as_f64().unwrap() * 4.0, size, "{r}");
+        assert!(time > 0.0 && r["p99_us"].as_f64().unwrap() >= time, "{r}");
+        assert_close(r["algbw"].as_f64().unwrap(), size / time / 1e3, r);
+        assert_close(r["busbw"].as_f64().unwrap(), r["algbw"].as_f64().unwrap() * bus_factor("all_reduce", 3.0), r);
         assert!(matches!(r["algo"].as_str(), Some("one_shot" | "two_shot")), "{r}");
     }
     let drawn = std::fs::read_to_string(&svg).unwrap();
-    assert!(drawn.contains("<svg") && drawn.contains("median latency"), "an SVG plot was drawn");
+    assert!(drawn.contains("<svg") && drawn.contains("time per operation") && drawn.contains("busbw"), "an SVG plot");
+    assert!(drawn.contains("32 KiB") && drawn.contains("3 ranks on 1 host"), "ticks in KiB and a title");
+    // The CSV carries the same fields, and the other collectives their own bus factor.
     for op in ["all-gather", "reduce-scatter", "all-to-all", "all-to-all-v"] {
-        let out = symmem(&["bench", op, "--json", "--ranks", "2", "--sizes", "4K", "--iters", "20"]);
+        let out = symmem(&["bench", op, "--csv", "--ranks", "2", "--sizes", "4K", "--iters", "20", "--no-baseline"]);
         assert!(out.status.success(), "{op}: {}", text(&out.stderr));
-        assert_eq!(text(&out.stdout).lines().count(), 1, "{op}");
+        let t = text(&out.stdout);
+        let lines: Vec<&str> = t.lines().collect();
+        assert_eq!(lines.len(), 2, "{op}: a header and one row: {t}");
+        let names: Vec<&str> = lines[0].split(',').collect();
+        assert_eq!(&names[..fields.len()], fields, "{op}");
+        let cells: Vec<&str> = lines[1].split(',').collect();
+        let get = |f: &str| cells[names.iter().position(|n| *n == f).unwrap()].parse::<f64>().unwrap();
+        let row = serde_json::json!(lines[1]);
+        assert_close(get("algbw"), get("size") / get("time_us") / 1e3, &row);
+        assert_close(get("busbw"), get("algbw") * bus_factor(&op.replace('-', "_"), 2.0), &row);
     }
+    // A PNG too.
+    let out = symmem(&[
+        "bench",
+        "all-gather",
+        "-n",
+        "2",
+        "--sizes",
+        "4K 64K",
+        "--iters",
+        "20",
+        "--plot",
+        png.to_str().unwrap(),
+    ]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert!(std::fs::read(&png).unwrap().starts_with(b"\x89PNG"), "a PNG was drawn");
+}
+
+#[test]
+fn bench_all_reduce_measures_open_mpi_alongside_when_installed() {
+    let have = |t: &str| Command::new(t).arg("--version").output().is_ok_and(|o| o.status.success());
+    if !have("mpicc") || !have("mpirun") {
+        eprintln!("SKIPPED: Open MPI (mpicc, mpirun) is not installed");
+        return;
+    }
+    let out = symmem(&["bench", "all-reduce", "--json", "-n", "2", "--sizes", "8,4K", "--iters", "50"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let rows: Vec<serde_json::Value> = text(&out.stdout).lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let got: Vec<(&str, u64)> =
+        rows.iter().map(|r| (r["bench"].as_str().unwrap(), r["size"].as_u64().unwrap())).collect();
+    assert_eq!(got, [("all_reduce", 8), ("all_reduce", 4096), ("mpi_allreduce", 8), ("mpi_allreduce", 4096)]);
+    for r in &rows[2..] {
+        assert!(r["note"].as_str().unwrap().starts_with("baseline: Open MPI"), "{r}");
+        assert_close(
+            r["busbw"].as_f64().unwrap(),
+            r["size"].as_f64().unwrap() / r["time_us"].as_f64().unwrap() / 1e3,
+            r,
+        );
+    }
+}
+
+#[test]
+fn bench_prints_each_row_as_its_size_finishes() {
+    use std::io::BufRead;
+    // The second size takes seconds; the first row must be out while it runs.
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_symmem"))
+        .args(["bench", "all-reduce", "-n", "2", "--sizes", "8,16M", "--iters", "10", "--warmup", "5", "--no-baseline"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut lines = std::io::BufReader::new(child.stdout.take().unwrap()).lines();
+    let header = lines.next().unwrap().unwrap();
+    assert!(header.contains("time_us") && header.contains("busbw"), "{header}");
+    let first = lines.next().unwrap().unwrap();
+    let running = child.try_wait().unwrap().is_none();
+    let rest: Vec<String> = lines.map(|l| l.unwrap()).collect();
+    assert!(child.wait().unwrap().success());
+    assert!(first.starts_with("all_reduce") && first.split_whitespace().nth(3) == Some("8"), "{first}");
+    assert!(running, "the 8-byte row was printed only when the whole sweep had ended");
+    assert_eq!(rest.len(), 1, "{rest:?}");
 }
 
 #[test]
@@ -439,27 +535,79 @@ fn bench_store_emits_json_lines() {
         ]
     );
     for r in &rows {
-        for field in ["ranks", "iters", "lat_us", "p99_us", "ops_per_s"] {
+        for field in ["ranks", "iters", "time_us", "p99_us", "ops_per_s"] {
             assert!(r[field].as_f64().is_some_and(|v| v > 0.0), "{field} in {r}");
         }
     }
 }
 
 #[test]
-fn bench_sizes_take_suffixes_everywhere_and_refuse_overflow() {
-    // 2^54 KiB is 2^64 bytes: it wrapped to 0 before; now every bench refuses it by name.
+fn one_size_parser_takes_units_and_separators_and_refuses_the_rest() {
+    for (arg, want) in [
+        (vec!["8"], "8"),
+        (vec!["8,4K,64KiB"], "8 4096 65536"),
+        (vec!["8 4k", "1M,2MiB"], "8 4096 1048576 2097152"),
+        (vec!["1G, 16B"], "1073741824 16"),
+        (vec!["3gib", "2m"], "3221225472 2097152"),
+    ] {
+        let mut args = vec!["__sizes"];
+        args.extend(arg.iter().copied());
+        let out = symmem(&args);
+        assert!(out.status.success(), "{arg:?}: {}", text(&out.stderr));
+        assert_eq!(text(&out.stdout).trim(), want, "{arg:?}");
+    }
+    // 2^54 KiB is 2^64 bytes: it wrapped to 0 once; now every parser refuses it by name.
+    for bad in ["18014398509481984K", "4Q", "1.5K", "-8", "K", "4 KiB", "2MB"] {
+        let out = symmem(&["__sizes", bad]);
+        assert_eq!(out.status.code(), Some(2), "{bad:?}");
+        let err = text(&out.stderr);
+        assert!(err.contains("is not a number of bytes") && err.contains("KiB"), "{bad:?}: {err}");
+    }
     for args in [
         ["bench", "transport", "--sizes", "18014398509481984K"],
-        ["bench", "all-reduce", "--sizes", "18014398509481984K"],
-        ["bench", "transport", "--sizes", "4Q"],
+        ["bench", "all-reduce", "--sizes", "4Q"],
+        ["bench", "all-to-all", "--sizes", "1.5M"],
     ] {
         let out = symmem(&args);
-        assert!(!out.status.success(), "{args:?}");
-        let err = text(&out.stderr);
-        assert!(err.contains("is not a number of bytes"), "{args:?}: {err}");
+        assert_eq!(out.status.code(), Some(2), "{args:?}");
+        assert!(text(&out.stderr).contains("is not a number of bytes"), "{args:?}");
     }
-    let help = text(&symmem(&["bench", "transport", "--help"]).stdout);
-    assert!(help.contains("K, M and G suffixes"), "{help}");
+    // Every default a help text shows is one the parser takes.
+    for cmd in ["all-reduce", "transport"] {
+        let help = text(&symmem(&["bench", cmd, "--help"]).stdout);
+        assert!(help.contains("KiB"), "{help}");
+        let default =
+            help.split("[default: 8").nth(1).and_then(|d| d.split(']').next()).map(|d| format!("8{d}")).unwrap();
+        let out = symmem(&["__sizes", &default]);
+        assert!(out.status.success(), "{cmd}: default {default:?} refused: {}", text(&out.stderr));
+    }
+}
+
+#[test]
+fn rank_counts_are_n_everywhere_with_the_old_spellings_as_aliases() {
+    for flag in ["-n", "--nproc", "--nproc-per-node", "--nproc_per_node"] {
+        let out = symmem(&["run", flag, "2", "--", "sh", "-c", "echo \"ws=$WORLD_SIZE\""]);
+        assert!(out.status.success(), "{flag}: {}", text(&out.stderr));
+        assert_eq!(text(&out.stdout).matches("ws=2").count(), 2, "{flag}");
+    }
+    for flag in ["-n", "--nproc", "--ranks"] {
+        let out = symmem(&["bench", "signal", "--json", flag, "2", "--iters", "20"]);
+        assert!(out.status.success(), "{flag}: {}", text(&out.stderr));
+        assert!(text(&out.stdout).contains("\"barrier\""), "{flag}");
+    }
+    let out =
+        symmem(&["bench", "all-to-all", "--ranks", "2", "--sizes", "1K", "--iters", "5", "--json", "--no-baseline"]);
+    assert!(out.status.success() && text(&out.stdout).contains("\"ranks\":2"), "{}", text(&out.stderr));
+    // Values outside a set are answered with the set.
+    let out = symmem(&["bench", "all-reduce", "--algo", "three_shot"]);
+    let err = text(&out.stderr);
+    assert!(out.status.code() == Some(2) && err.contains("one_shot") && err.contains("two_shot"), "{err}");
+    let out = symmem(&["bench", "all-reduce", "--dtype", "float8"]);
+    let err = text(&out.stderr);
+    assert!(out.status.code() == Some(2) && err.contains("bfloat16") && err.contains("int64"), "{err}");
+    // --algo is only where it means something.
+    let out = symmem(&["bench", "all-gather", "--algo", "one_shot"]);
+    assert_eq!(out.status.code(), Some(2));
 }
 
 #[test]

@@ -54,6 +54,12 @@ knobs! {
     /// Whether a launcher hosts the store.
     AGENT_STORE = "TORCHELASTIC_USE_AGENT_STORE", "unset",
         "\"True\": the launcher hosts the store and every rank connects as a client; otherwise rank 0 hosts it";
+    /// OpenMP's thread count.
+    OMP_NUM_THREADS = "OMP_NUM_THREADS", "unset",
+        "threads of each rank's OpenMP pool; `symmem run` sets 1 when it starts several ranks and it is unset, as torchrun does";
+    /// torchrun's error file.
+    ERROR_FILE = "TORCHELASTIC_ERROR_FILE", "unset",
+        "where a rank records its failure (torchrun's JSON; `symmem run` sets one per rank); set for `symmem run` itself, where it records the job's root cause";
     /// The job's secret.
     STORE_SECRET = "SYMMEM_STORE_SECRET", "`symmem run`: random (one host), the user's key (hosts)",
         "the job's secret: the store's clients prove it (HMAC-SHA256), except this user's processes on the store's host; also keys the ranks' links";

@@ -163,6 +163,10 @@ pub enum Outcome {
         rank: usize,
         /// How it ended.
         how: Termination,
+        /// What the rank recorded in its error file (torchrun's `TORCHELASTIC_ERROR_FILE`,
+        /// e.g. through `torch.distributed.elastic.multiprocessing.errors.record`): the message,
+        /// and the traceback when there is one.
+        error: Option<RankError>,
     },
     /// Another host's launcher reported a failure and this host's ranks were stopped.
     Aborted {
@@ -199,12 +203,119 @@ impl fmt::Display for Outcome {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             Outcome::Success => write!(f, "all ranks succeeded"),
-            Outcome::RankFailed { rank, how } => write!(f, "rank {rank} {how}; stopped the other ranks"),
+            Outcome::RankFailed { rank, how, error } => {
+                write!(f, "rank {rank} {how}; stopped the other ranks")?;
+                if let Some(e) = error {
+                    write!(f, "\nroot cause (rank {rank}'s error file): {}", e.message)?;
+                    if let Some(tb) = &e.traceback {
+                        write!(f, "\n{}", tb.trim_end())?;
+                    }
+                }
+                Ok(())
+            }
             Outcome::Aborted { reason } => write!(f, "another host failed ({reason}); stopped this host's ranks"),
             Outcome::TimedOut { after } => write!(f, "the job ran longer than {after:?}; stopped every rank"),
             Outcome::Interrupted { signal } => write!(f, "interrupted by signal {signal}; forwarded it to every rank"),
         }
     }
+}
+
+/// What a failed rank recorded in its error file.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RankError {
+    /// The message (`"RuntimeError: ..."`).
+    pub message: String,
+    /// The Python traceback, when the rank recorded one.
+    pub traceback: Option<String>,
+    /// The file's whole JSON, as the rank wrote it.
+    pub json: serde_json::Value,
+}
+
+/// The largest error file read back from a rank.
+const MAX_ERROR_FILE: u64 = 1 << 20;
+
+/// Reads a rank's error file in torchrun's format (`{"message": {"message": ..., "extraInfo":
+/// {"py_callstack": ..., "timestamp": ...}}}`, or a plain string message), if it wrote one.
+fn read_error_file(path: &std::path::Path) -> Option<RankError> {
+    use std::io::Read;
+    let mut text = String::new();
+    std::fs::File::open(path).ok()?.take(MAX_ERROR_FILE).read_to_string(&mut text).ok()?;
+    let json: serde_json::Value = serde_json::from_str(&text).ok()?;
+    let (message, traceback) = match &json["message"] {
+        serde_json::Value::String(m) => (m.clone(), None),
+        m => (m["message"].as_str()?.to_string(), m["extraInfo"]["py_callstack"].as_str().map(str::to_string)),
+    };
+    Some(RankError { message, traceback, json })
+}
+
+/// Records the job's root cause where the launcher's own `TORCHELASTIC_ERROR_FILE` says, as
+/// torchrun's `@record` does: the failed rank's error file with its exit code as `errorCode`,
+/// or, when the rank wrote none, a message of its own.
+fn record_root_cause(outcome: &Outcome) {
+    let Some(path) = crate::config::value(crate::config::env::ERROR_FILE) else { return };
+    let Outcome::RankFailed { rank, how, error } = outcome else { return };
+    let timestamp = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
+    let json = match error {
+        Some(e) => {
+            let mut json = e.json.clone();
+            if let Some(m) = json.get_mut("message").and_then(|m| m.as_object_mut()) {
+                m.insert("errorCode".into(), how.exit_code().into());
+            }
+            json
+        }
+        None => serde_json::json!({
+            "message": {
+                "message": format!("ChildFailedError: rank {rank} {how} (it wrote no error file)"),
+                "extraInfo": { "py_callstack": "", "timestamp": timestamp.to_string() },
+                "errorCode": how.exit_code(),
+            }
+        }),
+    };
+    if let Err(e) = std::fs::write(path, json.to_string()) {
+        tracing::warn!("could not write the job's error file {path}: {e}");
+    }
+}
+
+/// The per-rank error files of one launch (`<dir>/attempt_0/<rank>/error.json`, torchrun's
+/// layout), removed with it.
+struct ErrorFiles {
+    dir: std::path::PathBuf,
+}
+
+impl ErrorFiles {
+    fn new() -> Result<ErrorFiles> {
+        static RUNS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let n = RUNS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let dir = std::env::temp_dir().join(format!("symmem-run-{}-{n}", std::process::id()));
+        std::fs::create_dir_all(&dir).map_err(|e| Error::io(format!("create {}", dir.display()), e))?;
+        Ok(ErrorFiles { dir })
+    }
+
+    fn path(&self, rank: usize) -> std::path::PathBuf {
+        self.dir.join("attempt_0").join(rank.to_string()).join("error.json")
+    }
+
+    /// Makes the folder of `rank`'s file (the rank writes the file itself, or not at all).
+    fn prepare(&self, rank: usize) -> Result<std::path::PathBuf> {
+        let path = self.path(rank);
+        if let Some(parent) = path.parent() {
+            std::fs::create_dir_all(parent).map_err(|e| Error::io(format!("create {}", parent.display()), e))?;
+        }
+        Ok(path)
+    }
+}
+
+impl Drop for ErrorFiles {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// A run id as torchrun's `--standalone` makes one: random hex.
+fn run_id() -> String {
+    let mut b = [0u8; 8];
+    let _ = getrandom::fill(&mut b);
+    b.iter().map(|x| format!("{x:02x}")).collect()
 }
 
 const ABORT_KEY: &str = "symmem/launch/abort";
@@ -336,6 +447,23 @@ async fn run_async(o: &LaunchOptions) -> Result<Outcome> {
     };
 
     let out = Arc::new(std::sync::Mutex::new(()));
+    let error_files = ErrorFiles::new()?;
+    // torchrun's defaults for what it does not get: one OpenMP thread per rank when several
+    // share the host, said once.
+    let omp = if crate::config::value(crate::config::env::OMP_NUM_THREADS).is_none()
+        && !o.env.iter().any(|(k, _)| k == env::OMP_NUM_THREADS)
+        && o.nproc_per_node > 1
+    {
+        tracing::warn!(
+            "setting OMP_NUM_THREADS=1 for each of the {} ranks (it was unset; as torchrun does), to avoid \
+             overloading the host; set it to tune",
+            o.nproc_per_node
+        );
+        Some("1")
+    } else {
+        None
+    };
+    let id = run_id();
     let mut pids = Vec::new();
     let mut children = Vec::new();
     let mut waits = FuturesUnordered::new();
@@ -361,11 +489,21 @@ async fn run_async(o: &LaunchOptions) -> Result<Outcome> {
             .env(env::MASTER_ADDR, &o.master_addr)
             .env(env::MASTER_PORT, port.to_string())
             .env(env::AGENT_STORE, "True")
+            .env("ROLE_RANK", rank.to_string())
+            .env("ROLE_NAME", "default")
+            .env("ROLE_WORLD_SIZE", env.world_size.to_string())
+            .env("TORCHELASTIC_RESTART_COUNT", "0")
+            .env("TORCHELASTIC_MAX_RESTARTS", "0")
+            .env("TORCHELASTIC_RUN_ID", &id)
+            .env(env::ERROR_FILE, error_files.prepare(rank)?)
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .process_group(0)
             .kill_on_drop(true);
+        if let Some(n) = omp {
+            cmd.env(env::OMP_NUM_THREADS, n);
+        }
         match &secret {
             Some(secret) => cmd.env(env::STORE_SECRET, secret.expose_os()),
             None => cmd.env_remove(env::STORE_SECRET),
@@ -439,7 +577,7 @@ async fn run_async(o: &LaunchOptions) -> Result<Outcome> {
                     }
                 };
                 if how != Termination::Exit(0) && outcome.is_none() {
-                    outcome = Some(Outcome::RankFailed { rank, how });
+                    outcome = Some(Outcome::RankFailed { rank, how, error: read_error_file(&error_files.path(rank)) });
                     stop(&pids, Signal::TERM);
                     kill_at = Some(Instant::now() + GRACE);
                 }
@@ -485,11 +623,12 @@ async fn run_async(o: &LaunchOptions) -> Result<Outcome> {
         let _ = tokio::time::timeout(Duration::from_secs(1), p).await;
     }
     let outcome = outcome.unwrap_or(Outcome::Success);
+    record_root_cause(&outcome);
 
     if let Some(c) = &mut coordinator {
         // The store may sit on a host that is gone: never wait long for it.
         let brief = Duration::from_secs(5);
-        if let Outcome::RankFailed { rank, how } = &outcome {
+        if let Outcome::RankFailed { rank, how, .. } = &outcome {
             let reason = format!("rank {rank} {how} on node {}", o.node_rank);
             let _ = tokio::time::timeout(brief, c.set(ABORT_KEY, reason.as_bytes())).await;
         }

@@ -517,6 +517,7 @@ fn launch_bench(
     let out = dir.join("rows.jsonl");
     let mut launch = symmem::launch::LaunchOptions::local(ranks / hosts, exe, args);
     launch.env.push((BENCH_OUT_ENV.into(), out.clone().into()));
+    launch.env.push((symmem::config::env::OMP_NUM_THREADS.into(), "1".into()));
     launch.timeout = Some(timeout);
     // The job runs on a thread of its own; this one hands on every row as soon as it lands.
     let job = std::thread::spawn(move || symmem::launch::run_hosts(&launch, hosts));

@@ -759,6 +759,7 @@ fn run(args: RunArgs) -> Result<ExitCode> {
 fn demo(nproc: usize, hosts: usize) -> Result<ExitCode> {
     let exe = self_exe()?;
     let mut options = LaunchOptions::local(nproc, exe.clone(), vec!["demo-rank".into()]);
+    options.env.push((symmem::config::env::OMP_NUM_THREADS.into(), "1".into()));
     options.timeout = Some(Duration::from_secs(120));
     if hosts > 1 {
         say!(

@@ -43,11 +43,21 @@ fn assert_all_gone(pids: &[u32]) {
 
 #[test]
 fn run_sets_the_torchrun_variables_and_prefixes_output() {
-    let out = symmem(&["run", "-n", "4", "--", "sh", "-c", "echo $RANK/$WORLD_SIZE; echo err$LOCAL_RANK >&2"]);
+    let script =
+        "echo $RANK/$WORLD_SIZE $ROLE_RANK/$ROLE_WORLD_SIZE $ROLE_NAME $OMP_NUM_THREADS; echo err$LOCAL_RANK >&2";
+    let out = Command::new(BIN)
+        .args(["run", "-n", "4", "--", "sh", "-c", script])
+        .env_remove("SYMMEM_STORE_SECRET")
+        .env("OMP_NUM_THREADS", "3")
+        .output()
+        .unwrap();
     assert!(out.status.success(), "{}", text(&out.stderr));
     let mut lines: Vec<String> = text(&out.stdout).lines().map(str::to_string).collect();
     lines.sort();
-    assert_eq!(lines, vec!["[0] 0/4", "[1] 1/4", "[2] 2/4", "[3] 3/4"]);
+    assert_eq!(
+        lines,
+        ["[0] 0/4 0/4 default 3", "[1] 1/4 1/4 default 3", "[2] 2/4 2/4 default 3", "[3] 3/4 3/4 default 3"]
+    );
     let mut errs: Vec<String> = text(&out.stderr).lines().map(str::to_string).collect();
     errs.sort();
     assert_eq!(errs, vec!["[0] err0", "[1] err1", "[2] err2", "[3] err3"]);
@@ -614,4 +624,54 @@ fn rank_counts_are_n_everywhere_with_the_old_spellings_as_aliases() {
 fn version_names_the_release_and_the_commit() {
     let v = text(&symmem(&["--version"]).stdout);
     assert!(v.starts_with(&format!("symmem {} (commit ", env!("CARGO_PKG_VERSION"))), "{v}");
+}
+
+#[test]
+fn run_records_a_failed_ranks_error_file_as_the_root_cause() {
+    let dir = tempfile::tempdir().unwrap();
+    let job = dir.path().join("job.json");
+    // Rank 1 records its failure in torchrun's format and exits 3; rank 0 waits to be stopped.
+    let rank = r#"if [ "$RANK" = 1 ]; then
+        printf '{"message":{"message":"ValueError: bad shard","extraInfo":{"py_callstack":"tb line","timestamp":"1"}}}' > "$TORCHELASTIC_ERROR_FILE"
+        exit 3
+    fi
+    sleep 30"#;
+    let out = Command::new(BIN)
+        .args(["run", "-n", "2", "--", "sh", "-c", rank])
+        .env("TORCHELASTIC_ERROR_FILE", &job)
+        .env_remove("OMP_NUM_THREADS")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(3));
+    let err = text(&out.stderr);
+    assert!(
+        err.contains("root cause (rank 1's error file): ValueError: bad shard") && err.contains("tb line"),
+        "{err}"
+    );
+    assert!(err.contains("OMP_NUM_THREADS=1"), "the notice: {err}");
+    let j: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&job).unwrap()).unwrap();
+    assert_eq!(j["message"]["message"], "ValueError: bad shard");
+    assert_eq!(j["message"]["errorCode"], 3);
+    // A rank that writes nothing still leaves a root cause, named by rank and exit.
+    let child = Command::new(BIN)
+        .args(["run", "-n", "2", "--", "sh", "-c", "[ \"$RANK\" = 0 ] && kill -9 $$; sleep 30"])
+        .env("TORCHELASTIC_ERROR_FILE", &job)
+        .env("OMP_NUM_THREADS", "4")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let launcher = child.id();
+    let out = child.wait_with_output().unwrap();
+    assert_eq!(out.status.code(), Some(137));
+    assert!(!text(&out.stderr).contains("OMP_NUM_THREADS=1"), "no notice when it is set");
+    let j: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&job).unwrap()).unwrap();
+    let m = j["message"]["message"].as_str().unwrap();
+    assert!(m.contains("rank 0") && m.contains("SIGKILL") && j["message"]["errorCode"] == 137, "{j}");
+    // The per-rank error files went with the job.
+    let leftover = std::fs::read_dir(std::env::temp_dir())
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .any(|e| e.file_name().to_string_lossy().starts_with(&format!("symmem-run-{launcher}-")));
+    assert!(!leftover);
 }

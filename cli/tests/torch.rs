@@ -371,3 +371,50 @@ fn torchrun_on_two_machines_needs_no_symmem_settings() {
         assert!(text.contains(&format!("rank {r} of 4 sum 10.0")), "{text}\n{errs}");
     }
 }
+
+/// `symmem run` gives ranks what torchrun gives them (OMP_NUM_THREADS=1 when unset for several
+/// ranks, ROLE_*, TORCHELASTIC_*, a per-rank error file) and records the root cause in the
+/// launcher's own error file as torchrun does: run both, compare.
+#[test]
+fn run_matches_torchrun_on_environment_and_error_files() {
+    let py = need_torch!();
+    let dir = tempfile::tempdir().unwrap();
+    let run = |launcher: &[&str], file: &std::path::Path| {
+        let out = Command::new(launcher[0])
+            .args(&launcher[1..])
+            .arg(script("record_fail.py"))
+            .env("TORCHELASTIC_ERROR_FILE", file)
+            .env_remove("OMP_NUM_THREADS")
+            .env_remove("SYMMEM_STORE_SECRET")
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+        let mut env: Vec<String> =
+            stdout.lines().filter_map(|l| l.split_once("env ").map(|(_, e)| e.to_string())).collect();
+        env.sort();
+        let json: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(file).unwrap()).unwrap();
+        (out.status.code(), env, json, String::from_utf8_lossy(&out.stderr).into_owned())
+    };
+    let (theirs_file, ours_file) = (dir.path().join("torchrun.json"), dir.path().join("symmem.json"));
+    let theirs = run(
+        &[&py, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--no-python", &py],
+        &theirs_file,
+    );
+    let ours = run(&[BIN, "run", "-n", "2", "--", &py], &ours_file);
+    assert_eq!(ours.0, theirs.0, "exit codes");
+    assert_eq!(ours.1, theirs.1, "the ranks' environment");
+    assert_eq!(ours.1.len(), 2);
+    assert!(ours.1[0].contains("OMP_NUM_THREADS=1") && ours.1[1].contains("ROLE_RANK=1"), "{:?}", ours.1);
+    let keys = |j: &serde_json::Value| {
+        let m = j["message"].as_object().unwrap();
+        let mut k: Vec<String> = m.keys().cloned().collect();
+        k.extend(m["extraInfo"].as_object().unwrap().keys().map(|k| format!("extraInfo.{k}")));
+        k.sort();
+        k
+    };
+    assert_eq!(keys(&ours.2), keys(&theirs.2), "the error file's fields");
+    assert_eq!(ours.2["message"]["message"], theirs.2["message"]["message"]);
+    assert_eq!(ours.2["message"]["errorCode"], theirs.2["message"]["errorCode"]);
+    assert!(ours.2["message"]["extraInfo"]["py_callstack"].as_str().unwrap().contains("boom on rank 1"));
+    assert!(ours.3.contains("OMP_NUM_THREADS=1") && ours.3.contains("root cause"), "{}", ours.3);
+}

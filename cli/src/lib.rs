@@ -355,7 +355,7 @@ fn dtype_arg(s: &str) -> std::result::Result<DType, String> {
     })
 }
 
-fn bench_collective(op: &str, a: &CollectiveArgs, algo: AllReduceAlgo) -> Result<ExitCode> {
+fn bench_collective(op: &str, a: &CollectiveArgs, algo: AllReduceAlgo) -> Result<u8> {
     let sizes = flat(&a.sizes);
     let options = bench::OpBenchOptions {
         op: op.into(),
@@ -412,7 +412,7 @@ fn bench_collective(op: &str, a: &CollectiveArgs, algo: AllReduceAlgo) -> Result
         bench::plot(&rows, path)?;
         eprintln!("symmem bench: plotted {}", path.display());
     }
-    Ok(ExitCode::SUCCESS)
+    Ok(SUCCESS)
 }
 
 /// Rows of a benchmark whose count is not known ahead, printed as they come, with a spinner on
@@ -422,7 +422,7 @@ fn bench_rows(
     format: Format,
     plot: Option<&std::path::Path>,
     run: impl FnOnce(&mut dyn FnMut(BenchResult)) -> symmem::Result<()>,
-) -> Result<ExitCode> {
+) -> Result<u8> {
     let mut table = Table::new(format);
     let spinner = indicatif::ProgressBar::new_spinner();
     spinner.set_message(what.to_string());
@@ -438,7 +438,7 @@ fn bench_rows(
         bench::plot(&rows, path)?;
         eprintln!("symmem bench: plotted {}", path.display());
     }
-    Ok(ExitCode::SUCCESS)
+    Ok(SUCCESS)
 }
 
 /// How results print: `--json`, `--csv`, or a table.
@@ -601,6 +601,12 @@ fn flat_counts(c: &[Counts]) -> Vec<usize> {
     c.iter().flat_map(|c| c.0.iter().copied()).collect()
 }
 
+/// The commit this command was built from (`git describe`-like; "unknown" outside a git tree).
+pub const COMMIT: &str = env!("CLI_GIT_COMMIT");
+
+/// The exit status of a command that succeeded.
+const SUCCESS: u8 = 0;
+
 /// The program to start again for a rank, a guard or a benchmark job: this binary, or the
 /// wheel's console script (set by [`main_with`]).
 static SELF_EXE: std::sync::OnceLock<std::path::PathBuf> = std::sync::OnceLock::new();
@@ -616,6 +622,11 @@ fn self_exe() -> Result<std::path::PathBuf> {
 /// [`std::env::args_os`]). `exe` is what to start again for ranks, guards and benchmark jobs
 /// when that is not the current executable (the wheel's console script runs inside Python).
 pub fn main_with(args: impl IntoIterator<Item = OsString>, exe: Option<std::path::PathBuf>) -> ExitCode {
+    ExitCode::from(run_with(args, exe))
+}
+
+/// [`main_with`], returning the exit status as a number (for the Python console script).
+pub fn run_with(args: impl IntoIterator<Item = OsString>, exe: Option<std::path::PathBuf>) -> u8 {
     use std::io::IsTerminal;
     if let Some(exe) = exe {
         let _ = SELF_EXE.set(exe);
@@ -639,39 +650,37 @@ pub fn main_with(args: impl IntoIterator<Item = OsString>, exe: Option<std::path
         Err(e) => {
             // Help and version print and succeed; mistakes print and exit 2, as clap does.
             let _ = e.print();
-            return ExitCode::from(u8::try_from(e.exit_code()).unwrap_or(2));
+            return u8::try_from(e.exit_code()).unwrap_or(2);
         }
     };
     match dispatch(cli.command) {
         Ok(code) => code,
         Err(e) => {
             eprintln!("symmem: error: {e:#}");
-            ExitCode::from(1)
+            1
         }
     }
 }
 
-fn dispatch(command: Command) -> Result<ExitCode> {
+fn dispatch(command: Command) -> Result<u8> {
     match command {
         Command::Run(args) => run(args),
         Command::Demo { nproc, hosts } => demo(nproc, hosts),
-        Command::DemoRank => demo_rank().map(|()| ExitCode::SUCCESS),
-        Command::BenchSignalRank { iters } => bench::signal_rank(iters).map(|()| ExitCode::SUCCESS).map_err(Into::into),
-        Command::BenchFlagRank { iters } => bench::flag_rank(iters).map(|()| ExitCode::SUCCESS).map_err(Into::into),
+        Command::DemoRank => demo_rank().map(|()| SUCCESS),
+        Command::BenchSignalRank { iters } => bench::signal_rank(iters).map(|()| SUCCESS).map_err(Into::into),
+        Command::BenchFlagRank { iters } => bench::flag_rank(iters).map(|()| SUCCESS).map_err(Into::into),
         Command::BenchOpRank { op, algo, dtype, iters, warmup, sizes } => {
             let dtype = bench::parse_dtype(&dtype)?;
-            bench::collective_rank(&op, &algo, dtype, iters, warmup, &sizes)
-                .map(|()| ExitCode::SUCCESS)
-                .map_err(Into::into)
+            bench::collective_rank(&op, &algo, dtype, iters, warmup, &sizes).map(|()| SUCCESS).map_err(Into::into)
         }
         Command::BenchTransportRank { backend, window, sizes } => {
-            bench::transport_rank(&backend, window, &sizes).map(|()| ExitCode::SUCCESS).map_err(Into::into)
+            bench::transport_rank(&backend, window, &sizes).map(|()| SUCCESS).map_err(Into::into)
         }
         Command::Guard { command } => Ok(exit_code(launch::guard(&command[0], &command[1..]))),
         Command::Store(args) => store(args),
         Command::Info => {
             info();
-            Ok(ExitCode::SUCCESS)
+            Ok(SUCCESS)
         }
         Command::Bench { which: BenchCommand::AllReduce(a) } => bench_collective("all_reduce", &a.common, a.algo),
         Command::Bench { which: BenchCommand::AllGather(a) } => bench_collective("all_gather", &a, AllReduceAlgo::Auto),
@@ -712,16 +721,16 @@ fn dispatch(command: Command) -> Result<ExitCode> {
         }
         Command::Sizes { sizes } => {
             say!("{}", flat(&sizes).iter().map(usize::to_string).collect::<Vec<_>>().join(" "));
-            Ok(ExitCode::SUCCESS)
+            Ok(SUCCESS)
         }
     }
 }
 
-fn exit_code(code: i32) -> ExitCode {
-    ExitCode::from(u8::try_from(code.clamp(0, 255)).unwrap_or(1))
+fn exit_code(code: i32) -> u8 {
+    u8::try_from(code.clamp(0, 255)).unwrap_or(1)
 }
 
-fn launch_and_report(options: &LaunchOptions) -> Result<ExitCode> {
+fn launch_and_report(options: &LaunchOptions) -> Result<u8> {
     let mut options = options.clone();
     let exe = self_exe()?;
     options.guard = Some((exe.into(), vec!["__guard".into(), "--".into()]));
@@ -732,7 +741,7 @@ fn launch_and_report(options: &LaunchOptions) -> Result<ExitCode> {
     Ok(exit_code(outcome.exit_code()))
 }
 
-fn run(args: RunArgs) -> Result<ExitCode> {
+fn run(args: RunArgs) -> Result<u8> {
     let mut command = args.command.into_iter();
     let Some(program) = command.next() else { bail!("no program given") };
     let timeout = args
@@ -756,7 +765,7 @@ fn run(args: RunArgs) -> Result<ExitCode> {
     launch_and_report(&options)
 }
 
-fn demo(nproc: usize, hosts: usize) -> Result<ExitCode> {
+fn demo(nproc: usize, hosts: usize) -> Result<u8> {
     let exe = self_exe()?;
     let mut options = LaunchOptions::local(nproc, exe.clone(), vec!["demo-rank".into()]);
     options.env.push((symmem::config::env::OMP_NUM_THREADS.into(), "1".into()));
@@ -1018,7 +1027,7 @@ fn demo_rank() -> Result<()> {
     Ok(())
 }
 
-fn store_client(cmd: StoreClientCommand) -> Result<ExitCode> {
+fn store_client(cmd: StoreClientCommand) -> Result<u8> {
     use symmem::Store;
     let connect = |at: &StoreAt| -> Result<(symmem::TcpStore, Duration)> {
         let timeout =
@@ -1056,10 +1065,10 @@ fn store_client(cmd: StoreClientCommand) -> Result<ExitCode> {
             say!("{:.1} us", s.ping()?.as_secs_f64() * 1e6);
         }
     }
-    Ok(ExitCode::SUCCESS)
+    Ok(SUCCESS)
 }
 
-fn store(args: StoreArgs) -> Result<ExitCode> {
+fn store(args: StoreArgs) -> Result<u8> {
     if let Some(cmd) = args.client {
         return store_client(cmd);
     }
@@ -1099,7 +1108,7 @@ fn store(args: StoreArgs) -> Result<ExitCode> {
         }
     });
     drop(server);
-    Ok(ExitCode::SUCCESS)
+    Ok(SUCCESS)
 }
 
 fn info() {

@@ -10,6 +10,7 @@ use pyo3::types::{PyBytes, PyType};
 use symmem::tensor::Tensor;
 use symmem::transport::{self, Memory, MemoryView, MutableMemoryView, RemoteBuffer, Transport, Work};
 
+mod log;
 mod symm;
 
 fn err(e: symmem::Error) -> PyErr {
@@ -281,13 +282,22 @@ fn available_transports() -> Vec<String> {
     transport::available_transports()
 }
 
+/// Runs the `symmem` command with `argv` (the program's name first) and returns its exit
+/// status; `exe` is what to start again for ranks, guards and benchmark jobs (the console
+/// script). The interpreter is released for the whole run.
+#[pyfunction]
+fn cli_main(py: Python<'_>, argv: Vec<std::ffi::OsString>, exe: std::path::PathBuf) -> u8 {
+    py.detach(move || symmem_cli::run_with(argv, Some(exe)))
+}
+
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
-    // Warnings (an unauthenticated store, a lost peer) reach the user's stderr.
-    symmem::log_to_stderr();
+    // Warnings (an unauthenticated store, a lost peer) reach Python's logging, logger `symmem`.
+    log::install();
     // The package's version, and the version of the symmem library it was built with.
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add("library_version", symmem::VERSION)?;
+    m.add("commit", symmem_cli::COMMIT)?;
     m.add_class::<PyTransport>()?;
     m.add_class::<PyMemory>()?;
     m.add_class::<PyView>()?;
@@ -295,6 +305,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyRemoteBuffer>()?;
     m.add_class::<PyWork>()?;
     m.add_function(wrap_pyfunction!(available_transports, m)?)?;
+    m.add_function(wrap_pyfunction!(cli_main, m)?)?;
     m.add_function(wrap_pyfunction!(new_transport_rank, m)?)?;
     symm::register(m)?;
     Ok(())

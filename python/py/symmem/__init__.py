@@ -16,6 +16,8 @@ from ._native import MemoryView, MutableMemoryView, RemoteBuffer, Work, availabl
 from ._native import Transport as _NativeTransport
 
 __version__ = _native.__version__
+#: The commit the extension (and the ``symmem`` command it carries) was built from.
+__commit__ = _native.commit
 
 __all__ = [
     "Memory",

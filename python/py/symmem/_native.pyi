@@ -5,6 +5,11 @@ from typing import Any
 
 __version__: str
 library_version: str
+commit: str
+
+def cli_main(argv: list[str], exe: str) -> int:
+    """Runs the ``symmem`` command (argv[0] is the program's name); ``exe`` is started again
+    for ranks, guards and benchmark jobs."""
 
 def available_transports() -> list[str]: ...
 def new_transport_rank(

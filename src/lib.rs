@@ -30,23 +30,91 @@
 //! `demo`, `bench`, `store`, `info`) is its own crate, `symmem-cli`, so the library and the
 //! Python wheel carry none of its dependencies.
 //!
-//! Custom operators are built from a handle's buffer pointers and signal pads, as
-//! `examples/custom_all_reduce.rs` shows.
+//! # The paved paths
 //!
-//! # The paved path
+//! **A one-sided write between two processes.** The owner registers memory and hands its
+//! descriptor (bytes) to a peer, which writes into it without the owner taking part. Here both
+//! endpoints live in one program; in a job each is its own process and the URLs and the
+//! descriptor travel through the job's store ([`transport::new_transport_rank`] pairs two
+//! ranks that way).
 //!
-//! A rank started by `symmem run` or torchrun joins its job with [`Group::from_env`], then uses
-//! the group's store and barrier:
+//! ```
+//! use symmem::transport::{Options, RemoteBuffer, new_transport};
+//! use symmem::{DType, Tensor};
 //!
-//! ```no_run
-//! use std::time::Duration;
+//! let owner = new_transport("tcp", None, &Options::new())?;
+//! let writer = new_transport("tcp", None, &Options::new())?;
+//! let (owner_url, writer_url) = (owner.bind(None)?, writer.bind(None)?);
+//! owner.connect(&writer_url, None)?;
+//! writer.connect(&owner_url, None)?;
 //!
-//! let group = symmem::Group::from_env()?;
-//! let peers = group.all_gather_bytes("hostname", b"my-host")?;
-//! group.barrier(Duration::from_secs(30))?;
+//! // The owner: memory peers may write, and its descriptor.
+//! let weights = Tensor::zeros(&[4], DType::F32)?;
+//! let exposed = owner.register_memory(&weights)?;
+//! let descriptor: Vec<u8> = exposed.to_remote_buffer()?.serialize();
+//!
+//! // The writer: its own registered tensor, written into the owner's.
+//! let update = Tensor::from_slice(&[4], &[1.0f32, 2.0, 3.0, 4.0])?;
+//! let source = writer.register_memory(&update)?;
+//! writer.write(&source.to_view(0, None)?, &RemoteBuffer::deserialize(&descriptor)?, None)?;
+//! assert_eq!(weights.to_vec::<f32>()?, [1.0, 2.0, 3.0, 4.0]);
 //! # Ok::<(), symmem::Error>(())
 //! ```
 //!
+//! **Symmetric memory with a handle and a signal.** Every rank allocates the same tensor and
+//! rendezvouses; the handle maps every peer's buffer and signal pad. A rank started by
+//! `symmem run` or torchrun joins its job with [`Group::from_env`]; here
+//! [`group::run_threads`] plays the two ranks on threads of one program.
+//!
+//! ```
+//! use std::time::Duration;
+//!
+//! use symmem::symm::{self, Device};
+//! use symmem::{DType, Group};
+//!
+//! /// One rank's program.
+//! fn rank(group: Group) -> symmem::Result<()> {
+//!     let t = Duration::from_secs(30);
+//!     let x = symm::empty(&[4], DType::F32, Device::Cpu)?;
+//!     let h = symm::rendezvous(&x, &group)?;
+//!     if group.rank() == 0 {
+//!         x.fill(42.0f32)?; // write my buffer, then tell rank 1 it is ready
+//!         h.put_signal(1, 0, t)?;
+//!     } else {
+//!         h.wait_signal(0, 0, t)?; // rank 0's writes are visible after its signal
+//!         let theirs = h.get_remote_tensor(0, &[4], DType::F32)?;
+//!         assert_eq!(theirs.to_vec::<f32>()?, [42.0; 4]);
+//!     }
+//!     h.barrier(0, t) // nobody unmaps while a peer still reads
+//! }
+//!
+//! symmem::group::run_threads(2, rank)?; // two ranks, as threads of this program
+//! # Ok::<(), symmem::Error>(())
+//! ```
+//!
+//! **An operator.** Collectives run on symmetric tensors, with PyTorch's names and semantics,
+//! and give every rank bitwise the same result:
+//!
+//! ```
+//! use symmem::symm::{self, Device};
+//! use symmem::{DType, Group, ReduceOp, ops};
+//!
+//! fn rank(group: Group) -> symmem::Result<()> {
+//!     let x = symm::empty(&[1024], DType::F32, Device::Cpu)?;
+//!     x.fill(group.rank() as f32 + 1.0)?;
+//!     ops::all_reduce(&x, ReduceOp::Sum, &group)?; // in place; one-shot or two-shot by size
+//!     assert!(x.to_vec::<f32>()?.iter().all(|&v| v == 6.0));
+//!     Ok(())
+//! }
+//!
+//! symmem::group::run_threads(3, rank)?;
+//! # Ok::<(), symmem::Error>(())
+//! ```
+//!
+//! Custom operators are built from a handle's buffer pointers and signal pads, as
+//! `examples/custom_all_reduce.rs` shows. `docs/` describes the protocols and algorithms the
+//! code follows (the store's wire format, the transport contract, symmetric memory's signal
+//! pads and operators).
 
 pub mod config;
 mod error;

@@ -506,6 +506,34 @@ impl Group {
     }
 }
 
+/// Runs `f` as the `n` ranks of one job on threads of this process, meeting through an
+/// in-process store: for examples, tests and single-process experiments. Symmetric memory and
+/// every operator work between such ranks as between processes.
+///
+/// Returns each rank's result in rank order, or the first rank's error (by rank); a rank's
+/// panic resumes in the caller.
+///
+/// ```
+/// let ranks = symmem::group::run_threads(3, |g| Ok(g.rank() * 10))?;
+/// assert_eq!(ranks, [0, 10, 20]);
+/// # Ok::<(), symmem::Error>(())
+/// ```
+pub fn run_threads<T: Send>(n: usize, f: impl Fn(Group) -> Result<T> + Sync) -> Result<Vec<T>> {
+    let store: Arc<dyn Store> = Arc::new(crate::store::MemoryStore::new());
+    let f = &f;
+    std::thread::scope(|s| {
+        let ranks: Vec<_> = (0..n)
+            .map(|rank| {
+                let store = store.clone();
+                s.spawn(move || f(Group::new(rank, n, store)?))
+            })
+            .collect();
+        let joined: Vec<Result<T>> =
+            ranks.into_iter().map(|r| r.join().unwrap_or_else(|p| std::panic::resume_unwind(p))).collect();
+        joined.into_iter().collect()
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -7,6 +7,21 @@ use crate::ops::common::*;
 use crate::tensor::Tensor;
 
 /// All-gather: `out` (shape `[ws · d0, ...]`) receives every rank's `input` in rank order.
+///
+/// ```
+/// use symmem::symm::{self, Device};
+/// use symmem::{DType, ReduceOp, Tensor, ops};
+///
+/// symmem::group::run_threads(2, |group| {
+///     let x = symm::empty(&[2], DType::I32, Device::Cpu)?;
+///     x.fill(group.rank() as i32)?;
+///     let out = Tensor::zeros(&[4], DType::I32)?;
+///     ops::all_gather_into(&x, &group, &out)?;
+///     assert_eq!(out.to_vec::<i32>()?, [0, 0, 1, 1]);
+///     Ok(())
+/// })?;
+/// # Ok::<(), symmem::Error>(())
+/// ```
 pub fn all_gather_into(input: &Tensor, group: &Group, out: &Tensor) -> Result<()> {
     const OP: &str = "all_gather";
     let ws = group.world_size();

@@ -6,6 +6,20 @@ use crate::ops::common::*;
 use crate::tensor::Tensor;
 
 /// Broadcast in place: every rank's `input` becomes `root`'s.
+///
+/// ```
+/// use symmem::symm::{self, Device};
+/// use symmem::{DType, ReduceOp, Tensor, ops};
+///
+/// symmem::group::run_threads(2, |group| {
+///     let x = symm::empty(&[3], DType::F32, Device::Cpu)?;
+///     x.fill(if group.rank() == 1 { 7.0f32 } else { 0.0 })?;
+///     ops::broadcast_(&x, 1, &group)?; // rank 1's tensor, everywhere
+///     assert_eq!(x.to_vec::<f32>()?, [7.0; 3]);
+///     Ok(())
+/// })?;
+/// # Ok::<(), symmem::Error>(())
+/// ```
 pub fn broadcast_(input: &Tensor, root: usize, group: &Group) -> Result<()> {
     const OP: &str = "broadcast";
     if root >= group.world_size() {

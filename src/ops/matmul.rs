@@ -1,4 +1,4 @@
-//! Fused collective matmuls (`reference/torch-symm-mem-internals.md` §3.2), with
+//! Fused collective matmuls (`docs/symm-mem-algorithms.md` §4), with
 //! `matrixmultiply`'s CPU GEMM. f32 and f64 natively; f16 and bf16 through f32.
 //!
 //! - `fused_all_gather_matmul`: a helper thread pulls the peers' shards into the gathered `A`
@@ -167,6 +167,23 @@ fn check_float(op: &str, d: DType) -> Result<()> {
 /// `A = all_gather(A_shard, gather_dim)`, then `A @ B` for every `B`, with the gathering
 /// overlapped with the matmuls. `A_shard` is a 2-D symmetric tensor; `gather_dim` 0 stacks the
 /// shards' rows, 1 (the last dimension) their columns. Returns `A` when `return_a`.
+///
+/// ```
+/// use symmem::symm::{self, Device};
+/// use symmem::{DType, ReduceOp, Tensor, ops};
+///
+/// symmem::group::run_threads(2, |group| {
+///     // Each rank holds 1 row of A; every rank gets A (2 x 2) @ B.
+///     let shard = symm::empty(&[1, 2], DType::F32, Device::Cpu)?;
+///     shard.fill(group.rank() as f32 + 1.0)?;
+///     let b = Tensor::from_slice(&[2, 1], &[1.0f32, 1.0])?;
+///     let (a, outs) = ops::fused_all_gather_matmul(&shard, &[b], 0, &group, true)?;
+///     assert_eq!(a.expect("return_a").to_vec::<f32>()?, [1.0, 1.0, 2.0, 2.0]);
+///     assert_eq!(outs[0].to_vec::<f32>()?, [2.0, 4.0]);
+///     Ok(())
+/// })?;
+/// # Ok::<(), symmem::Error>(())
+/// ```
 pub fn fused_all_gather_matmul(
     a_shard: &Tensor,
     bs: &[Tensor],
@@ -300,6 +317,22 @@ fn workspace(group: &Group, bytes: usize) -> Result<(Tensor, Arc<SymmHandle>)> {
 
 /// `A @ B`, reduce-scattered across ranks along `scatter_dim` (0: rows, 1: columns) with `sum`
 /// or `avg`: rank r gets block r of `Σ_ranks A_rank @ B_rank`.
+///
+/// ```
+/// use symmem::symm::{self, Device};
+/// use symmem::{DType, ReduceOp, Tensor, ops};
+///
+/// symmem::group::run_threads(2, |group| {
+///     // Σ_ranks A @ B is 2 x 1 of 2s then 4s; rank r gets row r.
+///     let a = symm::empty(&[2, 1], DType::F32, Device::Cpu)?;
+///     a.fill(1.0f32)?;
+///     let b = Tensor::from_slice(&[1, 1], &[group.rank() as f32 + 1.0])?;
+///     let out = ops::fused_matmul_reduce_scatter(&a, &b, ReduceOp::Sum, 0, &group)?;
+///     assert_eq!(out.to_vec::<f32>()?, [3.0]);
+///     Ok(())
+/// })?;
+/// # Ok::<(), symmem::Error>(())
+/// ```
 pub fn fused_matmul_reduce_scatter(
     a: &Tensor,
     b: &Tensor,

@@ -1,5 +1,5 @@
-//! Operators on symmetric memory (`spec/symmetric-memory.md`), with PyTorch's names and
-//! semantics and its algorithms (`reference/torch-symm-mem-internals.md` §3), one module per
+//! Operators on symmetric memory (PyTorch's `torch.distributed._symmetric_memory`), with PyTorch's names and
+//! semantics and its algorithms (`docs/symm-mem-algorithms.md`), one module per
 //! collective, each with its algorithms and the one function that picks among them:
 //!
 //! ```text
@@ -138,6 +138,19 @@ operators! {
 }
 
 /// Operators that need GPU hardware: they answer with what they need.
+///
+/// ```
+/// use symmem::{DType, Error, ReduceOp, Tensor, ops};
+///
+/// symmem::group::run_threads(1, |group| {
+///     let x = Tensor::zeros(&[4], DType::F32)?;
+///     let e = ops::multimem_all_reduce_(&x, ReduceOp::Sum, &group).unwrap_err();
+///     assert!(matches!(e, Error::Unsupported { .. }), "{e}");
+///     assert!(e.to_string().contains("multicast"), "{e}");
+///     Ok(())
+/// })?;
+/// # Ok::<(), symmem::Error>(())
+/// ```
 pub fn multimem_all_reduce_(_input: &Tensor, _op: ReduceOp, _group: &Group) -> Result<()> {
     Err(unsupported("multimem_all_reduce_", "NVLink SHARP multicast (multimem) on CUDA devices"))
 }

@@ -1,5 +1,5 @@
 //! Reduce-scatter: `reduce_scatter_out` (the first half of the two-shot all-reduce) and
-//! `reduce_scatter_offset` (`reference/torch-symm-mem-internals.md` §3.5: blocks of a 2-D input
+//! `reduce_scatter_offset` (`docs/symm-mem-algorithms.md` §6: blocks of a 2-D input
 //! reduced to their owners), pulled from the peers between two barriers.
 
 use crate::error::Result;
@@ -11,6 +11,22 @@ use crate::tensor::Tensor;
 /// Reduce-scatter: rank r's `out` receives slice r of the reduction. Without
 /// `split_last_dim`, `input` and `out` are 1-D and slice r is the r-th 1/ws of `input`; with
 /// it, slice r is the r-th block of columns of the last dimension.
+///
+/// ```
+/// use symmem::symm::{self, Device};
+/// use symmem::{DType, ReduceOp, Tensor, ops};
+///
+/// symmem::group::run_threads(2, |group| {
+///     let x = symm::empty(&[4], DType::F32, Device::Cpu)?;
+///     x.copy_from_slice(&[1.0f32, 2.0, 3.0, 4.0])?;
+///     let out = Tensor::zeros(&[2], DType::F32)?; // slice `rank` of the sum
+///     ops::reduce_scatter_out(&x, ReduceOp::Sum, &group, false, &out)?;
+///     let want = if group.rank() == 0 { [2.0, 4.0] } else { [6.0, 8.0] };
+///     assert_eq!(out.to_vec::<f32>()?, want);
+///     Ok(())
+/// })?;
+/// # Ok::<(), symmem::Error>(())
+/// ```
 pub fn reduce_scatter_out(
     input: &Tensor,
     op: ReduceOp,
@@ -82,6 +98,23 @@ pub fn reduce_scatter_out(
 /// blocks) and goes to rank `dst_ranks[i]` (default `i % ws`), which receives the reduction in
 /// `out[j]`, j counting the blocks it owns. Every rank must own the same number of blocks, and
 /// the j-th owned block must have the same size on every rank. `input` is left unmodified.
+///
+/// ```
+/// use symmem::symm::{self, Device};
+/// use symmem::{DType, ReduceOp, Tensor, ops};
+///
+/// symmem::group::run_threads(2, |group| {
+///     // Blocks of 1, 1, 3 and 3 rows (offsets are inclusive prefix sums), dealt round-robin:
+///     // each rank receives the sum of a 1-row block and of a 3-row block.
+///     let x = symm::empty(&[8, 2], DType::F32, Device::Cpu)?;
+///     x.fill(1.0f32)?;
+///     let out = [Tensor::zeros(&[1, 2], DType::F32)?, Tensor::zeros(&[3, 2], DType::F32)?];
+///     ops::reduce_scatter_offset(&x, &out, &group, 0, Some(&[1, 2, 5, 8]), None, ReduceOp::Sum)?;
+///     assert_eq!(out[1].to_vec::<f32>()?, [2.0; 6]);
+///     Ok(())
+/// })?;
+/// # Ok::<(), symmem::Error>(())
+/// ```
 pub fn reduce_scatter_offset(
     input: &Tensor,
     out: &[Tensor],

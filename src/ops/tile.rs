@@ -1,5 +1,5 @@
 //! Tile reductions on strided 2-D views of symmetric tensors
-//! (`reference/torch-symm-mem-internals.md` §3.4): only the root's `out_tile` receives the
+//! (`docs/symm-mem-algorithms.md` §6): only the root's `out_tile` receives the
 //! reduction of every rank's tile; the other ranks contribute and synchronize.
 
 use super::check::{Stamp, enter};
@@ -59,6 +59,23 @@ fn reduce_tile(h: &SymmHandle, t: &Tensor, out: &Tensor, op: ReduceOp) -> Result
 
 /// Reduces every rank's `in_tile` (a strided 2-D view of a symmetric tensor, the same view on
 /// every rank) into `root`'s `out_tile`.
+///
+/// ```
+/// use symmem::symm::{self, Device};
+/// use symmem::{DType, ReduceOp, Tensor, ops};
+///
+/// symmem::group::run_threads(2, |group| {
+///     let full = symm::empty(&[4, 4], DType::F32, Device::Cpu)?;
+///     full.fill(group.rank() as f32 + 1.0)?;
+///     let quadrant = full.tile(2..4, 2..4)?; // a strided view of the symmetric tensor
+///     let out = Tensor::zeros(&[2, 2], DType::F32)?;
+///     ops::tile_reduce(&quadrant, &out, 0, &group, ReduceOp::Sum)?;
+///     let want = if group.rank() == 0 { 3.0 } else { 0.0 }; // only the root receives it
+///     assert_eq!(out.to_vec::<f32>()?, [want; 4]);
+///     Ok(())
+/// })?;
+/// # Ok::<(), symmem::Error>(())
+/// ```
 pub fn tile_reduce(in_tile: &Tensor, out_tile: &Tensor, root: usize, group: &Group, op: ReduceOp) -> Result<()> {
     const OP: &str = "tile_reduce";
     check_tile(OP, in_tile, out_tile)?;
@@ -74,6 +91,23 @@ pub fn tile_reduce(in_tile: &Tensor, out_tile: &Tensor, root: usize, group: &Gro
 
 /// Several tile reductions at once: tile i is reduced into the `out_tile` of rank `roots[i]`;
 /// each rank is a root at most once.
+///
+/// ```
+/// use symmem::symm::{self, Device};
+/// use symmem::{DType, ReduceOp, Tensor, ops};
+///
+/// symmem::group::run_threads(2, |group| {
+///     let full = symm::empty(&[2, 4], DType::F32, Device::Cpu)?;
+///     full.fill(1.0f32)?;
+///     // The left half is reduced into rank 0's out, the right half into rank 1's.
+///     let tiles = [full.tile(0..2, 0..2)?, full.tile(0..2, 2..4)?];
+///     let out = Tensor::zeros(&[2, 2], DType::F32)?;
+///     ops::multi_root_tile_reduce(&tiles, &out, &[0, 1], &group, ReduceOp::Sum)?;
+///     assert_eq!(out.to_vec::<f32>()?, [2.0; 4]);
+///     Ok(())
+/// })?;
+/// # Ok::<(), symmem::Error>(())
+/// ```
 pub fn multi_root_tile_reduce(
     in_tiles: &[Tensor],
     out_tile: &Tensor,

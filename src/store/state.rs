@@ -2,7 +2,7 @@
 //! machines with no I/O (the quinn-proto split). The TCP server feeds them decoded requests and
 //! sends the replies they produce; the in-process store uses the same state directly.
 //!
-//! Semantics follow torch's libuv server (`reference/torch-tcpstore-protocol.md` §3): GET of a
+//! Semantics follow torch's libuv server (`docs/tcpstore-protocol.md` §3): GET of a
 //! missing key answers an empty value, COMPARE_SET and QUEUE_PUSH wake waiters, ADD stores ASCII
 //! decimal. Replies may go to other connections than the one that sent the request: a SET wakes
 //! every connection whose WAIT it completes.

@@ -1,5 +1,5 @@
 //! Symmetric memory: every rank allocates the same buffer, [`rendezvous`] gives access to every
-//! peer's, and signal pads synchronize them (`spec/symmetric-memory.md`).
+//! peer's, and signal pads synchronize them (PyTorch's `torch.distributed._symmetric_memory`).
 //!
 //! ```text
 //!   empty(shape, dtype)  ──▶ a tensor over a new shared segment [header | pad | data]

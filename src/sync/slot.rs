@@ -1,8 +1,8 @@
 //! The signal-pad slot protocol: PyTorch's self-resetting slots, plus sleeping.
 //!
 //! A pad is an array of `u32` slots; the slot that rank `src` signals on channel `c` of rank
-//! `dst`'s pad is `pad_dst[c * world_size + src]` (`reference/torch-symm-mem-internals.md`
-//! §2.2). PyTorch's protocol (§2.3): put turns 0 into 1 and blocks while the slot is still 1
+//! `dst`'s pad is `pad_dst[c * world_size + src]` (`docs/symm-mem-algorithms.md`
+//! §1). PyTorch's protocol (§2 there): put turns 0 into 1 and blocks while the slot is still 1
 //! (the previous signal not yet consumed); wait turns 1 into 0. Signals are boolean and the
 //! pad returns to all zeros after balanced use.
 //!

@@ -1,4 +1,4 @@
-//! One-sided transports (`spec/transport.md`): register memory, hand a descriptor to a peer,
+//! One-sided transports (PyTorch's `torch.distributed._transport`; `docs/transport-contract.md`): register memory, hand a descriptor to a peer,
 //! and the peer reads or writes it without the owner taking part.
 //!
 //! ```text
@@ -932,7 +932,7 @@ pub fn new_transport(backend: &str, device: Option<Device>, options: &Options) -
 }
 
 /// Constructs, binds and connects a transport to `peer_rank` through `store`, PyTorch's way
-/// (`reference/torch-transport-contract.md` §3, variant A): the Nth call on each side meets the
+/// (`docs/transport-contract.md` §2): the Nth call on each side meets the
 /// Nth call on the other, failed calls included, so one store can pair a rank with every other.
 /// `bootstrap_timeout` bounds bind, each store wait and connect.
 pub fn new_transport_rank(

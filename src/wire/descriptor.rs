@@ -1,5 +1,5 @@
 //! The versioned JSON envelope of remote-buffer descriptors, byte-compatible with PyTorch's
-//! `_serialization._WireDescriptor` (`reference/torch-transport-contract.md` §2):
+//! `_serialization._WireDescriptor` (`docs/transport-contract.md` §1):
 //!
 //! ```text
 //! {"version":1,"backend":"<name>","fields":{...}}

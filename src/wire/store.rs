@@ -1,7 +1,7 @@
 //! PyTorch's TCPStore wire protocol (torch 2.15), plus symmem's authentication extension.
 //!
 //! Every message is one query-type byte followed by fields; there is no length header, so a
-//! message's length comes only from its fields (`reference/torch-tcpstore-protocol.md` §1–§2).
+//! message's length comes only from its fields (`docs/tcpstore-protocol.md` §1–§2).
 //! Integers are little-endian; `str` and `bytes` are a `u64` length followed by raw bytes.
 //!
 //! This module is pure: it turns bytes into [`Request`]s and [`Reply`]s and back, and never does
@@ -785,7 +785,7 @@ mod tests {
         out
     }
 
-    /// The byte captures of `reference/torch-tcpstore-protocol.md` §3–§4, from a torch client.
+    /// The byte captures of `docs/tcpstore-protocol.md` §3, from a torch client.
     #[test]
     fn matches_torch_captures() {
         let cases = [

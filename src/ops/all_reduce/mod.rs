@@ -59,6 +59,20 @@ pub fn select(bytes: usize, world_size: usize, ranks_per_host: usize, hosts: usi
 }
 
 /// Out-of-place all-reduce of a symmetric tensor, reading every peer's copy (latency-optimal).
+///
+/// ```
+/// use symmem::symm::{self, Device};
+/// use symmem::{DType, ReduceOp, Tensor, ops};
+///
+/// symmem::group::run_threads(2, |group| {
+///     let x = symm::empty(&[4], DType::F32, Device::Cpu)?;
+///     x.fill(group.rank() as f32 + 1.0)?;
+///     let sum = ops::one_shot_all_reduce(&x, ReduceOp::Sum, &group)?;
+///     assert_eq!(sum.to_vec::<f32>()?, [3.0; 4]);
+///     Ok(())
+/// })?;
+/// # Ok::<(), symmem::Error>(())
+/// ```
 pub fn one_shot_all_reduce(input: &Tensor, op: ReduceOp, group: &Group) -> Result<Tensor> {
     let out = Tensor::zeros(input.shape(), input.dtype())?;
     one_shot_all_reduce_out(input, op, group, &out)?;
@@ -66,6 +80,21 @@ pub fn one_shot_all_reduce(input: &Tensor, op: ReduceOp, group: &Group) -> Resul
 }
 
 /// [`one_shot_all_reduce`] into `out` (any contiguous tensor of the same shape and dtype).
+///
+/// ```
+/// use symmem::symm::{self, Device};
+/// use symmem::{DType, ReduceOp, Tensor, ops};
+///
+/// symmem::group::run_threads(2, |group| {
+///     let x = symm::empty(&[4], DType::F32, Device::Cpu)?;
+///     x.fill(group.rank() as f32 + 1.0)?;
+///     let out = Tensor::zeros(&[4], DType::F32)?; // any memory
+///     ops::one_shot_all_reduce_out(&x, ReduceOp::Max, &group, &out)?;
+///     assert_eq!(out.to_vec::<f32>()?, [2.0; 4]);
+///     Ok(())
+/// })?;
+/// # Ok::<(), symmem::Error>(())
+/// ```
 pub fn one_shot_all_reduce_out(input: &Tensor, op: ReduceOp, group: &Group, out: &Tensor) -> Result<()> {
     const OP: &str = "one_shot_all_reduce";
     same_shape(OP, input, out)?;
@@ -81,6 +110,20 @@ pub fn one_shot_all_reduce_out(input: &Tensor, op: ReduceOp, group: &Group, out:
 
 /// In-place all-reduce of a symmetric tensor: every rank reduces one slice and pushes it to all
 /// (bandwidth-optimal).
+///
+/// ```
+/// use symmem::symm::{self, Device};
+/// use symmem::{DType, ReduceOp, Tensor, ops};
+///
+/// symmem::group::run_threads(2, |group| {
+///     let x = symm::empty(&[1 << 16], DType::BF16, Device::Cpu)?;
+///     x.fill(half::bf16::from_f32(group.rank() as f32 + 1.0))?;
+///     ops::two_shot_all_reduce_(&x, ReduceOp::Avg, &group)?; // in place, f32 accumulation
+///     assert!(x.to_vec::<half::bf16>()?.iter().all(|v| v.to_f32() == 1.5));
+///     Ok(())
+/// })?;
+/// # Ok::<(), symmem::Error>(())
+/// ```
 pub fn two_shot_all_reduce_(input: &Tensor, op: ReduceOp, group: &Group) -> Result<()> {
     const OP: &str = "two_shot_all_reduce_";
     reducible(OP, input)?;
@@ -119,6 +162,21 @@ fn two_shot_in_place(input: &Tensor, op: ReduceOp, h: &symm::SymmHandle) -> Resu
 
 /// Out-of-place two-shot all-reduce into `out`. Like PyTorch's, it also leaves this rank's
 /// reduced slice in `input`.
+///
+/// ```
+/// use symmem::symm::{self, Device};
+/// use symmem::{DType, ReduceOp, Tensor, ops};
+///
+/// symmem::group::run_threads(2, |group| {
+///     let x = symm::empty(&[1024], DType::I64, Device::Cpu)?;
+///     x.fill(group.rank() as i64 * 10)?;
+///     let out = Tensor::zeros(&[1024], DType::I64)?;
+///     ops::two_shot_all_reduce_out(&x, ReduceOp::Sum, &group, &out)?;
+///     assert_eq!(out.to_vec::<i64>()?, vec![10; 1024]);
+///     Ok(())
+/// })?;
+/// # Ok::<(), symmem::Error>(())
+/// ```
 pub fn two_shot_all_reduce_out(input: &Tensor, op: ReduceOp, group: &Group, out: &Tensor) -> Result<()> {
     const OP: &str = "two_shot_all_reduce_out";
     same_shape(OP, input, out)?;
@@ -154,6 +212,20 @@ pub const ONE_SHOT_MAX: usize = 8 * 1024;
 /// synchronization per call; larger ones two-shot. Across hosts, hosts exchange their inputs
 /// in one message each up to a few hundred KiB, two-shot above; results are bitwise those of
 /// one host.
+///
+/// ```
+/// use symmem::symm::{self, Device};
+/// use symmem::{DType, ReduceOp, Tensor, ops};
+///
+/// symmem::group::run_threads(2, |group| {
+///     let x = symm::empty(&[8], DType::F64, Device::Cpu)?;
+///     x.fill(group.rank() as f64)?;
+///     ops::all_reduce(&x, ReduceOp::Min, &group)?; // picks one-shot or two-shot by size
+///     assert_eq!(x.to_vec::<f64>()?, [0.0; 8]);
+///     Ok(())
+/// })?;
+/// # Ok::<(), symmem::Error>(())
+/// ```
 pub fn all_reduce(tensor: &Tensor, op: ReduceOp, group: &Group) -> Result<()> {
     const OP: &str = "all_reduce";
     reducible(OP, tensor)?;

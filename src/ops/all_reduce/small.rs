@@ -1,5 +1,5 @@
 //! The small-message all-reduce: one synchronization per call (DeepSpeed's "symmetric naive"
-//! scheme, `reference/torch-symm-mem-internals.md` §4.1, with epoch counters).
+//! scheme, `docs/symm-mem-algorithms.md` §3, with epoch counters).
 //!
 //! ```text
 //!   per group, a symmetric workspace:

@@ -1,6 +1,6 @@
 //! All-to-all: equal splits ([`all_to_all`], pulled, or host-pushed across hosts), n-d
-//! ([`all_to_all_nd`], `reference/torch-symm-mem-internals.md` §3.6), and the variable-split
-//! family of `vdev.rs` (§3.3).
+//! ([`all_to_all_nd`], `docs/symm-mem-algorithms.md` §6), and the variable-split
+//! family of `vdev.rs` (`docs/symm-mem-algorithms.md` §5).
 
 mod host_push;
 mod vdev;
@@ -44,6 +44,23 @@ pub const ALL_TO_ALL_PUSH_MAX: usize = 512 << 10;
 
 /// Equal-split all-to-all: `input` and `out` have the same shape, the first dimension divisible
 /// by the world size; block j of rank i's `out` is block i of rank j's `input`.
+///
+/// ```
+/// use symmem::symm::{self, Device};
+/// use symmem::{DType, ReduceOp, Tensor, ops};
+///
+/// symmem::group::run_threads(2, |group| {
+///     let r = group.rank() as i32;
+///     let x = symm::empty(&[4], DType::I32, Device::Cpu)?;
+///     x.copy_from_slice(&[10 * r, 10 * r + 1, 10 * r + 2, 10 * r + 3])?;
+///     let out = Tensor::zeros(&[4], DType::I32)?;
+///     ops::all_to_all(&x, &out, &group)?; // block j of my out is block `rank` of peer j's input
+///     let want = if r == 0 { [0, 1, 10, 11] } else { [2, 3, 12, 13] };
+///     assert_eq!(out.to_vec::<i32>()?, want);
+///     Ok(())
+/// })?;
+/// # Ok::<(), symmem::Error>(())
+/// ```
 pub fn all_to_all(input: &Tensor, out: &Tensor, group: &Group) -> Result<()> {
     const OP: &str = "all_to_all";
     same_shape(OP, input, out)?;
@@ -79,6 +96,24 @@ pub fn all_to_all(input: &Tensor, out: &Tensor, group: &Group) -> Result<()> {
 ///   `[G, rows, lc]` (or `[G·rows, lc]`); `out[j]` is peer j's column block r (r = this rank);
 /// - `(scatter_dim 0, gather_dim 1)`: input `[G·lr, cols]` (or `[G, lr, cols]`), out
 ///   `[lr, G, cols]` (or `[lr, G·cols]`); `out[:, j, :]` is peer j's row block r.
+///
+/// ```
+/// use symmem::symm::{self, Device};
+/// use symmem::{DType, ReduceOp, Tensor, ops};
+///
+/// symmem::group::run_threads(2, |group| {
+///     // Scatter columns, gather rows: input [rows 1, 2 ranks x 2 columns], out [2, 1, 2].
+///     let r = group.rank() as f32;
+///     let x = symm::empty(&[1, 4], DType::F32, Device::Cpu)?;
+///     x.copy_from_slice(&[r, r, r + 10.0, r + 10.0])?;
+///     let out = Tensor::zeros(&[2, 1, 2], DType::F32)?;
+///     ops::all_to_all_nd(&x, &out, 1, 0, &group)?;
+///     let want = if r == 0.0 { [0.0, 0.0, 1.0, 1.0] } else { [10.0, 10.0, 11.0, 11.0] };
+///     assert_eq!(out.to_vec::<f32>()?, want);
+///     Ok(())
+/// })?;
+/// # Ok::<(), symmem::Error>(())
+/// ```
 pub fn all_to_all_nd(input: &Tensor, out: &Tensor, scatter_dim: usize, gather_dim: usize, group: &Group) -> Result<()> {
     const OP: &str = "all_to_all_nd";
     let g = group.world_size();

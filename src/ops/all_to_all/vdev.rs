@@ -1,5 +1,5 @@
 //! All-to-all-v on symmetric memory, with PyTorch's layouts
-//! (`reference/torch-symm-mem-internals.md` §3.3). Units are rows of dimension 0.
+//! (`docs/symm-mem-algorithms.md` §5). Units are rows of dimension 0.
 //!
 //! Every operator pulls: after a barrier, each rank reads its peers' splits (and offsets) from
 //! their symmetric split tensors, computes where everything lands, and copies its rows out of
@@ -116,6 +116,28 @@ fn finish(h: &SymmHandle, outcome: Result<()>) -> Result<()> {
 /// All-to-all with per-peer row counts: `in_splits[p]` rows (contiguous, in peer order) go to
 /// peer p; `out_splits_offsets[0]` receives how many rows came from each peer and `[1]` where
 /// they start in `out`. `input` and `in_splits` must be symmetric; `out` must hold them all.
+///
+/// ```
+/// use symmem::symm::{self, Device};
+/// use symmem::{DType, ReduceOp, Tensor, ops};
+///
+/// symmem::group::run_threads(2, |group| {
+///     // Rank 0 sends 1 row to rank 0 and 2 to rank 1; rank 1 sends 3 and 1.
+///     let me = group.rank();
+///     let input = symm::empty(&[4, 2], DType::F32, Device::Cpu)?;
+///     input.fill(me as f32)?;
+///     let splits = symm::empty(&[2], DType::I64, Device::Cpu)?;
+///     splits.copy_from_slice(&[[1i64, 2], [3, 1]][me])?;
+///     let out = symm::empty(&[8, 2], DType::F32, Device::Cpu)?; // room for the worst case
+///     let got = symm::empty(&[2, 2], DType::I64, Device::Cpu)?;
+///     ops::all_to_all_vdev(&input, &out, &splits, &got, &group)?;
+///     // Rows received from each peer, then where they start in `out`.
+///     let want: [i64; 4] = if me == 0 { [1, 3, 0, 1] } else { [2, 1, 0, 2] };
+///     assert_eq!(got.to_vec::<i64>()?, want);
+///     Ok(())
+/// })?;
+/// # Ok::<(), symmem::Error>(())
+/// ```
 pub fn all_to_all_vdev(
     input: &Tensor,
     out: &Tensor,
@@ -171,6 +193,26 @@ pub fn all_to_all_vdev(
 /// `e·ws + src`), each expert's segment padded to a multiple of `major_align` rows (an empty
 /// expert still takes `major_align`). `out_splits_offsets` receives the splits and the padded
 /// offsets, and must be symmetric to be fed to [`all_to_all_vdev_2d_offset`].
+///
+/// ```
+/// use symmem::symm::{self, Device};
+/// use symmem::{DType, ReduceOp, Tensor, ops};
+///
+/// symmem::group::run_threads(2, |group| {
+///     // Two experts per rank; every rank sends one row to each expert of each rank.
+///     let input = symm::empty(&[4, 2], DType::F32, Device::Cpu)?;
+///     input.fill(group.rank() as f32)?;
+///     let splits = symm::empty(&[4], DType::I64, Device::Cpu)?; // rank-major: dst * 2 + e
+///     splits.fill(1i64)?;
+///     let out = symm::empty(&[16, 2], DType::F32, Device::Cpu)?;
+///     let got = symm::empty(&[2, 4], DType::I64, Device::Cpu)?; // expert-major: e * 2 + src
+///     ops::all_to_all_vdev_2d(&input, &out, &splits, &got, &group, Some(4))?;
+///     // Each expert's segment is padded to 4 rows: offsets 0, 1 and then 4, 5.
+///     assert_eq!(got.to_vec::<i64>()?, [1, 1, 1, 1, 0, 1, 4, 5]);
+///     Ok(())
+/// })?;
+/// # Ok::<(), symmem::Error>(())
+/// ```
 pub fn all_to_all_vdev_2d(
     input: &Tensor,
     out: &Tensor,
@@ -253,6 +295,26 @@ pub fn all_to_all_vdev_2d(
 /// The combine of [`all_to_all_vdev_2d`]: the input is expert-major (split `e·ws + dst`) at the
 /// explicit offsets of `in_splits_offsets[1]` (gaps are skipped), the output rank-major (split
 /// `src·ne + e`), packed. `in_splits_offsets` must be symmetric.
+///
+/// ```
+/// use symmem::symm::{self, Device};
+/// use symmem::{DType, ReduceOp, Tensor, ops};
+///
+/// symmem::group::run_threads(2, |group| {
+///     // Dispatch to experts, then combine back: the round trip returns the input.
+///     let input = symm::empty(&[4, 2], DType::F32, Device::Cpu)?;
+///     input.copy_from_slice(&(0..8).map(|i| (group.rank() * 100 + i) as f32).collect::<Vec<_>>())?;
+///     let splits = symm::empty(&[4], DType::I64, Device::Cpu)?;
+///     splits.fill(1i64)?;
+///     let (mid, mid_splits) = (symm::empty(&[16, 2], DType::F32, Device::Cpu)?, symm::empty(&[2, 4], DType::I64, Device::Cpu)?);
+///     ops::all_to_all_vdev_2d(&input, &mid, &splits, &mid_splits, &group, Some(4))?;
+///     let (back, back_splits) = (symm::empty(&[4, 2], DType::F32, Device::Cpu)?, symm::empty(&[2, 4], DType::I64, Device::Cpu)?);
+///     ops::all_to_all_vdev_2d_offset(&mid, &back, &mid_splits, &back_splits, &group)?;
+///     assert_eq!(back.to_vec::<f32>()?, input.to_vec::<f32>()?);
+///     Ok(())
+/// })?;
+/// # Ok::<(), symmem::Error>(())
+/// ```
 pub fn all_to_all_vdev_2d_offset(
     input: &Tensor,
     out: &Tensor,

@@ -1275,6 +1275,8 @@ pub fn plot(rows: &[BenchResult], path: &std::path::Path) -> Result<()> {
     if lines.is_empty() {
         return Err(Error::InvalidArgument("nothing to plot: no result has a message size".into()));
     }
+    // symmem's lines first (drawn under nothing, listed first), then the baselines.
+    lines.sort_by_key(|l| l.baseline);
     let main =
         rows.iter().find(|r| !r.extra.get("note").and_then(|n| n.as_str()).unwrap_or("").starts_with("baseline"));
     let main = main.unwrap_or(&rows[0]);
@@ -1308,7 +1310,12 @@ pub fn plot(rows: &[BenchResult], path: &std::path::Path) -> Result<()> {
 fn size_ticks(lo: f64, hi: f64) -> Vec<f64> {
     let (a, b) = (lo.log2().floor() as i32, hi.log2().ceil() as i32);
     let step = ((b - a) / 8 + 1).max(1);
-    (a..=b).step_by(step as usize).map(|e| 2f64.powi(e)).collect()
+    // The smallest and the largest size always have their labels; between them, every
+    // `step`-th power of two that is not crowding the last.
+    let mut v: Vec<f64> =
+        (a..b).step_by(step as usize).filter(|&e| e == a || b - e >= step).map(|e| 2f64.powi(e)).collect();
+    v.push(2f64.powi(b));
+    v
 }
 
 /// Decades and their 2 and 5 multiples between `lo` and `hi`, for a log value axis.

@@ -446,7 +446,10 @@ fn bench_collectives_report_nccl_tests_fields_and_plot() {
     }
     let drawn = std::fs::read_to_string(&svg).unwrap();
     assert!(drawn.contains("<svg") && drawn.contains("time per operation") && drawn.contains("busbw"), "an SVG plot");
-    assert!(drawn.contains("64 KiB") && drawn.contains("3 ranks on 1 host"), "ticks in KiB (the largest size labelled) and a title");
+    assert!(
+        drawn.contains("64 KiB") && drawn.contains("3 ranks on 1 host"),
+        "ticks in KiB (the largest size labelled) and a title"
+    );
     // The CSV carries the same fields, and the other collectives their own bus factor.
     for op in ["all-gather", "reduce-scatter", "all-to-all", "all-to-all-v"] {
         let out = symmem(&["bench", op, "--csv", "--ranks", "2", "--sizes", "4K", "--iters", "20", "--no-baseline"]);

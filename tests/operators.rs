@@ -77,9 +77,11 @@ fn the_native_module_binds_registers_and_declares_exactly_the_table() {
         assert!(bindings.contains(&format!("{}(", op.rust)), "the binding of {native} does not call {}", op.rust);
         assert!(declared.contains(native), "{native} is not declared in _native.pyi");
     }
-    // What the native module has beyond the operators: its setup functions.
+    // What the native module has beyond the operators: its setup functions, and the CLI.
     let setup: BTreeSet<String> =
-        ["world", "empty", "rendezvous", "available_transports", "new_transport_rank"].map(String::from).into();
+        ["world", "empty", "rendezvous", "available_transports", "new_transport_rank", "cli_main"]
+            .map(String::from)
+            .into();
     for name in &registered {
         assert!(natives.contains(name) || setup.contains(name), "{name} is registered but not in ops::OPERATORS");
     }

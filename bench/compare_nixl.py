@@ -31,12 +31,20 @@ os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 WINDOW = 16
 
 
-def parse_size(s):
-    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-    s = s.strip().upper().removesuffix("B").removesuffix("I")
-    if s[-1] in units:
-        return int(s[:-1]) * units[s[-1]]
-    return int(s)
+def parse_sizes(text):
+    """Sizes through symmem's one size parser (the `symmem` command the wheel installs, or the
+    cargo-built one): B, K or KiB, M or MiB, G or GiB, separated by commas or spaces."""
+    import os
+    import shutil
+    import subprocess
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    exe = shutil.which("symmem", path=os.path.dirname(sys.executable)) or shutil.which("symmem")
+    exe = exe or os.path.join(here, "..", "target", "release", "symmem")
+    out = subprocess.run([exe, "__sizes", text], capture_output=True, text=True)
+    if out.returncode != 0:
+        sys.exit(out.stderr.strip())
+    return [int(v) for v in out.stdout.split()]
 
 
 def fmt_size(n):
@@ -143,10 +151,12 @@ def run_backend(backend, sizes, budget):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--backends", default="symmem,nixl", help="comma-separated; symmem-py = symmem's own API")
-    ap.add_argument("--sizes", default="8,64,512,4K,64K,256K,1M,4M,16M,64M", help="comma-separated, K/M suffixes")
+    ap.add_argument(
+        "--sizes", default="8,64,512,4K,64K,256K,1M,4M,16M,64M", help="B, K/KiB, M/MiB or G/GiB, commas or spaces"
+    )
     ap.add_argument("--budget", type=float, default=0.3, help="seconds per measurement (approx.)")
     args = ap.parse_args()
-    sizes = [parse_size(s) for s in args.sizes.split(",")]
+    sizes = parse_sizes(args.sizes)
     results = {b: run_backend(b, sizes, args.budget) for b in args.backends.split(",")}
     names = list(results)
     print()

@@ -172,7 +172,7 @@ proptest! {
         }
         // Descriptors with any offset and length decode only when they cannot overflow.
         let text = format!(
-            r#"{{"version":1,"backend":"shm","fields":{{"buffer_id":1,"offset":{so},"length":{sl},"access_key":"AAAAAAAAAAAAAAAAAAAAAA==","writable":1}}}}"#
+            r#"{{"version":1,"backend":"shm","fields":{{"buffer_id":1,"offset":{so},"length":{sl},"access_key":"AAAAAAAAAAAAAAAAAAAAAA==","writable":1,"endpoint":0}}}}"#
         );
         let r = RemoteBuffer::deserialize(text.as_bytes());
         prop_assert!(r.is_ok() == so.checked_add(sl).is_some(), "{r:?}");

@@ -24,6 +24,15 @@ fn opts(pairs: &[(&str, &str)]) -> Options {
     pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
 }
 
+/// The backend's own URL inside a transport's (without the `#e=` endpoint id), to build a
+/// composite URL from.
+fn backend_url(mut url: Vec<u8>) -> Vec<u8> {
+    if let Some(at) = url.windows(3).rposition(|w| w == b"#e=") {
+        url.truncate(at);
+    }
+    url
+}
+
 /// Two connected endpoints of `backend`.
 fn pair(backend: &str) -> (Transport, Transport) {
     let a = new_transport(backend, None, &Options::new()).unwrap();
@@ -737,7 +746,7 @@ fn auto_composes_its_members_and_reports_the_chosen_paths_caps() {
 
     // A peer that offers tcp and a backend this build does not know.
     let peer = new_transport("tcp", None, &Options::new()).unwrap();
-    let tcp_url = peer.bind(None).unwrap();
+    let tcp_url = backend_url(peer.bind(None).unwrap());
     let b64 = |u: &[u8]| base64::Engine::encode(&base64::engine::general_purpose::URL_SAFE_NO_PAD, u);
     let url = format!("auto://?rdma={}&tcp={}", b64(b"rdma://elsewhere"), b64(&tcp_url));
     let a = new_transport("auto", None, &Options::new()).unwrap();
@@ -755,7 +764,7 @@ fn auto_composes_its_members_and_reports_the_chosen_paths_caps() {
 
     // An shm URL naming another host is passed over without being tried.
     let shm = new_transport("shm", None, &Options::new()).unwrap();
-    let shm_url = String::from_utf8(shm.bind(None).unwrap()).unwrap();
+    let shm_url = String::from_utf8(backend_url(shm.bind(None).unwrap())).unwrap();
     let host = shm_url.strip_prefix("shm://").unwrap().split('?').next().unwrap().to_string();
     let elsewhere = shm_url.replacen(&host, "another-host", 1);
     let a = new_transport("auto", None, &Options::new()).unwrap();
@@ -863,4 +872,34 @@ fn without_libucx_the_ucx_backend_says_why_and_the_rest_works() {
         return;
     }
     assert!(out.status.success() && text.contains("ucx hidden ok"), "{text}\n{errs}");
+}
+
+/// A descriptor names its owner's endpoint; a transport refuses one of another endpoint than
+/// its peer before anything moves (PyTorch's NIXL backend does the same), and a URL with a
+/// malformed endpoint id is refused.
+#[test]
+fn descriptors_of_another_endpoint_are_refused_before_anything_moves() {
+    for backend in ["tcp", "shm", "auto", "symmem"] {
+        let (a, b) = pair(backend);
+        let c = new_transport(backend, None, &Options::new()).unwrap();
+        c.bind(None).unwrap();
+        let stranger = c.register_memory(&Tensor::zeros(&[8], DType::U8).unwrap()).unwrap();
+        let src = a.register_memory(&bytes(8, 1)).unwrap();
+        let err = a.write(&src.to_view(0, None).unwrap(), &descriptor(&stranger), None).unwrap_err();
+        assert!(
+            matches!(err, symmem::Error::InvalidArgument(ref m) if m.contains("does not belong to the connected peer")),
+            "{backend}: {err}"
+        );
+        // The peer's own still works.
+        let dst = Tensor::zeros(&[8], DType::U8).unwrap();
+        let md = b.register_memory(&dst).unwrap();
+        a.write(&src.to_view(0, None).unwrap(), &descriptor(&md), None).unwrap();
+        assert_eq!(dst.to_vec::<u8>().unwrap(), bytes(8, 1).to_vec::<u8>().unwrap(), "{backend}");
+    }
+    let (a, b) =
+        (new_transport("tcp", None, &Options::new()).unwrap(), new_transport("tcp", None, &Options::new()).unwrap());
+    let mut url = backend_url(b.bind(None).unwrap());
+    url.extend_from_slice(b"#e=not-hex-at-all");
+    let err = a.connect(&url, None).unwrap_err().to_string();
+    assert!(err.contains("bad endpoint id"), "{err}");
 }

@@ -104,7 +104,7 @@ def test_torch_contract_details():
         SymmemRemoteBuffer.deserialize("not bytes")
     with pytest.raises(TypeError, match="tensor must be a torch.Tensor"):
         trainer.register_memory([1, 2, 3])
-    with pytest.raises(TypeError, match="another transport"):
+    with pytest.raises(TypeError, match="not registered by this transport"):
         trainer.write(my.to_view(), remote)
     with pytest.raises(TypeError):
         trainer.read(mx.to_view(), remote)  # a read needs a mutable view

@@ -27,6 +27,9 @@ struct Member {
 
 /// The `auto` backend.
 pub struct AutoBackend {
+    /// Its registered name, as its descriptors carry it: `auto`, or `symmem` (the name PyTorch
+    /// knows it by).
+    name: &'static str,
     members: Vec<Member>,
     /// The member connected through.
     chosen: Mutex<Option<usize>>,
@@ -38,6 +41,11 @@ impl AutoBackend {
     /// A backend; each option goes to the members that take it (`timeout` to all; `flows`,
     /// `host`, `chunk_size`, `auth` to tcp). An option no member takes is an error.
     pub fn new(options: &Options) -> Result<AutoBackend> {
+        AutoBackend::named("auto", options)
+    }
+
+    /// [`AutoBackend::new`], registered as `name` (its descriptors say so).
+    pub fn named(name: &'static str, options: &Options) -> Result<AutoBackend> {
         let all: Vec<_> = registry::auto_members().collect();
         if let Some(k) = options.keys().find(|k| !all.iter().any(|m| m.options.contains(&k.as_str()))) {
             let known: Vec<_> = all.iter().flat_map(|m| m.options.iter().copied()).collect();
@@ -70,7 +78,7 @@ impl AutoBackend {
                 needs: format!("one working member backend ({})", passed_over.join("; ")),
             });
         }
-        Ok(AutoBackend { members, chosen: Mutex::new(None), passed_over: Mutex::new(passed_over) })
+        Ok(AutoBackend { name, members, chosen: Mutex::new(None), passed_over: Mutex::new(passed_over) })
     }
 
     fn chosen(&self) -> Option<&Member> {
@@ -95,7 +103,7 @@ fn decode(v: &str) -> Option<Vec<u8>> {
 
 impl Backend for AutoBackend {
     fn name(&self) -> &str {
-        "auto"
+        self.name
     }
 
     fn caps(&self) -> Caps {
@@ -193,12 +201,12 @@ impl Backend for AutoBackend {
             Some(m) => {
                 let passed = self.passed_over.lock().unwrap_or_else(|p| p.into_inner());
                 if passed.is_empty() {
-                    format!("auto via {}", m.name)
+                    format!("{} via {}", self.name, m.name)
                 } else {
-                    format!("auto via {} ({})", m.name, passed.join("; "))
+                    format!("{} via {} ({})", self.name, m.name, passed.join("; "))
                 }
             }
-            None => "auto (not connected)".into(),
+            None => format!("{} (not connected)", self.name),
         }
     }
 }

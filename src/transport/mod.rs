@@ -163,6 +163,8 @@ static NEXT_TRANSPORT: AtomicU64 = AtomicU64::new(1);
 #[derive(Debug)]
 pub struct Registration {
     transport: u64,
+    /// The owning transport's endpoint id, which its descriptors carry.
+    endpoint: u64,
     backend: Arc<str>,
     /// Random 64-bit id and 128-bit key: together an unguessable capability.
     pub(crate) id: u64,
@@ -297,6 +299,7 @@ impl Memory {
         }
         Ok(RemoteBuffer {
             backend: self.reg.backend.clone(),
+            endpoint: self.reg.endpoint,
             buffer_id: self.reg.id,
             offset: 0,
             length: self.reg.len as u64,
@@ -394,6 +397,7 @@ const SCHEMA: &[(&str, Kind)] = &[
     ("length", Kind::Int),
     ("access_key", Kind::Bytes),
     ("writable", Kind::Int),
+    ("endpoint", Kind::Int),
 ];
 
 /// A descriptor of (part of) a peer's registration: a capability to access it. Never holds
@@ -401,6 +405,9 @@ const SCHEMA: &[(&str, Kind)] = &[
 #[derive(Clone, PartialEq, Eq)]
 pub struct RemoteBuffer {
     backend: Arc<str>,
+    /// The owner's endpoint id: a transport refuses a descriptor of another endpoint than the
+    /// one it connected to.
+    pub(crate) endpoint: u64,
     pub(crate) buffer_id: u64,
     pub(crate) offset: u64,
     pub(crate) length: u64,
@@ -432,6 +439,7 @@ impl RemoteBuffer {
                 ("length", Value::Int(self.length)),
                 ("access_key", Value::Bytes(self.access_key.to_vec())),
                 ("writable", Value::Int(u64::from(self.writable))),
+                ("endpoint", Value::Int(self.endpoint)),
             ],
         )
     }
@@ -463,6 +471,7 @@ impl RemoteBuffer {
         }
         Ok(RemoteBuffer {
             backend: Arc::from(backend),
+            endpoint: int(5),
             buffer_id: int(0),
             offset: int(1),
             length: int(2),
@@ -536,6 +545,10 @@ const CLOSED: u8 = 2;
 /// ```
 pub struct Transport {
     id: u64,
+    /// This endpoint's random id: its URL carries it, and so do its descriptors.
+    endpoint: u64,
+    /// The connected peer's endpoint id, when its URL carried one.
+    peer_endpoint: std::sync::OnceLock<u64>,
     backend: Box<dyn Backend>,
     device: Option<Device>,
     regs: Mutex<HashMap<(usize, usize), Arc<Registration>>>,
@@ -562,11 +575,30 @@ fn random_key() -> [u8; 16] {
     b
 }
 
+/// What separates a backend's URL from the endpoint id in a transport's URL.
+const ENDPOINT_MARK: &str = "#e=";
+
+/// Splits a transport URL into the backend's URL and the endpoint id after [`ENDPOINT_MARK`],
+/// if it has one.
+fn split_endpoint(url: &[u8]) -> Result<(&[u8], Option<u64>)> {
+    let mark = ENDPOINT_MARK.as_bytes();
+    let Some(at) = url.windows(mark.len()).rposition(|w| w == mark) else { return Ok((url, None)) };
+    let hex = &url[at + mark.len()..];
+    let id = std::str::from_utf8(hex)
+        .ok()
+        .filter(|h| h.len() == 16)
+        .and_then(|h| u64::from_str_radix(h, 16).ok())
+        .ok_or_else(|| Error::InvalidArgument("malformed transport URL: a bad endpoint id after #e=".into()))?;
+    Ok((&url[..at], Some(id)))
+}
+
 impl Transport {
     /// Wraps a backend.
     pub fn new(backend: Box<dyn Backend>, device: Option<Device>) -> Transport {
         Transport {
             id: NEXT_TRANSPORT.fetch_add(1, Ordering::Relaxed),
+            endpoint: random_u64(),
+            peer_endpoint: std::sync::OnceLock::new(),
             backend,
             device,
             regs: Mutex::new(HashMap::new()),
@@ -606,19 +638,29 @@ impl Transport {
         self.backend.caps()
     }
 
-    /// Binds the endpoint and returns its opaque connection URL (idempotent).
+    /// Binds the endpoint and returns its opaque connection URL (idempotent): the backend's,
+    /// then `#e=` and this endpoint's id in 16 hex digits.
     pub fn bind(&self, timeout: Option<Duration>) -> Result<Vec<u8>> {
         self.check_open()?;
-        self.backend.bind(self.timeout(timeout))
+        let mut url = self.backend.bind(self.timeout(timeout))?;
+        url.extend_from_slice(format!("{ENDPOINT_MARK}{:016x}", self.endpoint).as_bytes());
+        Ok(url)
     }
 
-    /// Connects to the peer whose `bind` returned `peer_url`. One peer per endpoint.
+    /// Connects to the peer whose `bind` returned `peer_url`. One peer per endpoint. A URL
+    /// without an endpoint id (a backend's own) connects too; its descriptors are then not
+    /// checked for belonging to that peer.
     pub fn connect(&self, peer_url: &[u8], timeout: Option<Duration>) -> Result<()> {
         self.check_open()?;
         if self.backend.connected() {
             return Err(Error::InvalidArgument("transport is already connected".into()));
         }
-        self.backend.connect(peer_url, self.timeout(timeout))
+        let (url, peer) = split_endpoint(peer_url)?;
+        self.backend.connect(url, self.timeout(timeout))?;
+        if let Some(p) = peer {
+            let _ = self.peer_endpoint.set(p);
+        }
+        Ok(())
     }
 
     /// Whether connected to a live peer.
@@ -669,6 +711,7 @@ impl Transport {
         }
         let reg = Arc::new(Registration {
             transport: self.id,
+            endpoint: self.endpoint,
             backend: Arc::from(self.backend.name()),
             id: random_u64(),
             key: random_key(),
@@ -722,6 +765,13 @@ impl Transport {
                 self.backend.name(),
                 remote.backend
             )));
+        }
+        if let Some(&peer) = self.peer_endpoint.get()
+            && remote.endpoint != peer
+        {
+            return Err(Error::InvalidArgument(
+                "remote buffer does not belong to the connected peer (its descriptor names another endpoint)".into(),
+            ));
         }
         if local.len as u64 > remote.length {
             return Err(Error::InvalidArgument(format!(

@@ -109,7 +109,7 @@ pub(crate) const BUILT_IN: &[BuiltIn] = &[
         options: &[],
         auto_member: false,
         opt_in: false,
-        build: |o| Ok(Box::new(auto::AutoBackend::new(o)?)),
+        build: |o| Ok(Box::new(auto::AutoBackend::named("symmem", o)?)),
     },
 ];
 

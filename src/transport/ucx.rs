@@ -1133,7 +1133,7 @@ mod tests {
         let s = a.register_memory(&scratch).unwrap();
         // A descriptor of a buffer the owner never registered: refused, but it ran in order.
         let forged = super::super::RemoteBuffer::deserialize(
-            br#"{"version":1,"backend":"ucx","fields":{"buffer_id":7,"offset":0,"length":8,"access_key":"AAAAAAAAAAAAAAAAAAAAAA==","writable":1}}"#,
+            br#"{"version":1,"backend":"ucx","fields":{"buffer_id":7,"offset":0,"length":8,"access_key":"AAAAAAAAAAAAAAAAAAAAAA==","writable":1,"endpoint":0}}"#,
         )
         .unwrap();
         let e = a.start_atomic(&s.to_view(0, Some(8)).unwrap(), &forged, Atomic::Set64, 1, None).unwrap().wait(None);

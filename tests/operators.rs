@@ -78,10 +78,21 @@ fn the_native_module_binds_registers_and_declares_exactly_the_table() {
         assert!(declared.contains(native), "{native} is not declared in _native.pyi");
     }
     // What the native module has beyond the operators: its setup functions, and the CLI.
-    let setup: BTreeSet<String> =
-        ["world", "empty", "rendezvous", "available_transports", "new_transport_rank", "cli_main"]
-            .map(String::from)
-            .into();
+    let setup: BTreeSet<String> = [
+        "world",
+        "empty",
+        "rendezvous",
+        "available_transports",
+        "new_transport_rank",
+        "cli_main",
+        "set_backend",
+        "get_backend",
+        "set_signal_pad_size",
+        "get_signal_pad_size",
+        "get_mem_pool",
+    ]
+    .map(String::from)
+    .into();
     for name in &registered {
         assert!(natives.contains(name) || setup.contains(name), "{name} is registered but not in ops::OPERATORS");
     }
@@ -102,8 +113,28 @@ fn the_python_package_defines_exactly_the_table() {
         assert!(package.contains(&format!("_native.{native}(")), "symmem.symm.{python} does not call _native.{native}");
     }
     // Beyond the operators: groups, allocation and rendezvous.
-    let setup: BTreeSet<String> =
-        ["world", "new_group", "empty", "is_symm_mem_tensor", "rendezvous", "barrier"].map(String::from).into();
+    let setup: BTreeSet<String> = [
+        "world",
+        "new_group",
+        "empty",
+        "is_symm_mem_tensor",
+        "rendezvous",
+        "barrier",
+        // PyTorch's configuration and capability names.
+        "set_backend",
+        "get_backend",
+        "set_signal_pad_size",
+        "get_signal_pad_size",
+        "get_mem_pool",
+        "get_mempool_allocator",
+        "enable_symm_mem_for_group",
+        "is_symm_mem_enabled_for_group",
+        "get_symm_mem_workspace",
+        "is_nvshmem_available",
+        "has_multicast_support",
+    ]
+    .map(String::from)
+    .into();
     for name in &defined {
         assert!(pythons.contains(name) || setup.contains(name), "symmem.symm defines {name}, not in ops::OPERATORS");
     }

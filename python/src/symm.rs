@@ -181,6 +181,54 @@ fn empty(shape: Vec<usize>, dtype_name: &str) -> PyResult<PyBuffer> {
     Ok(PyBuffer(symm::empty(&shape, dtype(dtype_name)?, Device::Cpu).map_err(err)?))
 }
 
+/// Selects the symmetric-memory backend by name (only "CPU" exists here).
+#[pyfunction]
+fn set_backend(name: &str) -> PyResult<()> {
+    symm::set_backend(name).map_err(err)
+}
+
+/// The backend for `device` ("cpu": "CPU"; None for devices without one).
+#[pyfunction]
+fn get_backend(device: &str) -> PyResult<Option<&'static str>> {
+    Ok(symm::get_backend(Device::parse(device).map_err(err)?))
+}
+
+/// Sets the signal pad size of future allocations, in bytes.
+#[pyfunction]
+fn set_signal_pad_size(size: usize) -> PyResult<()> {
+    symm::set_signal_pad_size(size).map_err(err)
+}
+
+/// The signal pad size of future allocations, in bytes.
+#[pyfunction]
+fn get_signal_pad_size() -> usize {
+    symm::get_signal_pad_size()
+}
+
+/// The symmetric memory pool of the CPU: allocations from it are symmetric and reuse freed
+/// blocks.
+#[pyclass(name = "MemPool", module = "symmem._native", frozen)]
+pub struct PyMemPool(Arc<symm::MemPool>);
+
+#[pymethods]
+impl PyMemPool {
+    /// A zeroed symmetric buffer of `shape` elements of `dtype_name` from the pool.
+    fn empty(&self, shape: Vec<usize>, dtype_name: &str) -> PyResult<PyBuffer> {
+        Ok(PyBuffer(self.0.empty(&shape, dtype(dtype_name)?).map_err(err)?))
+    }
+
+    /// Blocks the pool holds.
+    fn blocks(&self) -> usize {
+        self.0.blocks()
+    }
+}
+
+/// The symmetric memory pool of `device` (the CPU's).
+#[pyfunction]
+fn get_mem_pool(device: &str) -> PyResult<PyMemPool> {
+    Ok(PyMemPool(symm::get_mem_pool(Device::parse(device).map_err(err)?).map_err(err)?))
+}
+
 /// Establishes symmetric memory for `tensor` among the ranks of `group` (collective).
 #[pyfunction]
 fn rendezvous(py: Python<'_>, tensor: &PyTensor, group: &PyGroup) -> PyResult<PyHandle> {
@@ -570,6 +618,12 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyTensor>()?;
     m.add_class::<PyGroup>()?;
     m.add_class::<PyHandle>()?;
+    m.add_class::<PyMemPool>()?;
+    m.add_function(wrap_pyfunction!(set_backend, m)?)?;
+    m.add_function(wrap_pyfunction!(get_backend, m)?)?;
+    m.add_function(wrap_pyfunction!(set_signal_pad_size, m)?)?;
+    m.add_function(wrap_pyfunction!(get_signal_pad_size, m)?)?;
+    m.add_function(wrap_pyfunction!(get_mem_pool, m)?)?;
     m.add_function(wrap_pyfunction!(world, m)?)?;
     m.add_function(wrap_pyfunction!(empty, m)?)?;
     m.add_function(wrap_pyfunction!(rendezvous, m)?)?;

@@ -74,7 +74,7 @@ except ValueError as e:
 rs_in = symm.empty(ws * 16, dtype=torch.float32)
 rs_in.copy_(torch.arange(ws * 16, dtype=torch.float32) + rank)
 rs_out = torch.empty(16)
-symm.reduce_scatter_out(rs_in, "sum", None, False, rs_out)
+symm.reduce_scatter_out(rs_in, None, False, rs_out)
 full = sum(torch.arange(ws * 16, dtype=torch.float32) + r for r in range(ws))
 assert torch.equal(rs_out, full[rank * 16 : (rank + 1) * 16])
 

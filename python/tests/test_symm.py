@@ -121,3 +121,12 @@ def test_pytorch_transport_api_across_two_processes_under_torchrun():
     assert out.returncode == 0, out.stdout + out.stderr
     for r in range(2):
         assert f"transport worker ok {r}" in out.stdout, out.stdout + out.stderr
+
+
+@pytest.mark.parametrize("nproc", [2, 3])
+def test_pytorch_style_calls_under_torchrun_with_a_default_process_group(nproc):
+    worker = os.path.join(os.path.dirname(__file__), "pytorch_style_worker.py")
+    out = torchrun(nproc, worker)
+    assert out.returncode == 0, out.stdout + out.stderr
+    for r in range(nproc):
+        assert f"pytorch style ok {r}" in out.stdout, out.stdout + out.stderr

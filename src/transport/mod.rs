@@ -580,7 +580,7 @@ const ENDPOINT_MARK: &str = "#e=";
 
 /// Splits a transport URL into the backend's URL and the endpoint id after [`ENDPOINT_MARK`],
 /// if it has one.
-fn split_endpoint(url: &[u8]) -> Result<(&[u8], Option<u64>)> {
+pub(crate) fn split_endpoint(url: &[u8]) -> Result<(&[u8], Option<u64>)> {
     let mark = ENDPOINT_MARK.as_bytes();
     let Some(at) = url.windows(mark.len()).rposition(|w| w == mark) else { return Ok((url, None)) };
     let hex = &url[at + mark.len()..];

@@ -1167,7 +1167,7 @@ mod tests {
         let d = md.to_remote_buffer().unwrap();
         // The stranger: a raw worker of its own, no handlers.
         let w = Worker::new().unwrap();
-        let address = super::parse_url(&ub).unwrap();
+        let address = super::parse_url(super::super::split_endpoint(&ub).unwrap().0).unwrap();
         unsafe extern "C" fn nothing(_: *mut std::ffi::c_void, _: crate::sys::ucx::Handle, _: i32) {}
         unsafe extern "C" fn sent(r: *mut std::ffi::c_void, _: i32, _: *mut std::ffi::c_void) {
             // SAFETY: UCX hands the completed request, freed once here.

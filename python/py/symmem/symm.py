@@ -20,7 +20,19 @@ import weakref
 from . import _native
 
 __all__ = [
+    "MemPool",
     "SymmetricMemory",
+    "enable_symm_mem_for_group",
+    "get_backend",
+    "get_mem_pool",
+    "get_mempool_allocator",
+    "get_signal_pad_size",
+    "get_symm_mem_workspace",
+    "has_multicast_support",
+    "is_nvshmem_available",
+    "is_symm_mem_enabled_for_group",
+    "set_backend",
+    "set_signal_pad_size",
     "all_gather_into_tensor",
     "all_reduce",
     "all_to_all",
@@ -154,15 +166,58 @@ def new_group(ranks):
     return g
 
 
+def _torch_process_group(group):
+    """The ``torch.distributed`` process group ``group`` is (or names), if torch knows it."""
+    import sys
+
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return None
+    if isinstance(group, dist.ProcessGroup):
+        return group
+    if isinstance(group, str):
+        try:
+            return dist.distributed_c10d._resolve_process_group(group)
+        except Exception:  # noqa: BLE001 - not a name torch knows
+            return None
+    return None
+
+
+def _from_torch(pg):
+    """symmem's group of the same ranks as PyTorch process group ``pg``, made on first use (by
+    the members only: a split exchanges nothing)."""
+    import torch.distributed as dist
+
+    key = ("torch", pg.group_name)
+    if key in _groups:
+        return _groups[key]
+    w = world()
+    ranks = dist.get_process_group_ranks(pg)
+    if ranks == list(range(w.world_size)):
+        g = w
+    else:
+        g = w.split(ranks)
+        if g is None:
+            raise ValueError(f"this rank ({w.rank}) is not in process group {pg.group_name!r} (ranks {ranks})")
+    _groups[key] = g
+    return g
+
+
 def _group(group):
     w = world()
     if group is None or group is w or group == w.group_name:
         return w
     if isinstance(group, _native.Group):
         return group
-    if group in _groups:
+    if isinstance(group, str) and group in _groups:
         return _groups[group]
-    raise ValueError(f"unknown group {group!r}: use None (the world), a group from new_group, or its name")
+    pg = _torch_process_group(group)
+    if pg is not None:
+        return _from_torch(pg)
+    raise ValueError(
+        f"unknown group {group!r}: use None (the world), a group from new_group or its name, or a "
+        "torch.distributed ProcessGroup (dist.group.WORLD, dist.new_group(...)) or its group_name"
+    )
 
 
 def empty(*size, dtype=None, device="cpu"):
@@ -179,6 +234,104 @@ def empty(*size, dtype=None, device="cpu"):
     if buf.nbytes():
         _buffers[buf.address()] = buf
     return _wrap(buf, dtype, tuple(size))
+
+
+def set_backend(name):
+    """Selects the symmetric-memory backend, as PyTorch's: "CPU" here; "CUDA", "NVSHMEM" and
+    "NCCL" answer that they need a CUDA device."""
+    _native.set_backend(str(name))
+
+
+def get_backend(device="cpu"):
+    """The backend of ``device``: "CPU" for the CPU, None for a device without one."""
+    return _native.get_backend(str(device))
+
+
+def set_signal_pad_size(size):
+    """Sets the signal pad size of future allocations, in bytes; every rank must agree, so it
+    cannot change after the first allocation."""
+    _native.set_signal_pad_size(_nonnegative(size, "signal pad size"))
+
+
+def get_signal_pad_size():
+    """The signal pad size of allocations, in bytes."""
+    return _native.get_signal_pad_size()
+
+
+class MemPool:
+    """The CPU's symmetric memory pool: ``pool.empty(*size, dtype=...)`` allocates symmetric
+    tensors that reuse blocks freed back to it (PyTorch's pool hooks the CUDA allocator; on the
+    CPU the pool allocates itself)."""
+
+    def __init__(self, native):
+        self._p = native
+
+    def empty(self, *size, dtype=None):
+        if len(size) == 1 and isinstance(size[0], (tuple, list)):
+            size = tuple(size[0])
+        if dtype is None:
+            import torch
+
+            dtype = torch.float32
+        buf = self._p.empty(list(size), _dtype_name(dtype))
+        if buf.nbytes():
+            _buffers[buf.address()] = buf
+        return _wrap(buf, dtype, tuple(size))
+
+
+def get_mem_pool(device="cpu"):
+    """The symmetric memory pool of ``device`` (the CPU's; one per process)."""
+    return MemPool(_native.get_mem_pool(str(device)))
+
+
+def get_mempool_allocator(device="cpu"):
+    """PyTorch's pluggable allocator for its CUDA memory pools; there is none for the CPU."""
+    raise NotImplementedError(
+        f"get_mempool_allocator({device!r}): a pluggable allocator exists for CUDA memory pools only; on the CPU, "
+        "allocate from symmem.symm.get_mem_pool().empty(...)"
+    )
+
+
+# Groups symmetric memory was enabled for (PyTorch's registry; every group works here).
+_enabled = set()
+
+
+def enable_symm_mem_for_group(group_name):
+    """Marks ``group_name`` for symmetric memory (as PyTorch's; nothing else is needed here)."""
+    _enabled.add(_group(group_name).group_name)
+
+
+def is_symm_mem_enabled_for_group(group_name):
+    """Whether symmetric memory works for ``group_name``: every group's does here."""
+    return _group(group_name) is not None
+
+
+def get_symm_mem_workspace(group_name, min_size):
+    """A rendezvoused symmetric workspace of at least ``min_size`` bytes for ``group_name``
+    (collective: every rank asks for the same size), reused while big enough."""
+    import torch
+
+    g = _group(group_name)
+    size = _nonnegative(min_size, "min_size")
+    held = _workspaces.get(g.group_name)
+    if held is None or held[0].numel() < size:
+        t = empty(max(size, 1), dtype=torch.uint8)
+        held = (t, rendezvous(t, g))
+        _workspaces[g.group_name] = held
+    return held[1]
+
+
+_workspaces = {}
+
+
+def is_nvshmem_available():
+    """NVSHMEM needs CUDA devices: never here."""
+    return False
+
+
+def has_multicast_support(device_type="cpu", device_idx=0):
+    """Multicast (NVLink SHARP) needs CUDA devices: never here."""
+    return False
 
 
 def is_symm_mem_tensor(x):
@@ -204,37 +357,95 @@ class SymmetricMemory:
     remote_ranks = property(lambda self: self._h.remote_ranks)
     local_ranks = property(lambda self: self._h.local_ranks)
 
+    #: The multicast address: none on CPUs (PyTorch's handle has it on NVLink SHARP GPUs).
+    multicast_ptr = 0
+
+    def _rank(self, rank):
+        import operator
+
+        rank = operator.index(rank)
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank must be in [0, {self.world_size}) (got {rank})")
+        return rank
+
     def get_buffer(self, rank, sizes, dtype, storage_offset=0):
         """Rank ``rank``'s buffer as a tensor of ``sizes`` and ``dtype`` viewing its memory."""
         sizes = [sizes] if isinstance(sizes, int) else list(sizes)
-        return _wrap(self._h.get_buffer(rank, sizes, _dtype_name(dtype), storage_offset), dtype, tuple(sizes))
+        offset = _nonnegative(storage_offset, "storage_offset")
+        return _wrap(self._h.get_buffer(self._rank(rank), sizes, _dtype_name(dtype), offset), dtype, tuple(sizes))
 
     def get_remote_tensor(self, peer, sizes, dtype):
         """Peer ``peer``'s copy of the rendezvoused tensor: ``sizes`` elements from the handle's
         offset in the allocation (for ``rendezvous(y[256:])``, the peer's ``y[256:]``)."""
         sizes = [sizes] if isinstance(sizes, int) else list(sizes)
-        return _wrap(self._h.get_remote_tensor(peer, sizes, _dtype_name(dtype)), dtype, tuple(sizes))
+        return _wrap(self._h.get_remote_tensor(self._rank(peer), sizes, _dtype_name(dtype)), dtype, tuple(sizes))
 
-    def get_signal_pad(self, rank):
-        """Rank ``rank``'s signal pad as uint32 words (NumPy) or int32 (torch, bit pattern)."""
-        buf = self._h.get_signal_pad(rank)
-        if _is_torch(self._tensor):
-            import torch
+    def get_signal_pad(self, rank, sizes=None, dtype=None, storage_offset=0):
+        """Rank ``rank``'s signal pad, as PyTorch's: by default its uint32 words (int32 in torch,
+        the same bits); with ``sizes`` and ``dtype``, a tensor of them from element
+        ``storage_offset``."""
+        buf = self._h.get_signal_pad(self._rank(rank))
+        torch_like = _is_torch(self._tensor)
+        if dtype is None:
+            if torch_like:
+                import torch
 
-            return _wrap(buf, torch.int32, (buf.nbytes() // 4,))
-        return _wrap(buf, "uint32", (buf.nbytes() // 4,))
+                dtype = torch.int32
+            else:
+                dtype = "uint32"
+        whole = _wrap(buf, dtype, (buf.nbytes() // _itemsize(dtype),))
+        offset = _nonnegative(storage_offset, "storage_offset")
+        if sizes is None:
+            return whole[offset:]
+        sizes = [sizes] if isinstance(sizes, int) else list(sizes)
+        n = 1
+        for d in sizes:
+            n *= d
+        if offset + n > whole.shape[0]:
+            raise ValueError(
+                f"signal pad of {buf.nbytes()} bytes is too small for {sizes} elements at offset {offset}"
+            )
+        return whole[offset : offset + n].reshape(tuple(sizes))
 
     def barrier(self, channel=0, timeout_ms=0):
         """Waits for every rank on signal channel ``channel`` (0 ms: the default timeout)."""
-        self._h.barrier(channel, _seconds(timeout_ms))
+        self._h.barrier(_channel(channel), _seconds(timeout_ms))
 
     def put_signal(self, dst_rank, channel=0, timeout_ms=0):
         """Raises a signal at ``dst_rank`` on ``channel``."""
-        self._h.put_signal(dst_rank, channel, _seconds(timeout_ms))
+        self._h.put_signal(self._rank(dst_rank), _channel(channel), _seconds(timeout_ms))
 
     def wait_signal(self, src_rank, channel=0, timeout_ms=0):
         """Waits for a signal from ``src_rank`` on ``channel``, then clears it."""
-        self._h.wait_signal(src_rank, channel, _seconds(timeout_ms))
+        self._h.wait_signal(self._rank(src_rank), _channel(channel), _seconds(timeout_ms))
+
+
+def _itemsize(dtype):
+    if _is_torch_dtype(dtype):
+        import torch
+
+        return torch.empty(0, dtype=dtype).element_size()
+    import numpy as np
+
+    return np.dtype(dtype).itemsize
+
+
+def _nonnegative(v, what):
+    import operator
+
+    v = operator.index(v)
+    if v < 0:
+        raise ValueError(f"{what} must be non-negative (got {v})")
+    return v
+
+
+def _channel(channel):
+    import operator
+
+    channel = operator.index(channel)
+    if channel < 0:
+        raise ValueError(f"channel for barrier(), put_signal() and wait_signal() must be non-negative (got {channel})")
+    return channel
 
 
 def _seconds(timeout_ms):
@@ -298,14 +509,24 @@ def _like(x, buf):
     return _wrap(buf, x.dtype, tuple(x.shape))
 
 
+def _numel(x):
+    if _is_torch(x):
+        return x.numel()
+    return int(getattr(x, "size", 1))
+
+
 def one_shot_all_reduce(input, reduce_op="sum", group_name=None):
     """All-reduce of symmetric ``input`` into a new tensor: every rank reads every peer."""
+    if _numel(input) == 0:
+        return input.clone() if _is_torch(input) else input.copy()
     g = _group(group_name)
     return _like(input, _native.one_shot_all_reduce(_native_tensor(input, symmetric=True), reduce_op, g))
 
 
 def one_shot_all_reduce_out(input, reduce_op, group_name, out):
     """All-reduce of symmetric ``input`` into ``out``."""
+    if _numel(input) == 0:
+        return out
     g = _group(group_name)
     _native.one_shot_all_reduce_out(_native_tensor(input, symmetric=True), reduce_op, g, _native_tensor(out))
     return out
@@ -313,12 +534,16 @@ def one_shot_all_reduce_out(input, reduce_op, group_name, out):
 
 def two_shot_all_reduce_(input, reduce_op="sum", group_name=None):
     """In-place all-reduce of symmetric ``input``: reduce-scatter, then all-gather."""
+    if _numel(input) == 0:
+        return input
     _native.two_shot_all_reduce_(_native_tensor(input, symmetric=True), reduce_op, _group(group_name))
     return input
 
 
 def two_shot_all_reduce_out(input, reduce_op, group_name, out):
     """Two-shot all-reduce of symmetric ``input`` into ``out``."""
+    if _numel(input) == 0:
+        return out
     g = _group(group_name)
     _native.two_shot_all_reduce_out(_native_tensor(input, symmetric=True), reduce_op, g, _native_tensor(out))
     return out
@@ -326,32 +551,48 @@ def two_shot_all_reduce_out(input, reduce_op, group_name, out):
 
 def all_reduce(tensor, reduce_op="sum", group_name=None):
     """In-place all-reduce of symmetric ``tensor``, the algorithm chosen by size."""
+    if _numel(tensor) == 0:
+        return tensor
     _native.all_reduce(_native_tensor(tensor, symmetric=True), reduce_op, _group(group_name))
     return tensor
 
 
-def reduce_scatter_out(input, reduce_op, group_name, split_last_dim, out):
-    """This rank's slice of the reduction of symmetric ``input``, into ``out``."""
+def reduce_scatter_out(input, group_name, split_last_dim, output, *, reduce_op="sum"):
+    """This rank's slice of the sum of symmetric ``input``, into ``output`` (PyTorch's schema:
+    ``reduce_scatter_out(input, group_name, split_last_dim, output)``); ``reduce_op`` ("sum",
+    "avg", "min", "max") is symmem's own, by keyword."""
+    if _numel(input) == 0:
+        return output
     g = _group(group_name)
     src = _native_tensor(input, symmetric=True)
-    _native.reduce_scatter_out(src, reduce_op, g, bool(split_last_dim), _native_tensor(out))
-    return out
+    _native.reduce_scatter_out(src, reduce_op, g, bool(split_last_dim), _native_tensor(output))
+    return output
 
 
 def all_gather_into_tensor(input, group_name, out):
     """Every rank's symmetric ``input``, concatenated into ``out``."""
+    if _numel(input) == 0:
+        return out
     _native.all_gather_into(_native_tensor(input, symmetric=True), _group(group_name), _native_tensor(out))
     return out
 
 
 def broadcast(input, root, group_name=None):
     """``root``'s symmetric ``input`` copied to every rank's, in place."""
-    _native.broadcast_(_native_tensor(input, symmetric=True), root, _group(group_name))
+    g = _group(group_name)
+    root = _nonnegative(root, "root")
+    if root >= g.world_size:
+        raise ValueError(f"root must be in [0, {g.world_size}) (got {root})")
+    if _numel(input) == 0:
+        return input
+    _native.broadcast_(_native_tensor(input, symmetric=True), root, g)
     return input
 
 
 def all_to_all(input, out, group_name=None):
     """Block ``j`` of symmetric ``input`` to rank ``j``; ``out`` receives one block per rank."""
+    if _numel(input) == 0:
+        return out
     _native.all_to_all(_native_tensor(input, symmetric=True), _native_tensor(out), _group(group_name))
     return out
 
@@ -413,8 +654,10 @@ def multi_root_tile_reduce(in_tiles, out_tile, roots, group_name=None, reduce_op
     _native.multi_root_tile_reduce(tiles, _native_tensor(out_tile), list(roots), _group(group_name), reduce_op)
 
 
-def reduce_scatter_offset(input, out, group_name=None, dim=0, offsets=None, dst_ranks=None, reduce_op="sum"):
-    """Reduce-scatter of symmetric ``input`` along ``dim`` into the blocks of ``out`` this rank owns."""
+def reduce_scatter_offset(input, out, group_name=None, dim=0, offsets=None, dst_ranks=None, red_op="sum"):
+    """Reduce-scatter of symmetric ``input`` along ``dim`` into the blocks of ``out`` this rank
+    owns (PyTorch's ``nccl_reduce_scatter_offset`` schema; ``red_op``)."""
+    reduce_op = red_op
     _native.reduce_scatter_offset(
         _native_tensor(input, symmetric=True),
         [_native_tensor(o) for o in out],

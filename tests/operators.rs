@@ -132,6 +132,11 @@ fn the_python_package_defines_exactly_the_table() {
         "get_symm_mem_workspace",
         "is_nvshmem_available",
         "has_multicast_support",
+        // The switch that points torch.distributed._symmetric_memory and torch.ops.symm_mem at
+        // symmem, and PyTorch's copy-in variants, composed in Python of one_shot_all_reduce.
+        "install",
+        "one_shot_all_reduce_copy",
+        "one_shot_all_reduce_copy_out",
     ]
     .map(String::from)
     .into();

@@ -130,3 +130,20 @@ def test_pytorch_style_calls_under_torchrun_with_a_default_process_group(nproc):
     assert out.returncode == 0, out.stdout + out.stderr
     for r in range(nproc):
         assert f"pytorch style ok {r}" in out.stdout, out.stdout + out.stderr
+
+
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_the_guides_symm_mem_basic_runs_on_cpu_with_the_one_switch(nproc):
+    # The guide's template, the device set to the CPU and symmem.symm.install() added.
+    out = torchrun(nproc, os.path.join(os.path.dirname(__file__), "symm_mem_basic.py"))
+    assert out.returncode == 0, out.stdout + out.stderr
+    for r in range(nproc):
+        assert f"symm_mem_basic ok {r}" in out.stdout, out.stdout + out.stderr
+
+
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_every_torch_ops_symm_mem_kernel_symmem_registers_runs_pytorch_style(nproc):
+    out = torchrun(nproc, os.path.join(os.path.dirname(__file__), "torch_ops_worker.py"))
+    assert out.returncode == 0, out.stdout + out.stderr
+    for r in range(nproc):
+        assert f"torch ops ok {r}" in out.stdout, out.stdout + out.stderr

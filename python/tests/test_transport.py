@@ -88,6 +88,24 @@ def test_the_spec_example_runs_unchanged():
         work.wait()
         torch.testing.assert_close(received, weights)
 
+    # The spec's asyncio part, verbatim, on a fresh pair.
+    async def push_weights(trainer, source, remote):
+        await trainer.write_async(source.to_view(), remote, timeout=30.0)
+        # Coordinate with peers before cleanup; cancellation does not cancel DMA.
+        await trainer.close_async(timeout=30.0)
+
+    trainer, replica = new_transport(backend, "cpu"), new_transport(backend, "cpu")
+    trainer.connect(replica.bind())
+    replica.connect(trainer.bind())
+    weights = torch.arange(8, dtype=torch.float32)
+    received = torch.empty_like(weights)
+    source = trainer.register_memory(weights)
+    descriptor = replica.register_memory(received).to_remote_buffer()
+    asyncio.run(push_weights(trainer, source, type(descriptor).deserialize(descriptor.serialize())))
+    torch.testing.assert_close(received, weights)
+    assert not trainer.connected()
+    replica.close()
+
 
 def test_torch_contract_details():
     trainer, replica = new_transport("symmem", "cpu"), new_transport("symmem", "cpu")

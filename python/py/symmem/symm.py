@@ -23,6 +23,9 @@ __all__ = [
     "MemPool",
     "SymmetricMemory",
     "enable_symm_mem_for_group",
+    "install",
+    "one_shot_all_reduce_copy",
+    "one_shot_all_reduce_copy_out",
     "get_backend",
     "get_mem_pool",
     "get_mempool_allocator",
@@ -234,6 +237,32 @@ def empty(*size, dtype=None, device="cpu"):
     if buf.nbytes():
         _buffers[buf.address()] = buf
     return _wrap(buf, dtype, tuple(size))
+
+
+def install():
+    """One switch for PyTorch code: registers CPU kernels for ``torch.ops.symm_mem`` (e.g.
+    ``torch.ops.symm_mem.one_shot_all_reduce(t, "sum", group_name)``) and makes
+    ``torch.distributed._symmetric_memory.empty``/``rendezvous`` (and its configuration names)
+    use symmem for CPU tensors, so a GPU program's symmetric-memory code runs on CPUs in CI."""
+    from ._torch_ops import install as _install
+
+    _install()
+
+
+def one_shot_all_reduce_copy(symm_buffer, local_input, reduce_op, group_name=None):
+    """Copies ``local_input`` (any memory) into symmetric ``symm_buffer``, then all-reduces it
+    into a new tensor (PyTorch's ``one_shot_all_reduce_copy``)."""
+    flat = symm_buffer.view(-1)[: local_input.numel()]
+    flat.copy_(local_input.reshape(-1))
+    return one_shot_all_reduce(flat, reduce_op, group_name).view(local_input.shape)
+
+
+def one_shot_all_reduce_copy_out(symm_buffer, local_input, reduce_op, group_name, out):
+    """:func:`one_shot_all_reduce_copy` into ``out``."""
+    flat = symm_buffer.view(-1)[: local_input.numel()]
+    flat.copy_(local_input.reshape(-1))
+    one_shot_all_reduce_out(flat, reduce_op, group_name, out.view(-1))
+    return out
 
 
 def set_backend(name):

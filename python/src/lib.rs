@@ -24,6 +24,7 @@ fn err(e: symmem::Error) -> PyErr {
         symmem::Error::Transfer { kind: Refused, .. } => typed("RefusedError", e.to_string()),
         symmem::Error::Transfer { kind: Busy, .. } => typed("BusyError", e.to_string()),
         symmem::Error::InvalidArgument(_) => PyValueError::new_err(e.to_string()),
+        symmem::Error::Unsupported { .. } => PyNotImplementedError::new_err(e.to_string()),
         e => PyRuntimeError::new_err(e.to_string()),
     }
 }

@@ -612,6 +612,60 @@ fn fused_matmul_reduce_scatter(
     Ok(PyBuffer(py.detach(|| ops::fused_matmul_reduce_scatter(&a.0, &b.0, op, scatter_dim, &group.0)).map_err(err)?))
 }
 
+// The operators that need GPU hardware: each calls its Rust counterpart, which answers
+// "unsupported" with what it needs (NotImplementedError in Python).
+
+#[pyfunction]
+fn multimem_all_reduce_(input: &PyTensor, reduce_op: &str, group: &PyGroup) -> PyResult<()> {
+    ops::multimem_all_reduce_(&input.0, op(reduce_op)?, &group.0).map_err(err)
+}
+
+#[pyfunction]
+fn multimem_all_gather_out(input: &PyTensor, group: &PyGroup, out: &PyTensor) -> PyResult<()> {
+    ops::multimem_all_gather_out(&input.0, &group.0, &out.0).map_err(err)
+}
+
+#[pyfunction]
+fn multimem_one_shot_all_reduce(input: &PyTensor, reduce_op: &str, group: &PyGroup) -> PyResult<PyBuffer> {
+    ops::multimem_one_shot_all_reduce(&input.0, op(reduce_op)?, &group.0).map(PyBuffer).map_err(err)
+}
+
+#[pyfunction]
+fn multimem_one_shot_reduce_out(
+    input: &PyTensor,
+    reduce_op: &str,
+    root: usize,
+    group: &PyGroup,
+    out: &PyTensor,
+) -> PyResult<()> {
+    ops::multimem_one_shot_reduce_out(&input.0, op(reduce_op)?, root, &group.0, &out.0).map_err(err)
+}
+
+#[pyfunction]
+fn memset32_(input: &PyTensor, offset: usize, value: u32, count: usize) -> PyResult<()> {
+    ops::memset32_(&input.0, offset, value, count).map_err(err)
+}
+
+#[pyfunction]
+fn memcpy_to_multicast_(out: &PyTensor, src: &PyTensor, byte_offset: usize, group: &PyGroup) -> PyResult<()> {
+    ops::memcpy_to_multicast_(&out.0, &src.0, byte_offset, &group.0).map_err(err)
+}
+
+#[pyfunction]
+fn stream_write_value32_(input: &PyTensor, offset: usize, value: u32) -> PyResult<()> {
+    ops::stream_write_value32_(&input.0, offset, value).map_err(err)
+}
+
+#[pyfunction]
+fn fused_all_gather_scaled_matmul() -> PyResult<()> {
+    ops::fused_all_gather_scaled_matmul().map_err(err)
+}
+
+#[pyfunction]
+fn fused_scaled_matmul_reduce_scatter() -> PyResult<()> {
+    ops::fused_scaled_matmul_reduce_scatter().map_err(err)
+}
+
 /// Adds the symmetric-memory classes and functions to the module.
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyBuffer>()?;
@@ -653,5 +707,14 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(all_to_all_nd, m)?)?;
     m.add_function(wrap_pyfunction!(fused_all_gather_matmul, m)?)?;
     m.add_function(wrap_pyfunction!(fused_matmul_reduce_scatter, m)?)?;
+    m.add_function(wrap_pyfunction!(multimem_all_reduce_, m)?)?;
+    m.add_function(wrap_pyfunction!(multimem_all_gather_out, m)?)?;
+    m.add_function(wrap_pyfunction!(multimem_one_shot_all_reduce, m)?)?;
+    m.add_function(wrap_pyfunction!(multimem_one_shot_reduce_out, m)?)?;
+    m.add_function(wrap_pyfunction!(memset32_, m)?)?;
+    m.add_function(wrap_pyfunction!(memcpy_to_multicast_, m)?)?;
+    m.add_function(wrap_pyfunction!(stream_write_value32_, m)?)?;
+    m.add_function(wrap_pyfunction!(fused_all_gather_scaled_matmul, m)?)?;
+    m.add_function(wrap_pyfunction!(fused_scaled_matmul_reduce_scatter, m)?)?;
     Ok(())
 }

@@ -81,6 +81,57 @@ assert symm.is_symm_mem_tensor(p)
 w = symm.get_symm_mem_workspace(world.group_name, 1024)
 assert w.buffer_size >= 1024 and symm.get_symm_mem_workspace(world.group_name, 512) is w
 
+# The fused matmuls on N-D A, as PyTorch's tests call them, against PyTorch's fallback computed
+# here from every rank's (known) shard: the same values and the same strides.
+def shard_of(r, shape):
+    return torch.arange(torch.Size(shape).numel(), dtype=torch.float32).view(shape) / 7 + r
+
+
+shape = (2, 4, 3)
+for gather_dim in (0, 1, 2):
+    a_shard = symm.empty(*shape, dtype=torch.float32)
+    a_shard.copy_(shard_of(rank, shape))
+    B = torch.arange(3 * (ws if gather_dim == 2 else 1) * 5, dtype=torch.float32).view(-1, 5) / 11
+    A, outs = symm.fused_all_gather_matmul(a_shard, [B], gather_dim, world.group_name, return_A=True)
+    want_A = torch.cat([shard_of(r, shape) for r in range(ws)], dim=gather_dim)
+    want = torch.matmul(want_A, B)
+    assert torch.equal(A, want_A), (gather_dim, A.shape, want_A.shape)
+    torch.testing.assert_close(outs[0], want)
+    fallback = torch.ops._c10d_functional.wait_tensor(
+        torch.ops._c10d_functional.all_gather_into_tensor(a_shard.contiguous(), ws, world.group_name)
+    )
+    assert outs[0].shape == want.shape, (outs[0].shape, want.shape)
+    if gather_dim != 2:
+        ref = torch.matmul(fallback.view(ws, *shape).movedim(gather_dim + 1, 1).flatten(0, 1), B).movedim(0, gather_dim)
+        assert outs[0].stride() == ref.stride(), (gather_dim, outs[0].stride(), ref.stride())
+for scatter_dim in (0, 1):
+    A = shard_of(rank, (ws * 2, ws * 2, 3))
+    B = torch.arange(15, dtype=torch.float32).view(3, 5) / 13
+    got = symm.fused_matmul_reduce_scatter(A, B, "sum", scatter_dim, world.group_name)
+    total = sum(torch.matmul(shard_of(r, (ws * 2, ws * 2, 3)), B) for r in range(ws))
+    want = total.chunk(ws, dim=scatter_dim)[rank]
+    torch.testing.assert_close(got, want)
+    assert got.is_contiguous() and got.shape == want.shape
+
+# Operators that need GPU hardware answer NotImplementedError (a RuntimeError) naming the need.
+hw = symm.empty(16, dtype=torch.float32)
+for call, need in (
+    (lambda: symm.multimem_all_reduce_(hw, "sum", world.group_name), "multicast"),
+    (lambda: symm.multimem_one_shot_all_reduce(hw, "sum", world.group_name), "multicast"),
+    (lambda: symm.multimem_all_gather_out(hw, world.group_name, torch.empty(16 * ws)), "multicast"),
+    (lambda: symm.multimem_one_shot_reduce_out(hw, "sum", 0, world.group_name, torch.empty(16)), "multicast"),
+    (lambda: symm.memset32_(hw, 0, 1, 4), "CUDA stream"),
+    (lambda: symm.stream_write_value32_(hw, 0, 1), "CUDA stream"),
+    (lambda: symm.memcpy_to_multicast_(hw, torch.ones(16), 0, world.group_name), "multicast"),
+    (lambda: symm.fused_all_gather_scaled_matmul(hw, [], None, [], 0, world.group_name), "FP8"),
+    (lambda: symm.fused_scaled_matmul_reduce_scatter(hw, hw, None, None, "sum", 0, 0, world.group_name), "FP8"),
+):
+    try:
+        call()
+        raise AssertionError("a GPU operator ran on the CPU")
+    except NotImplementedError as e:
+        assert need in str(e), e
+
 dist.barrier()
 print(f"pytorch style ok {rank}", flush=True)
 dist.destroy_process_group()

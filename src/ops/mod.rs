@@ -126,15 +126,15 @@ operators! {
         "ops::fused_all_gather_matmul", "matmul";
     "fused_matmul_reduce_scatter", Some("fused_matmul_reduce_scatter"), Some("fused_matmul_reduce_scatter"),
         "ops::fused_matmul_reduce_scatter", "matmul";
-    "multimem_all_reduce_", None, None, "ops::multimem_all_reduce_", "gpu";
-    "multimem_all_gather_out", None, None, "ops::multimem_all_gather_out", "gpu";
-    "multimem_one_shot_all_reduce", None, None, "ops::multimem_one_shot_all_reduce", "gpu";
-    "multimem_one_shot_reduce_out", None, None, "ops::multimem_one_shot_reduce_out", "gpu";
-    "memset32_", None, None, "ops::memset32_", "gpu";
-    "memcpy_to_multicast_", None, None, "ops::memcpy_to_multicast_", "gpu";
-    "stream_write_value32_", None, None, "ops::stream_write_value32_", "gpu";
-    "fused_all_gather_scaled_matmul", None, None, "ops::fused_all_gather_scaled_matmul", "gpu";
-    "fused_scaled_matmul_reduce_scatter", None, None, "ops::fused_scaled_matmul_reduce_scatter", "gpu";
+    "multimem_all_reduce_", Some("multimem_all_reduce_"), Some("multimem_all_reduce_"), "ops::multimem_all_reduce_", "gpu";
+    "multimem_all_gather_out", Some("multimem_all_gather_out"), Some("multimem_all_gather_out"), "ops::multimem_all_gather_out", "gpu";
+    "multimem_one_shot_all_reduce", Some("multimem_one_shot_all_reduce"), Some("multimem_one_shot_all_reduce"), "ops::multimem_one_shot_all_reduce", "gpu";
+    "multimem_one_shot_reduce_out", Some("multimem_one_shot_reduce_out"), Some("multimem_one_shot_reduce_out"), "ops::multimem_one_shot_reduce_out", "gpu";
+    "memset32_", Some("memset32_"), Some("memset32_"), "ops::memset32_", "gpu";
+    "memcpy_to_multicast_", Some("memcpy_to_multicast_"), Some("memcpy_to_multicast_"), "ops::memcpy_to_multicast_", "gpu";
+    "stream_write_value32_", Some("stream_write_value32_"), Some("stream_write_value32_"), "ops::stream_write_value32_", "gpu";
+    "fused_all_gather_scaled_matmul", Some("fused_all_gather_scaled_matmul"), Some("fused_all_gather_scaled_matmul"), "ops::fused_all_gather_scaled_matmul", "gpu";
+    "fused_scaled_matmul_reduce_scatter", Some("fused_scaled_matmul_reduce_scatter"), Some("fused_scaled_matmul_reduce_scatter"), "ops::fused_scaled_matmul_reduce_scatter", "gpu";
 }
 
 /// Operators that need GPU hardware: they answer with what they need.

@@ -47,6 +47,15 @@ __all__ = [
     "broadcast",
     "empty",
     "fused_all_gather_matmul",
+    "fused_all_gather_scaled_matmul",
+    "fused_scaled_matmul_reduce_scatter",
+    "memcpy_to_multicast_",
+    "memset32_",
+    "multimem_all_gather_out",
+    "multimem_all_reduce_",
+    "multimem_one_shot_all_reduce",
+    "multimem_one_shot_reduce_out",
+    "stream_write_value32_",
     "fused_matmul_reduce_scatter",
     "get",
     "is_symm_mem_tensor",
@@ -706,23 +715,119 @@ def all_to_all_nd(input, out, scatter_dim, gather_dim, group_name=None):
 
 
 def fused_all_gather_matmul(A_shard, Bs, gather_dim, group_name=None, *, return_A=True):
-    """``all_gather(A_shard) @ B`` for each ``B`` in ``Bs``, multiplying shards as they arrive.
-    Returns ``(A or None, [outputs])``."""
-    a, outs = _native.fused_all_gather_matmul(
-        _native_tensor(A_shard, symmetric=True),
-        [_native_tensor(b) for b in Bs],
-        gather_dim,
-        _group(group_name),
-        return_A,
-    )
-    return (None if a is None else _result(a, A_shard)), [_result(o, A_shard) for o in outs]
+    """``all_gather(A_shard, gather_dim) @ B`` for each ``B`` in ``Bs``. Returns
+    ``(A or None, [outputs])``. A 2-D ``A_shard`` multiplies shards as they arrive; an N-D one
+    (PyTorch's tests use ``[8, 64, 32]``) is gathered along any ``gather_dim`` and multiplied
+    as PyTorch's fallback does, with the same values and strides."""
+    if A_shard.dim() == 2 and gather_dim in (0, 1, -1, -2):
+        a, outs = _native.fused_all_gather_matmul(
+            _native_tensor(A_shard, symmetric=True),
+            [_native_tensor(b) for b in Bs],
+            gather_dim % 2,
+            _group(group_name),
+            return_A,
+        )
+        return (None if a is None else _result(a, A_shard)), [_result(o, A_shard) for o in outs]
+    import torch
+
+    g = _group(group_name)
+    ws = g.world_size
+    gathered = torch.empty((ws * A_shard.numel(),), dtype=A_shard.dtype)
+    all_gather_into_tensor(A_shard.reshape(-1), g, gathered)
+    # From here, PyTorch's fallback step by step, so values and strides are the same.
+    A = gathered.view(ws * A_shard.shape[0], *A_shard.shape[1:])
+    if gather_dim == A.ndim - 1 or gather_dim == -1:
+        A_mm = torch.cat(A.chunk(ws), dim=-1)
+        return (A_mm if return_A else None), [torch.matmul(A_mm, B) for B in Bs]
+    A = A.view(ws, *A_shard.shape).movedim(gather_dim + 1, 1).flatten(0, 1)
+    res = [torch.matmul(A, B).movedim(0, gather_dim) for B in Bs]
+    return (A.movedim(0, gather_dim) if return_A else None), res
 
 
 def fused_matmul_reduce_scatter(A, B, reduce_op, scatter_dim, group_name=None):
-    """``reduce_scatter(A @ B)`` along ``scatter_dim``."""
-    return _result(
-        _native.fused_matmul_reduce_scatter(
-            _native_tensor(A), _native_tensor(B), reduce_op, scatter_dim, _group(group_name)
-        ),
-        A,
-    )
+    """``reduce_scatter(A @ B)`` along ``scatter_dim``: rank r gets block r of the sum (or
+    mean) over ranks. A 2-D ``A`` runs the pipelined kernel; an N-D one is reduce-scattered
+    along any ``scatter_dim`` as PyTorch's fallback does."""
+    if A.dim() == 2 and scatter_dim in (0, 1, -1, -2):
+        return _result(
+            _native.fused_matmul_reduce_scatter(
+                _native_tensor(A), _native_tensor(B), reduce_op, scatter_dim % 2, _group(group_name)
+            ),
+            A,
+        )
+    import torch
+
+    g = _group(group_name)
+    C = torch.matmul(A, B)
+    dim = scatter_dim % C.dim()
+    if C.shape[dim] % g.world_size:
+        raise ValueError(
+            f"fused_matmul_reduce_scatter: dimension {dim} of A @ B ({C.shape[dim]}) is not divisible by the "
+            f"group size {g.world_size}"
+        )
+    front = C.movedim(dim, 0)
+    key = (g.group_name, front.numel(), str(C.dtype))
+    buf = _scatter_buffers.get(key)
+    if buf is None:
+        buf = empty(front.numel(), dtype=C.dtype)
+        _scatter_buffers[key] = buf
+    buf.view(front.shape).copy_(front)
+    out = torch.empty((front.numel() // g.world_size,), dtype=C.dtype)
+    reduce_scatter_out(buf, g, False, out, reduce_op=reduce_op)
+    # Contiguous, as PyTorch's fallback (a reduce-scatter's output) is.
+    return out.view(front.shape[0] // g.world_size, *front.shape[1:]).movedim(0, dim).contiguous()
+
+
+# Symmetric buffers of fused_matmul_reduce_scatter's N-D path, by (group, elements, dtype).
+_scatter_buffers = {}
+
+
+# Operators that need GPU hardware (NVLink SHARP multicast, CUDA streams, FP8 tensor cores):
+# PyTorch's schemas, answering NotImplementedError (a RuntimeError) with what they need.
+
+
+def multimem_all_reduce_(input, reduce_op, group_name):
+    """Needs NVLink SHARP multicast: raises NotImplementedError here."""
+    _native.multimem_all_reduce_(_native_tensor(input), reduce_op, _group(group_name))
+
+
+def multimem_all_gather_out(input, group_name, out):
+    """Needs NVLink SHARP multicast: raises NotImplementedError here."""
+    _native.multimem_all_gather_out(_native_tensor(input), _group(group_name), _native_tensor(out))
+
+
+def multimem_one_shot_all_reduce(input, reduce_op, group_name):
+    """Needs NVLink SHARP multicast: raises NotImplementedError here."""
+    _native.multimem_one_shot_all_reduce(_native_tensor(input), reduce_op, _group(group_name))
+
+
+def multimem_one_shot_reduce_out(input, reduce_op, root, group_name, out):
+    """Needs NVLink SHARP multicast: raises NotImplementedError here."""
+    g = _group(group_name)
+    _native.multimem_one_shot_reduce_out(_native_tensor(input), reduce_op, _nonnegative(root, "root"), g, _native_tensor(out))
+
+
+def memset32_(input, offset, val, count):
+    """Needs a CUDA stream: raises NotImplementedError here."""
+    _native.memset32_(_native_tensor(input), _nonnegative(offset, "offset"), val, _nonnegative(count, "count"))
+
+
+def memcpy_to_multicast_(symm_mem_out, src, byte_offset, group_name):
+    """Needs a multicast object (CUDA, NVLink SHARP): raises NotImplementedError here."""
+    g = _group(group_name)
+    _native.memcpy_to_multicast_(_native_tensor(symm_mem_out), _native_tensor(src), _nonnegative(byte_offset, "byte_offset"), g)
+
+
+def stream_write_value32_(input, offset, val):
+    """Needs a CUDA stream: raises NotImplementedError here."""
+    _native.stream_write_value32_(_native_tensor(input), _nonnegative(offset, "offset"), val)
+
+
+def fused_all_gather_scaled_matmul(*args, **kwargs):
+    """Needs FP8 tensor cores (CUDA): raises NotImplementedError here."""
+    _native.fused_all_gather_scaled_matmul()
+
+
+def fused_scaled_matmul_reduce_scatter(*args, **kwargs):
+    """Needs FP8 tensor cores (CUDA): raises NotImplementedError here."""
+    _native.fused_scaled_matmul_reduce_scatter()

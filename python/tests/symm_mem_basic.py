@@ -1,4 +1,4 @@
-# The guide's symm_mem_basic.py (spec/symmetric-memory-guide.md, "How to use it"), with the
+# PyTorch's symmetric-memory guide's symm_mem_basic.py template ("How to use it"), with the
 # device set to the CPU and symmem's one switch added; nothing else changed. Run with torchrun.
 import os
 

@@ -286,7 +286,9 @@ impl ErrorFiles {
     fn new() -> Result<ErrorFiles> {
         static RUNS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
         let n = RUNS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let dir = std::env::temp_dir().join(format!("symmem-run-{}-{n}", std::process::id()));
+        let tmp = std::env::temp_dir();
+        sweep_dead_runs(&tmp);
+        let dir = tmp.join(format!("symmem-run-{}-{n}", std::process::id()));
         std::fs::create_dir_all(&dir).map_err(|e| Error::io(format!("create {}", dir.display()), e))?;
         Ok(ErrorFiles { dir })
     }
@@ -302,6 +304,30 @@ impl ErrorFiles {
             std::fs::create_dir_all(parent).map_err(|e| Error::io(format!("create {}", parent.display()), e))?;
         }
         Ok(path)
+    }
+}
+
+/// Removes the error-file folders of this user's launchers that died without cleaning up
+/// (`kill -9`): `symmem-run-<pid>-<n>` whose pid no longer runs. A pid reused since is left
+/// alone (its folder goes once that process ends too).
+fn sweep_dead_runs(tmp: &std::path::Path) {
+    let Ok(entries) = std::fs::read_dir(tmp) else { return };
+    let me = rustix::process::getuid().as_raw();
+    for e in entries.flatten() {
+        let name = e.file_name();
+        let Some(pid) = name
+            .to_str()
+            .and_then(|n| n.strip_prefix("symmem-run-"))
+            .and_then(|rest| rest.split('-').next())
+            .and_then(|p| p.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        use std::os::unix::fs::MetadataExt;
+        let mine = e.metadata().is_ok_and(|m| m.is_dir() && m.uid() == me);
+        if mine && !std::path::Path::new(&format!("/proc/{pid}")).exists() {
+            let _ = std::fs::remove_dir_all(e.path());
+        }
     }
 }
 

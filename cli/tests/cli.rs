@@ -142,6 +142,34 @@ fn killing_the_launcher_with_sigkill_leaves_no_process() {
 }
 
 #[test]
+fn a_launcher_killed_with_sigkill_leaves_no_files_behind_the_next_run() {
+    let tmp = tempfile::tempdir().unwrap();
+    let ranks = tempfile::tempdir().unwrap();
+    let script = format!("echo $$ > {d}/$RANK; sleep 30", d = ranks.path().display());
+    let mut launcher = Command::new(BIN)
+        .args(["run", "-n", "2", "--", "sh", "-c", &script])
+        .env("TMPDIR", tmp.path())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while pids_in(ranks.path()).len() < 2 && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let dead = tmp.path().join(format!("symmem-run-{}-0", launcher.id()));
+    assert!(dead.exists(), "the launcher keeps its ranks' error files in {}", dead.display());
+    launcher.kill().unwrap(); // SIGKILL: no chance to clean up
+    launcher.wait().unwrap();
+    assert_all_gone(&pids_in(ranks.path()));
+    // The next launcher of this user sweeps the dead one's folder, and cleans its own.
+    let out = Command::new(BIN).args(["run", "-n", "1", "--", "true"]).env("TMPDIR", tmp.path()).output().unwrap();
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let left: Vec<_> = std::fs::read_dir(tmp.path()).unwrap().map(|e| e.unwrap().file_name()).collect();
+    assert!(left.is_empty(), "left behind: {left:?}");
+}
+
+#[test]
 fn sigterm_is_forwarded_to_the_ranks() {
     let dir = tempfile::tempdir().unwrap();
     let script = format!(

@@ -898,8 +898,10 @@ fn descriptors_of_another_endpoint_are_refused_before_anything_moves() {
     }
     let (a, b) =
         (new_transport("tcp", None, &Options::new()).unwrap(), new_transport("tcp", None, &Options::new()).unwrap());
-    let mut url = backend_url(b.bind(None).unwrap());
-    url.extend_from_slice(b"#e=not-hex-at-all");
-    let err = a.connect(&url, None).unwrap_err().to_string();
-    assert!(err.contains("bad endpoint id"), "{err}");
+    for bad in [&b"#e=not-hex-at-all"[..], b"#e=+123456789abcdef", b"#e=0123", b"#e="] {
+        let mut url = backend_url(b.bind(None).unwrap());
+        url.extend_from_slice(bad);
+        let err = a.connect(&url, None).unwrap_err().to_string();
+        assert!(err.contains("bad endpoint id"), "{:?}: {err}", String::from_utf8_lossy(bad));
+    }
 }

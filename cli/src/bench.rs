@@ -521,19 +521,27 @@ fn launch_bench(
     launch.timeout = Some(timeout);
     // The job runs on a thread of its own; this one hands on every row as soon as it lands.
     let job = std::thread::spawn(move || symmem::launch::run_hosts(&launch, hosts));
-    let mut seen = 0usize;
+    // Reads only what was appended since the last look; a row still being written (no newline
+    // yet) waits in `partial` for the rest.
+    let mut file: Option<std::fs::File> = None;
+    let mut partial = Vec::new();
     let mut drain = |last: bool| -> Result<()> {
-        let text = match std::fs::read(&out) {
-            Ok(t) => t,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
-            Err(e) => return Err(Error::io(format!("read {}", out.display()), e)),
-        };
-        // Whole lines only: a row still being appended waits for the next look.
-        let end = if last { text.len() } else { text.iter().rposition(|&b| b == b'\n').map_or(0, |i| i + 1) };
-        for line in String::from_utf8_lossy(&text[seen.min(end)..end]).lines().filter(|l| !l.trim().is_empty()) {
+        use std::io::Read;
+        if file.is_none() {
+            match std::fs::File::open(&out) {
+                Ok(f) => file = Some(f),
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+                Err(e) => return Err(Error::io(format!("open {}", out.display()), e)),
+            }
+        }
+        if let Some(f) = &mut file {
+            f.read_to_end(&mut partial).map_err(|e| Error::io(format!("read {}", out.display()), e))?;
+        }
+        let end = if last { partial.len() } else { partial.iter().rposition(|&b| b == b'\n').map_or(0, |i| i + 1) };
+        let whole: Vec<u8> = partial.drain(..end).collect();
+        for line in String::from_utf8_lossy(&whole).lines().filter(|l| !l.trim().is_empty()) {
             emit(serde_json::from_str(line).map_err(|e| Error::InvalidArgument(format!("bad result {line:?}: {e}")))?);
         }
-        seen = seen.max(end);
         Ok(())
     };
     let mut result = Ok(());

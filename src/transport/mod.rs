@@ -586,7 +586,7 @@ pub(crate) fn split_endpoint(url: &[u8]) -> Result<(&[u8], Option<u64>)> {
     let hex = &url[at + mark.len()..];
     let id = std::str::from_utf8(hex)
         .ok()
-        .filter(|h| h.len() == 16)
+        .filter(|h| h.len() == 16 && h.bytes().all(|b| b.is_ascii_hexdigit()))
         .and_then(|h| u64::from_str_radix(h, 16).ok())
         .ok_or_else(|| Error::InvalidArgument("malformed transport URL: a bad endpoint id after #e=".into()))?;
     Ok((&url[..at], Some(id)))

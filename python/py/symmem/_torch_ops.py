@@ -14,80 +14,42 @@ _lib = None
 
 
 def _kernels(symm):
-    """symm_mem operator name -> CPU kernel, on the schemas of torch 2.15."""
-
-    def one_shot_all_reduce(input, reduce_op, group_name):
-        return symm.one_shot_all_reduce(input, reduce_op, group_name)
-
-    def one_shot_all_reduce_out(input, reduce_op, group_name, out):
-        return symm.one_shot_all_reduce_out(input, reduce_op, group_name, out)
-
-    def one_shot_all_reduce_copy(symm_buffer, local_input, reduce_op, group_name):
-        return symm.one_shot_all_reduce_copy(symm_buffer, local_input, reduce_op, group_name)
-
-    def one_shot_all_reduce_copy_out(symm_buffer, local_input, reduce_op, group_name, out):
-        return symm.one_shot_all_reduce_copy_out(symm_buffer, local_input, reduce_op, group_name, out)
-
-    def two_shot_all_reduce_(input, reduce_op, group_name):
-        return symm.two_shot_all_reduce_(input, reduce_op, group_name)
-
-    def two_shot_all_reduce_out(input, reduce_op, group_name, output):
-        return symm.two_shot_all_reduce_out(input, reduce_op, group_name, output)
-
-    def reduce_scatter_out(input, group_name, split_last_dim, output):
-        return symm.reduce_scatter_out(input, group_name, split_last_dim, output)
-
-    def nvshmem_broadcast(input, root, group_name):
-        return symm.broadcast(input, root, group_name)
-
-    def nvshmem_all_to_all(input, out, group_name):
-        return symm.all_to_all(input, out, group_name)
-
-    def all_to_all_vdev(input, out, in_splits, out_splits_offsets, group_name):
-        symm.all_to_all_vdev(input, out, in_splits, out_splits_offsets, group_name)
-
-    def all_to_all_vdev_2d(input, out, in_splits, out_splits_offsets, group_name, major_align=None):
-        symm.all_to_all_vdev_2d(input, out, in_splits, out_splits_offsets, group_name, major_align)
-
-    def all_to_all_vdev_2d_offset(input, out, in_splits_offsets, out_splits_offsets, group_name):
-        symm.all_to_all_vdev_2d_offset(input, out, in_splits_offsets, out_splits_offsets, group_name)
-
-    def tile_reduce(in_tile, out_tile, root, group_name, reduce_op="sum"):
-        symm.tile_reduce(in_tile, out_tile, root, group_name, reduce_op)
-
-    def multi_root_tile_reduce(in_tiles, out_tile, roots, group_name, reduce_op="sum"):
-        symm.multi_root_tile_reduce(in_tiles, out_tile, roots, group_name, reduce_op)
-
-    def nccl_reduce_scatter_offset(input, out, group_name, dim, offsets=None, dst_ranks=None, red_op="sum"):
-        symm.reduce_scatter_offset(input, out, group_name, dim, offsets, dst_ranks, red_op=red_op)
-
-    def nccl_all_to_all_nd(input, out, scatter_dim, gather_dim, group_name):
-        symm.all_to_all_nd(input, out, scatter_dim, gather_dim, group_name)
-
-    def nvshmem_put(tensor, peer):
-        symm.nvshmem_put(tensor, peer)
-
-    def nvshmem_get(tensor, peer):
-        symm.nvshmem_get(tensor, peer)
-
-    def nvshmem_put_with_signal(tensor, sigpad, signal, peer):
-        symm.nvshmem_put_with_signal(tensor, sigpad, signal, peer)
-
-    def nvshmem_wait_for_signal(sigpad, signal, peer):
-        symm.nvshmem_wait_for_signal(sigpad, signal, peer)
+    """symm_mem operator name -> CPU kernel, on the schemas of torch 2.15. Most are symmem's
+    function of the same arguments in the same order; the rest adapt names."""
 
     def get_remote_tensors(x, group_name):
         hdl = symm.rendezvous(x, group_name)
         return [hdl.get_remote_tensor(r, list(x.shape), x.dtype) for r in range(hdl.world_size)]
 
-    def fused_all_gather_matmul(A, Bs, gather_dim, group_name, *, return_A=True):
-        a, outs = symm.fused_all_gather_matmul(A, Bs, gather_dim, group_name, return_A=return_A)
-        return a, outs
-
-    def fused_matmul_reduce_scatter(A, B, reduce_op, scatter_dim, group_name):
-        return symm.fused_matmul_reduce_scatter(A, B, reduce_op, scatter_dim, group_name)
-
-    return {f.__name__: f for f in locals().values() if callable(f)}
+    same = (
+        "one_shot_all_reduce",
+        "one_shot_all_reduce_out",
+        "one_shot_all_reduce_copy",
+        "one_shot_all_reduce_copy_out",
+        "two_shot_all_reduce_",
+        "two_shot_all_reduce_out",
+        "reduce_scatter_out",
+        "all_to_all_vdev",
+        "all_to_all_vdev_2d",
+        "all_to_all_vdev_2d_offset",
+        "tile_reduce",
+        "multi_root_tile_reduce",
+        "nvshmem_put",
+        "nvshmem_get",
+        "nvshmem_put_with_signal",
+        "nvshmem_wait_for_signal",
+        "fused_all_gather_matmul",
+        "fused_matmul_reduce_scatter",
+    )
+    kernels = {name: getattr(symm, name) for name in same}
+    kernels.update(
+        nvshmem_broadcast=symm.broadcast,
+        nvshmem_all_to_all=symm.all_to_all,
+        nccl_reduce_scatter_offset=symm.reduce_scatter_offset,
+        nccl_all_to_all_nd=symm.all_to_all_nd,
+        get_remote_tensors=get_remote_tensors,
+    )
+    return kernels
 
 
 def install():

@@ -15,6 +15,7 @@ both view the shared memory without copies::
     symm.all_reduce(t, "sum")        # every element is now 0 + 1 + ... + world_size - 1
 """
 
+import operator
 import weakref
 
 from . import _native
@@ -234,15 +235,21 @@ def _group(group):
 
 def empty(*size, dtype=None, device="cpu"):
     """A zeroed symmetric tensor (``torch.dtype``) or array (NumPy dtype); not collective."""
-    if len(size) == 1 and isinstance(size[0], (tuple, list)):
-        size = tuple(size[0])
     if str(device) != "cpu":
         raise ValueError(f"symmem symmetric memory supports the CPU only, not {device}")
+    return _allocate(_native.empty, size, dtype)
+
+
+def _allocate(alloc, size, dtype):
+    """A tensor or array of ``size`` (sizes, or one tuple of them) and ``dtype`` (float32 by
+    default) over a symmetric buffer from ``alloc(shape, dtype name)``, findable by address."""
+    if len(size) == 1 and isinstance(size[0], (tuple, list)):
+        size = tuple(size[0])
     if dtype is None:
         import torch
 
         dtype = torch.float32
-    buf = _native.empty(list(size), _dtype_name(dtype))
+    buf = alloc(list(size), _dtype_name(dtype))
     if buf.nbytes():
         _buffers[buf.address()] = buf
     return _wrap(buf, dtype, tuple(size))
@@ -305,16 +312,7 @@ class MemPool:
         self._p = native
 
     def empty(self, *size, dtype=None):
-        if len(size) == 1 and isinstance(size[0], (tuple, list)):
-            size = tuple(size[0])
-        if dtype is None:
-            import torch
-
-            dtype = torch.float32
-        buf = self._p.empty(list(size), _dtype_name(dtype))
-        if buf.nbytes():
-            _buffers[buf.address()] = buf
-        return _wrap(buf, dtype, tuple(size))
+        return _allocate(self._p.empty, size, dtype)
 
 
 def get_mem_pool(device="cpu"):
@@ -347,16 +345,20 @@ def is_symm_mem_enabled_for_group(group_name):
 def get_symm_mem_workspace(group_name, min_size):
     """A rendezvoused symmetric workspace of at least ``min_size`` bytes for ``group_name``
     (collective: every rank asks for the same size), reused while big enough."""
+    return _workspace(_group(group_name), _nonnegative(min_size, "min_size"))[1]
+
+
+def _workspace(g, size):
+    """(uint8 tensor, handle) of ``g``'s workspace, grown to ``size`` bytes (collective when it
+    grows: every rank asks for the same sizes in the same order)."""
     import torch
 
-    g = _group(group_name)
-    size = _nonnegative(min_size, "min_size")
     held = _workspaces.get(g.group_name)
     if held is None or held[0].numel() < size:
         t = empty(max(size, 1), dtype=torch.uint8)
         held = (t, rendezvous(t, g))
         _workspaces[g.group_name] = held
-    return held[1]
+    return held
 
 
 _workspaces = {}
@@ -399,8 +401,6 @@ class SymmetricMemory:
     multicast_ptr = 0
 
     def _rank(self, rank):
-        import operator
-
         rank = operator.index(rank)
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank must be in [0, {self.world_size}) (got {rank})")
@@ -460,17 +460,13 @@ class SymmetricMemory:
 
 def _itemsize(dtype):
     if _is_torch_dtype(dtype):
-        import torch
-
-        return torch.empty(0, dtype=dtype).element_size()
+        return dtype.itemsize
     import numpy as np
 
     return np.dtype(dtype).itemsize
 
 
 def _nonnegative(v, what):
-    import operator
-
     v = operator.index(v)
     if v < 0:
         raise ValueError(f"{what} must be non-negative (got {v})")
@@ -478,8 +474,6 @@ def _nonnegative(v, what):
 
 
 def _channel(channel):
-    import operator
-
     channel = operator.index(channel)
     if channel < 0:
         raise ValueError(f"channel for barrier(), put_signal() and wait_signal() must be non-negative (got {channel})")
@@ -766,20 +760,14 @@ def fused_matmul_reduce_scatter(A, B, reduce_op, scatter_dim, group_name=None):
             f"group size {g.world_size}"
         )
     front = C.movedim(dim, 0)
-    key = (g.group_name, front.numel(), str(C.dtype))
-    buf = _scatter_buffers.get(key)
-    if buf is None:
-        buf = empty(front.numel(), dtype=C.dtype)
-        _scatter_buffers[key] = buf
+    # The group's workspace (symmetric) holds this rank's product for the reduce-scatter.
+    buf = _workspace(g, front.numel() * C.element_size())[0][: front.numel() * C.element_size()].view(C.dtype)
     buf.view(front.shape).copy_(front)
     out = torch.empty((front.numel() // g.world_size,), dtype=C.dtype)
     reduce_scatter_out(buf, g, False, out, reduce_op=reduce_op)
     # Contiguous, as PyTorch's fallback (a reduce-scatter's output) is.
     return out.view(front.shape[0] // g.world_size, *front.shape[1:]).movedim(0, dim).contiguous()
 
-
-# Symmetric buffers of fused_matmul_reduce_scatter's N-D path, by (group, elements, dtype).
-_scatter_buffers = {}
 
 
 # Operators that need GPU hardware (NVLink SHARP multicast, CUDA streams, FP8 tensor cores):

@@ -27,6 +27,7 @@ import datetime
 import json
 import operator
 import threading
+import time
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
@@ -188,8 +189,12 @@ class SymmemWork(torch.distributed.Work):
         seconds = _seconds(timeout)
         if seconds is None:
             seconds = self._timeout
+        # One deadline for both steps: the submission (when on a worker thread), then the transfer.
+        deadline = None if seconds is None else time.monotonic() + seconds
         try:
-            self._native(seconds).wait(seconds)
+            native = self._native(seconds)
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            native.wait(left)
         except TimeoutError as e:
             raise TimeoutError("transport wait timed out; operation remains pending") from e
         return True

@@ -284,12 +284,24 @@ struct ErrorFiles {
 
 impl ErrorFiles {
     fn new() -> Result<ErrorFiles> {
+        use std::os::unix::fs::DirBuilderExt;
         static RUNS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
         let n = RUNS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let tmp = std::env::temp_dir();
         sweep_dead_runs(&tmp);
         let dir = tmp.join(format!("symmem-run-{}-{n}", std::process::id()));
-        std::fs::create_dir_all(&dir).map_err(|e| Error::io(format!("create {}", dir.display()), e))?;
+        // This user's only (the ranks' error files hold their tracebacks), and new: a leftover of
+        // an earlier process with this pid, or anything else under the name, goes first (a
+        // symlink is removed, never followed).
+        let create = || std::fs::DirBuilder::new().mode(0o700).create(&dir);
+        match create() {
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+                let _ = std::fs::remove_dir_all(&dir).or_else(|_| std::fs::remove_file(&dir));
+                create()
+            }
+            other => other,
+        }
+        .map_err(|e| Error::io(format!("create {}", dir.display()), e))?;
         Ok(ErrorFiles { dir })
     }
 

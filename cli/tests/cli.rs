@@ -159,6 +159,9 @@ fn a_launcher_killed_with_sigkill_leaves_no_files_behind_the_next_run() {
     }
     let dead = tmp.path().join(format!("symmem-run-{}-0", launcher.id()));
     assert!(dead.exists(), "the launcher keeps its ranks' error files in {}", dead.display());
+    use std::os::unix::fs::PermissionsExt;
+    let mode = std::fs::metadata(&dead).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode, 0o700, "the ranks' error files (tracebacks) are this user's only");
     launcher.kill().unwrap(); // SIGKILL: no chance to clean up
     launcher.wait().unwrap();
     assert_all_gone(&pids_in(ranks.path()));

@@ -161,6 +161,19 @@ fn views_and_arguments_are_checked(backend: &str) {
     assert_eq!(descriptor(&again), descriptor(&ms));
 }
 
+/// A write that must fail: through the synchronous call (a backend's fast path) and through
+/// `start_write` + `wait`, which must fail alike, the same kind and message.
+fn write_fails(a: &Transport, view: &transport::MemoryView, remote: &RemoteBuffer) -> symmem::Error {
+    let sync = a.write(view, remote, None).unwrap_err();
+    let started = match a.start_write(view, remote, None) {
+        Ok(work) => work.wait(None).unwrap_err(),
+        Err(e) => e,
+    };
+    assert_eq!(sync.transfer_kind(), started.transfer_kind(), "{sync} / {started}");
+    assert_eq!(sync.to_string(), started.to_string());
+    sync
+}
+
 fn forged_stale_and_out_of_bounds_descriptors_fail_only_themselves(backend: &str) {
     let (a, b) = pair(backend);
     let src = bytes(64, 3);
@@ -169,20 +182,20 @@ fn forged_stale_and_out_of_bounds_descriptors_fail_only_themselves(backend: &str
     let good = descriptor(&md);
     let view = ms.to_view(0, None).unwrap();
     let forged_key = forge(&good, "access_key", serde_json::Value::String("AAAAAAAAAAAAAAAAAAAAAA==".into()));
-    let err = a.write(&view, &forged_key, None).unwrap_err();
+    let err = write_fails(&a, &view, &forged_key);
     assert!(
         err.transfer_kind() == Some(TransferKind::Refused) && err.to_string().contains("unknown remote buffer"),
         "{err}"
     );
     let forged_id = forge(&good, "buffer_id", serde_json::json!(12345));
-    let err = a.write(&view, &forged_id, None).unwrap_err();
+    let err = write_fails(&a, &view, &forged_id);
     assert!(
         err.transfer_kind() == Some(TransferKind::Refused) && err.to_string().contains("unknown remote buffer"),
         "{err}"
     );
     let too_long = forge(&good, "length", serde_json::json!(1 << 20));
     let big = a.register_memory(&bytes(1 << 16, 0)).unwrap();
-    let err = a.write(&big.to_view(0, None).unwrap(), &too_long, None).unwrap_err();
+    let err = write_fails(&a, &big.to_view(0, None).unwrap(), &too_long);
     assert_eq!(err.transfer_kind(), Some(TransferKind::Refused), "{err}");
     let err = err.to_string();
     assert!(err.contains("exceeds the registered buffer"), "{err}");
@@ -196,7 +209,7 @@ fn forged_stale_and_out_of_bounds_descriptors_fail_only_themselves(backend: &str
     b.unregister_memory(&md).unwrap();
     b.unregister_memory(&md).unwrap();
     assert!(!alias.is_live());
-    let err = a.write(&view, &good, None).unwrap_err().to_string();
+    let err = write_fails(&a, &view, &good).to_string();
     assert!(err.contains("unknown remote buffer"), "{err}");
     assert!(alias.to_remote_buffer().is_err());
     // Registering again gives a fresh descriptor that works.
@@ -219,7 +232,7 @@ fn read_only_registrations_refuse_writes(backend: &str) {
     assert!(err.contains("read-only"), "{err}");
     // A peer that forges the permission is refused by the owner.
     let forged = forge(&remote, "writable", serde_json::json!(1));
-    let err = a.write(&ml.to_view(0, None).unwrap(), &forged, None).unwrap_err().to_string();
+    let err = write_fails(&a, &ml.to_view(0, None).unwrap(), &forged).to_string();
     assert!(err.contains("read-only"), "{err}");
     assert_eq!(weights.to_vec::<u8>().unwrap(), bytes(128, 9).to_vec::<u8>().unwrap(), "never written");
     assert!(b.register_memory(&weights).unwrap_err().to_string().contains("other permissions"));
@@ -632,7 +645,7 @@ fn a_killed_shm_peer_fails_the_next_transfer_clearly() {
     child.kill().unwrap();
     child.wait().unwrap();
     let t = Instant::now();
-    let err = a.write(&ms.to_view(0, None).unwrap(), &remote, None).unwrap_err().to_string();
+    let err = write_fails(&a, &ms.to_view(0, None).unwrap(), &remote).to_string();
     assert!(err.contains("has exited"), "{err}");
     assert!(t.elapsed() < Duration::from_secs(1));
     assert!(!a.connected());

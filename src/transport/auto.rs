@@ -10,6 +10,7 @@
 
 #![forbid(unsafe_code)]
 
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -17,8 +18,11 @@ use base64::Engine;
 use base64::engine::general_purpose::URL_SAFE_NO_PAD;
 
 use super::registry::{self, Caps};
-use super::{Backend, Options, Registration, Request};
-use crate::error::{Error, Result};
+use super::{Backend, MemoryView, Options, Registration, RemoteBuffer, Request};
+use crate::error::{Completion, Error, Result};
+
+/// `chosen` before a member connected.
+const NONE: usize = usize::MAX;
 
 struct Member {
     name: &'static str,
@@ -32,7 +36,9 @@ pub struct AutoBackend {
     name: &'static str,
     members: Vec<Member>,
     /// The member connected through.
-    chosen: Mutex<Option<usize>>,
+    /// The index of the member connected through, or [`NONE`]: read on every transfer, so an
+    /// atomic rather than a lock.
+    chosen: AtomicUsize,
     /// Why members were passed over: at construction (unsupported here) or at connect.
     passed_over: Mutex<Vec<String>>,
 }
@@ -78,12 +84,12 @@ impl AutoBackend {
                 needs: format!("one working member backend ({})", passed_over.join("; ")),
             });
         }
-        Ok(AutoBackend { name, members, chosen: Mutex::new(None), passed_over: Mutex::new(passed_over) })
+        Ok(AutoBackend { name, members, chosen: AtomicUsize::new(NONE), passed_over: Mutex::new(passed_over) })
     }
 
     fn chosen(&self) -> Option<&Member> {
-        let i = (*self.chosen.lock().unwrap_or_else(|p| p.into_inner()))?;
-        self.members.get(i)
+        // Acquire: pairs with the Release store in `connect`, after the member connected.
+        self.members.get(self.chosen.load(Ordering::Acquire))
     }
 
     fn pass_over(&self, why: String) {
@@ -144,7 +150,7 @@ impl Backend for AutoBackend {
             }
             match m.backend.connect(peer, timeout) {
                 Ok(()) => {
-                    *self.chosen.lock().unwrap_or_else(|p| p.into_inner()) = Some(i);
+                    self.chosen.store(i, Ordering::Release);
                     return Ok(());
                 }
                 Err(e) => {
@@ -182,6 +188,10 @@ impl Backend for AutoBackend {
             Some(m) => m.backend.submit(req),
             None => Err(Error::InvalidArgument("auto transport is not connected".into())),
         }
+    }
+
+    fn transfer_now(&self, write: bool, local: &MemoryView, remote: &RemoteBuffer) -> Option<Completion> {
+        self.chosen()?.backend.transfer_now(write, local, remote)
     }
 
     fn shutdown(&self) {

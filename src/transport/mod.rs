@@ -69,6 +69,15 @@ pub trait Backend: Send + Sync + 'static {
     fn withdraw(&self, reg: &Registration);
     /// Starts a transfer; the backend completes `req.work` when it ends, successfully or not.
     fn submit(&self, req: Request) -> Result<()>;
+    /// The synchronous fast path: moves the bytes of a write or a read now, on the caller's
+    /// thread, when this backend can do so without a [`Work`] (a copy through a mapping or
+    /// cross-memory attach), and returns how it ended; `None` when it cannot (not connected,
+    /// or a backend whose transfers complete elsewhere), and the transfer goes through
+    /// [`Backend::submit`]. [`Transport`] has checked `local` and `remote` as for `submit`;
+    /// the transfer covers `local.size()` bytes from the start of `remote`.
+    fn transfer_now(&self, _write: bool, _local: &MemoryView, _remote: &RemoteBuffer) -> Option<Completion> {
+        None
+    }
     /// Releases sockets and threads, failing whatever is still pending. Never blocks long.
     fn shutdown(&self);
     /// The timeout of operations given none.
@@ -336,6 +345,12 @@ impl MemoryView {
     /// Its size in bytes.
     pub fn size(&self) -> usize {
         self.len
+    }
+
+    /// The address of its first byte: valid for [`MemoryView::size`] bytes while the view
+    /// lives (the view holds its registration, which holds the memory).
+    pub fn as_ptr(&self) -> *mut u8 {
+        self.reg.ptr.wrapping_add(self.offset)
     }
 }
 
@@ -870,13 +885,36 @@ impl Transport {
 
     /// Writes `local` to the start of `remote` and waits until the bytes are in the peer's
     /// memory (at most `timeout`, or the backend's default).
+    ///
+    /// A backend that copies on the caller's thread (shm) does so here with no [`Work`], no
+    /// allocation and no lock: the same checks, one copy.
     pub fn write(&self, local: &MemoryView, remote: &RemoteBuffer, timeout: Option<Duration>) -> Result<()> {
-        self.start_write(local, remote, timeout)?.wait(None)
+        self.transfer_sync(true, local, remote, timeout)
     }
 
-    /// Reads the start of `remote` into `local` and waits for the bytes.
+    /// Reads the start of `remote` into `local` and waits for the bytes (the same fast path as
+    /// [`Transport::write`]).
     pub fn read(&self, local: &MutableMemoryView, remote: &RemoteBuffer, timeout: Option<Duration>) -> Result<()> {
-        self.start_read(local, remote, timeout)?.wait(None)
+        self.transfer_sync(false, &local.0, remote, timeout)
+    }
+
+    fn transfer_sync(
+        &self,
+        write: bool,
+        local: &MemoryView,
+        remote: &RemoteBuffer,
+        timeout: Option<Duration>,
+    ) -> Result<()> {
+        self.check_open()?;
+        self.check_local(local)?;
+        self.check_remote(local, remote, write)?;
+        // No pending count: the copy is over when this returns, and the view keeps the local
+        // memory alive meanwhile even if another thread unregisters it.
+        if let Some(done) = self.backend.transfer_now(write, local, remote) {
+            return done.map_err(Error::from);
+        }
+        let direction = if write { Direction::Write } else { Direction::Read };
+        self.submit(direction, local, remote, timeout)?.wait(None)
     }
 
     /// [`Transport::write`] for async callers: never blocks the executor.

@@ -25,11 +25,11 @@
 
 use std::collections::HashMap;
 use std::os::fd::OwnedFd;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering, fence};
+use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU64, Ordering, fence};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use super::{Backend, Caps, Direction, Options, Reach, Registration, Request};
+use super::{Backend, Caps, Direction, MemoryView, Options, Reach, Registration, RemoteBuffer, Request};
 use crate::error::{Completion, Error, Failed, Result, TransferKind};
 use crate::sys::cma::{self, CmaError};
 use crate::sys::shm::{self, Mapping, PAGE};
@@ -238,6 +238,28 @@ impl OwnTable {
 /// A mapping of a peer's shared registration, and the registered range's offset inside it.
 type PeerRange = (Mapping, usize);
 
+/// Hashes a registration's (random) id and generation by mixing them: the ids are drawn at
+/// random, so no keyed hash is needed, and SipHash would cost more than the 8-byte copy it
+/// serves.
+#[derive(Default)]
+struct IdHasher(u64);
+
+impl std::hash::Hasher for IdHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for b in bytes {
+            self.0 = (self.0 ^ u64::from(*b)).wrapping_mul(0x100_0000_01b3);
+        }
+    }
+    fn write_u64(&mut self, v: u64) {
+        self.0 = (self.0.rotate_left(29) ^ v).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    }
+}
+
+type Maps = HashMap<(u64, u64), Arc<PeerRange>, std::hash::BuildHasherDefault<IdHasher>>;
+
 /// The connected peer: its table, its pid, and mappings of its shared registrations.
 struct Peer {
     pid: i32,
@@ -246,10 +268,11 @@ struct Peer {
     alive: AtomicBool,
     /// Nanoseconds after `epoch` of the last liveness check.
     checked: AtomicU64,
-    epoch: Instant,
+    /// The coarse monotonic clock at connect, in nanoseconds.
+    epoch: u64,
     /// Mappings of shared registrations, by (id, generation), with the registered range's
     /// offset inside the mapping.
-    maps: Mutex<HashMap<(u64, u64), Arc<PeerRange>>>,
+    maps: Mutex<Maps>,
     /// The owner's withdrawal count when `maps` was last pruned.
     pruned_at: AtomicU64,
 }
@@ -275,7 +298,9 @@ impl Peer {
         if !self.alive.load(Ordering::Acquire) {
             return false;
         }
-        let now = self.epoch.elapsed().as_nanos() as u64;
+        // The coarse clock (a few ns through the vDSO, at the scheduler tick's resolution) is
+        // enough to rate-limit a liveness poll.
+        let now = coarse_nanos().saturating_sub(self.epoch);
         let last = self.checked.load(Ordering::Relaxed);
         // Relaxed: the timestamp only rate-limits the pidfd poll; racing threads at worst both
         // poll.
@@ -290,12 +315,23 @@ impl Peer {
     }
 }
 
+/// The coarse monotonic clock in nanoseconds.
+fn coarse_nanos() -> u64 {
+    let t = rustix::time::clock_gettime(rustix::time::ClockId::MonotonicCoarse);
+    (t.tv_sec as u64).wrapping_mul(1_000_000_000).wrapping_add(t.tv_nsec as u64)
+}
+
 /// The `shm` backend.
 pub struct ShmBackend {
     token: [u8; 16],
     host: String,
     own: Mutex<OwnTable>,
-    peer: Mutex<Option<Arc<Peer>>>,
+    /// Every peer this backend connected to, the current one last. Kept until the backend
+    /// drops so that `current` can be read without a lock (a reconnect after a peer exited
+    /// adds one; connecting is refused while a peer is live).
+    peers: Mutex<Vec<Arc<Peer>>>,
+    /// The current peer (an element of `peers`), or null when not connected.
+    current: AtomicPtr<Peer>,
     timeout: Duration,
 }
 
@@ -316,7 +352,8 @@ impl ShmBackend {
             own: Mutex::new(OwnTable::create(&token)?),
             token,
             host: crate::topo::this_host(),
-            peer: Mutex::new(None),
+            peers: Mutex::new(Vec::new()),
+            current: AtomicPtr::new(std::ptr::null_mut()),
             timeout,
         })
     }
@@ -325,8 +362,14 @@ impl ShmBackend {
         self.own.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    fn peer(&self) -> Option<Arc<Peer>> {
-        self.peer.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    /// The current peer, read with one load.
+    fn peer(&self) -> Option<&Peer> {
+        // Acquire: pairs with the Release store in `connect`, so the Peer's fields are seen
+        // initialized.
+        let p = self.current.load(Ordering::Acquire);
+        // SAFETY: a non-null `current` points into an Arc held by `self.peers`, which only
+        // grows while `self` lives, so the Peer outlives the borrow of `self`.
+        unsafe { p.as_ref() }
     }
 }
 
@@ -467,13 +510,22 @@ impl Backend for ShmBackend {
             pidfd,
             alive: AtomicBool::new(true),
             checked: AtomicU64::new(0),
-            epoch: Instant::now(),
-            maps: Mutex::new(HashMap::new()),
+            epoch: coarse_nanos(),
+            maps: Mutex::new(Maps::default()),
             pruned_at: AtomicU64::new(0),
         };
         let peer = Arc::new(peer);
         reaper::watch(&peer);
-        *self.peer.lock().unwrap_or_else(|p| p.into_inner()) = Some(peer);
+        let mut peers = self.peers.lock().unwrap_or_else(|p| p.into_inner());
+        // The one a reconnect replaces is dead: drop its mappings now (its table goes with
+        // the backend).
+        if let Some(old) = peers.last() {
+            old.alive.store(false, Ordering::Release);
+            old.maps.lock().unwrap_or_else(|p| p.into_inner()).clear();
+        }
+        // Release: pairs with the Acquire load in `peer`.
+        self.current.store(Arc::as_ptr(&peer).cast_mut(), Ordering::Release);
+        peers.push(peer);
         Ok(())
     }
 
@@ -493,15 +545,32 @@ impl Backend for ShmBackend {
         let Some(peer) = self.peer() else {
             return Err(Error::InvalidArgument("shm transport is not connected".into()));
         };
-        let result = transfer(&peer, &req);
+        let write = match req.direction {
+            Direction::Write => true,
+            Direction::Read => false,
+            Direction::Atomic(..) => {
+                req.complete(Err(Failed::new(TransferKind::Unsupported, "the shm transport has no remote atomics")));
+                return Ok(());
+            }
+        };
+        let result = transfer(peer, write, req.local_ptr(), req.len, &req.remote);
         req.complete(result);
         Ok(())
     }
 
+    fn transfer_now(&self, write: bool, local: &MemoryView, remote: &RemoteBuffer) -> Option<Completion> {
+        let peer = self.peer()?;
+        Some(transfer(peer, write, local.as_ptr(), local.size(), remote))
+    }
+
     fn shutdown(&self) {
         self.own().retire_all();
-        if let Some(p) = self.peer.lock().unwrap_or_else(|p| p.into_inner()).take() {
+        // Release: pairs with the Acquire load in `peer`; the Peer itself stays in `peers`.
+        let p = self.current.swap(std::ptr::null_mut(), Ordering::AcqRel);
+        // SAFETY: as in `peer`: a non-null pointer is an element of `self.peers`.
+        if let Some(p) = unsafe { p.as_ref() } {
             p.alive.store(false, Ordering::Release);
+            p.maps.lock().unwrap_or_else(|p| p.into_inner()).clear();
         }
     }
 
@@ -570,29 +639,26 @@ fn refused(message: impl Into<String>) -> Failed {
 
 #[cold]
 fn gone(peer: &Peer) -> Failed {
-    Failed::new(TransferKind::PeerLost, format!("connection to the peer lost: process {} has exited", peer.pid))
+    Failed::new(
+        TransferKind::PeerLost,
+        format!("shm transport is not connected: the peer process {} has exited", peer.pid),
+    )
 }
 
-/// Checks the request against the peer's table and moves the bytes.
-fn transfer(peer: &Peer, req: &Request) -> Completion {
+/// Checks a transfer of `len` bytes between `local` and the start of `r` against the peer's
+/// table and moves the bytes. `local` is valid for `len` bytes (the caller's live view or
+/// request holds its registration).
+fn transfer(peer: &Peer, write: bool, local: *mut u8, len: usize, r: &RemoteBuffer) -> Completion {
     if !peer.check_alive() {
         return Err(gone(peer));
     }
     peer.prune();
-    let write = match req.direction {
-        Direction::Write => true,
-        Direction::Read => false,
-        Direction::Atomic(..) => {
-            return Err(Failed::new(TransferKind::Unsupported, "the shm transport has no remote atomics"));
-        }
-    };
-    let r = &req.remote;
     let e = peer
         .table
         .find(r.buffer_id)
         .filter(|e| e.key == r.access_key)
         .ok_or_else(|| refused("unknown remote buffer"))?;
-    let len = req.len as u64;
+    let (n, len) = (len, len as u64);
     if r.offset.checked_add(len).is_none_or(|end| end > e.len) {
         let what = if write { "write" } else { "read" };
         return Err(refused(format!(
@@ -603,10 +669,9 @@ fn transfer(peer: &Peer, req: &Request) -> Completion {
     if write && e.flags & WRITABLE == 0 {
         return Err(refused("remote buffer is registered read-only"));
     }
-    if req.len == 0 {
+    if n == 0 {
         return Ok(());
     }
-    let local = req.local_ptr();
     if e.flags & SHARED != 0 {
         let m = mapping(peer, &e).map_err(refused)?;
         let at = m.0.ptr().wrapping_add(m.1 + r.offset as usize);
@@ -616,8 +681,8 @@ fn transfer(peer: &Peer, req: &Request) -> Completion {
         // may alias the same pages (a process registering with itself): then `copy` handles the
         // overlap, and only in one piece, so the parts are not split across threads.
         let (local, at) = (local as usize, at as usize);
-        let overlap = local < at + req.len && at < local + req.len;
-        let Ok(()) = split_copy::<std::convert::Infallible>(req.len, !overlap, |start, n| {
+        let overlap = local < at + n && at < local + n;
+        let Ok(()) = split_copy::<std::convert::Infallible>(n, !overlap, |start, n| {
             let (local, at) = ((local + start) as *mut u8, (at + start) as *mut u8);
             // SAFETY: [start, start + n) lies inside [0, len), valid on both sides (above);
             // parts run in parallel only when the ranges do not overlap, so no part writes
@@ -637,7 +702,7 @@ fn transfer(peer: &Peer, req: &Request) -> Completion {
     }
     let remote = (e.addr + r.offset) as usize;
     let local = local as usize;
-    let outcome = split_copy(req.len, true, |start, n| {
+    let outcome = split_copy(n, true, |start, n| {
         let part = (local + start) as *mut u8;
         if write {
             // SAFETY: the part lies inside the local registration, kept alive by the request.

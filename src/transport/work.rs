@@ -32,9 +32,18 @@ pub(crate) struct WorkState {
     state: AtomicU8,
     progress: OnceLock<Progress>,
     error: OnceLock<Failed>,
-    waiters: Mutex<Vec<Waker>>,
+    waiters: Mutex<Waiters>,
     cv: Condvar,
     keep: Mutex<Option<super::InFlight>>,
+}
+
+/// Who waits for a Work beyond spinning: async tasks, and threads asleep on the condvar.
+#[derive(Default)]
+struct Waiters {
+    wakers: Vec<Waker>,
+    /// Threads in (or entering) `cv.wait`: `complete` notifies the condvar only when some are,
+    /// since a notify costs a futex syscall even with nobody asleep.
+    sleepers: usize,
 }
 
 impl std::fmt::Debug for WorkState {
@@ -47,9 +56,7 @@ impl WorkState {
     /// A pending state that holds `keep` (the transfer's claim on its registration) until it
     /// completes.
     pub(crate) fn new(keep: Option<super::InFlight>) -> Arc<WorkState> {
-        let s = WorkState::default();
-        *s.keep.lock().unwrap_or_else(|p| p.into_inner()) = keep;
-        Arc::new(s)
+        Arc::new(WorkState { keep: Mutex::new(keep), ..WorkState::default() })
     }
 
     /// Lets waiters advance the transfer themselves while they spin.
@@ -77,9 +84,13 @@ impl WorkState {
         // Release: pairs with the Acquire loads in `poll_state`; the transferred bytes and
         // the error message are visible to whoever sees the new state.
         self.state.store(state, Ordering::Release);
-        let wakers = std::mem::take(&mut *waiters);
+        let wakers = std::mem::take(&mut waiters.wakers);
+        // Read under the lock that sleepers count themselves in before they check the state.
+        let sleepers = waiters.sleepers;
         drop(waiters);
-        self.cv.notify_all();
+        if sleepers > 0 {
+            self.cv.notify_all();
+        }
         for w in wakers {
             w.wake();
         }
@@ -117,22 +128,27 @@ impl WorkState {
             }
         }
         let mut guard = self.waiters.lock().unwrap_or_else(|p| p.into_inner());
-        loop {
+        // Counted while this thread may sleep; `complete` reads the count under this lock after
+        // publishing, so it either sees this sleeper or this sleeper sees the new state.
+        guard.sleepers += 1;
+        let done = loop {
             if self.poll_state() != PENDING {
-                return true;
+                break true;
             }
             let wait = match deadline {
                 Some(d) => {
                     let now = Instant::now();
                     if now >= d {
-                        return false;
+                        break false;
                     }
                     d - now
                 }
                 None => Duration::from_secs(3600),
             };
             guard = self.cv.wait_timeout(guard, wait).unwrap_or_else(|p| p.into_inner()).0;
-        }
+        };
+        guard.sleepers -= 1;
+        done
     }
 
     pub(crate) fn is_pending(&self) -> bool {
@@ -208,8 +224,8 @@ impl Future for WorkFuture {
         if let Some(r) = self.state.outcome() {
             return Poll::Ready(r);
         }
-        if !waiters.iter().any(|w| w.will_wake(cx.waker())) {
-            waiters.push(cx.waker().clone());
+        if !waiters.wakers.iter().any(|w| w.will_wake(cx.waker())) {
+            waiters.wakers.push(cx.waker().clone());
         }
         Poll::Pending
     }

@@ -69,6 +69,16 @@ fn every_operation(store: &dyn Store) {
     // Still usable after timeouts.
     assert_eq!(store.get("k1").unwrap(), b"v2");
 
+    // A barrier member's arrival: delete, set and wait in one round trip.
+    store.set("b/0/1", b"").unwrap();
+    store.set("b/old", b"").unwrap();
+    store.arrive_and_wait(&["b/old", "b/absent"], "b/0/0", &["b/0/0", "b/0/1"], Duration::from_secs(5)).unwrap();
+    assert!(store.check(&["b/0/0"]).unwrap() && !store.check(&["b/old"]).unwrap());
+    let err = store.arrive_and_wait(&[], "b/1/0", &["b/1/0", "b/1/1"], Duration::from_millis(100)).unwrap_err();
+    assert!(err.is_timeout(), "{err}");
+    assert!(store.check(&["b/1/0"]).unwrap(), "the arrival was set before the wait");
+    assert_eq!(store.get("k1").unwrap(), b"v2", "usable after a timed-out arrival");
+
     // Values are arbitrary bytes.
     let bin: Vec<u8> = (0..=255).collect();
     store.set("bin", &bin).unwrap();

@@ -156,6 +156,7 @@ pub fn store(options: &StoreBenchOptions, mut emit: impl FnMut(BenchResult)) -> 
     let copts = ClientOptions { timeout: Duration::from_secs(120), secret: options.secret.clone() };
     emit(tcp_pingpong(options.ops_per_client)?);
     emit(sync_add(&addr, &copts, options.ops_per_client)?);
+    emit(group_barrier(&addr, &copts, options.ops_per_client)?);
     symmem::internals::block_on(async {
         let mut run = 0u64;
         for op in [Op::Set, Op::Get, Op::Add] {
@@ -235,6 +236,34 @@ fn sync_add(addr: &str, options: &ClientOptions, iters: usize) -> Result<BenchRe
         }
     }
     Ok(latency_row("store_add_sync", &mut lat, "TcpStore::add, the path a rank uses"))
+}
+
+/// `Group::barrier` of two ranks (threads, each with its own connection): what the demo and
+/// the launcher's rendezvous wait on. One round trip is the floor.
+fn group_barrier(addr: &str, options: &ClientOptions, iters: usize) -> Result<BenchResult> {
+    use std::sync::Arc;
+    let run = |rank: usize| -> Result<Vec<Duration>> {
+        let store: Arc<dyn symmem::store::Store> = Arc::new(symmem::store::TcpStore::connect(addr, options.clone())?);
+        let g = symmem::Group::new(rank, 2, Arc::new(symmem::store::PrefixStore::new("bench/barrier", store)))?;
+        let mut lat = Vec::with_capacity(iters);
+        for i in 0..iters + iters / 10 {
+            let t = Instant::now();
+            g.barrier(Duration::from_secs(60))?;
+            if i >= iters / 10 {
+                lat.push(t.elapsed());
+            }
+        }
+        Ok(lat)
+    };
+    let mut lat = std::thread::scope(|s| {
+        let other = s.spawn(|| run(1));
+        let mine = run(0);
+        other.join().map_err(|_| Error::InvalidArgument("barrier benchmark thread panicked".into()))??;
+        mine
+    })?;
+    let mut row = latency_row("store_barrier", &mut lat, "Group::barrier of 2 ranks through TcpStore");
+    row.ranks = 2;
+    Ok(row)
 }
 
 #[derive(Clone, Copy, Debug)]

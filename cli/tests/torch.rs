@@ -126,6 +126,16 @@ fn every_operation(store: &dyn Store) {
         assert!(store.wait_timeout(&["never"], Duration::from_millis(100)).unwrap_err().is_timeout());
         assert_eq!(store.get("k1").unwrap(), b"v1", "usable after a cancelled wait");
     }
+
+    // A barrier member's arrival: delete, set and wait in one round trip.
+    store.set("b/0/1", b"").unwrap();
+    store.set("b/old", b"").unwrap();
+    store.arrive_and_wait(&["b/old", "b/absent"], "b/0/0", &["b/0/0", "b/0/1"], Duration::from_secs(5)).unwrap();
+    assert!(store.check(&["b/0/0"]).unwrap() && !store.check(&["b/old"]).unwrap());
+    let err = store.arrive_and_wait(&[], "b/1/0", &["b/1/0", "b/1/1"], Duration::from_millis(100)).unwrap_err();
+    assert!(err.is_timeout(), "{err}");
+    assert!(store.check(&["b/1/0"]).unwrap(), "the arrival was set before the wait");
+    assert_eq!(store.get("k1").unwrap(), b"v1", "usable after a timed-out arrival");
 }
 
 #[test]
@@ -136,6 +146,21 @@ fn symmem_clients_work_against_torchs_servers() {
         let addr = format!("127.0.0.1:{}", server.port);
         let store = TcpStore::connect(&addr, ClientOptions { timeout: Duration::from_secs(20), secret: None }).unwrap();
         every_operation(&store);
+        // symmem's group barrier (one pipelined request per rank) on torch's server.
+        let ranks: Vec<_> = (0..3)
+            .map(|r| {
+                let addr = addr.clone();
+                std::thread::spawn(move || {
+                    let store: std::sync::Arc<dyn Store> =
+                        std::sync::Arc::new(TcpStore::connect(&addr, Default::default()).unwrap());
+                    let g = symmem::Group::new(r, 3, store).unwrap();
+                    for _ in 0..20 {
+                        g.barrier(Duration::from_secs(20)).unwrap();
+                    }
+                })
+            })
+            .collect();
+        ranks.into_iter().for_each(|r| r.join().unwrap());
         // Keys mean the same from both sides: a Rust set is a Python get.
         store.set("shared", b"from rust").unwrap();
         let out = Command::new(&py)

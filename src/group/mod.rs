@@ -116,6 +116,10 @@ impl RankEnv {
     }
 }
 
+/// The largest group whose barrier waits for every rank's arrival key in one request;
+/// larger groups count arrivals, so that no request names more than this many keys.
+pub const BARRIER_KEYS_MAX: usize = 64;
+
 /// A set of ranks that communicate, with a store scoped to the group.
 ///
 /// ```
@@ -331,12 +335,34 @@ impl Group {
 
     /// Waits until every rank of the group has called `barrier` (the same number of times), or
     /// fails after `timeout` with an error naming the ranks that did not arrive.
+    ///
+    /// Up to [`BARRIER_KEYS_MAX`] ranks, one store round trip: each rank sets its arrival key
+    /// and waits for all of them in one message (any TCPStore server answers it), deleting its
+    /// key of two barriers ago on the way. Larger groups count arrivals instead (O(N) keys).
     pub fn barrier(&self, timeout: Duration) -> Result<()> {
         let seq = self.barriers.fetch_add(1, Ordering::Relaxed);
         let key = format!("barrier/{seq}");
+        let outcome = if self.world_size <= BARRIER_KEYS_MAX {
+            let all: Vec<String> = (0..self.world_size).map(|r| format!("{key}/{r}")).collect();
+            let all: Vec<&str> = all.iter().map(String::as_str).collect();
+            // This rank finished barrier `seq - 1`, so every rank arrived there, so every rank
+            // finished waiting in `seq - 2`: its key is no longer waited on.
+            let old = seq.checked_sub(2).map(|old| format!("barrier/{old}/{}", self.rank));
+            let forget: Vec<&str> = old.iter().map(String::as_str).collect();
+            self.store.arrive_and_wait(&forget, all[self.rank], &all, timeout)
+        } else {
+            self.counted_barrier(seq, &key, timeout)
+        };
+        match outcome {
+            Err(e) if e.is_timeout() => Err(self.barrier_timeout(seq, timeout)),
+            r => r,
+        }
+    }
+
+    fn counted_barrier(&self, seq: u64, key: &str, timeout: Duration) -> Result<()> {
         let done = format!("{key}/done");
         self.store.set(&format!("{key}/{}", self.rank), b"")?;
-        let arrived = self.store.add(&key, 1)?;
+        let arrived = self.store.add(key, 1)?;
         if arrived == self.world_size as i64 {
             // Every rank has finished barrier `seq - 1` before arriving here, so its keys are
             // no longer waited on.
@@ -345,10 +371,7 @@ impl Group {
             }
             self.store.set(&done, b"")?;
         }
-        match self.store.wait_timeout(&[&done], timeout) {
-            Err(e) if e.is_timeout() => Err(self.barrier_timeout(seq, timeout)),
-            r => r,
-        }
+        self.store.wait_timeout(&[&done], timeout)
     }
 
     fn forget_barrier(&self, seq: u64) -> Result<()> {
@@ -673,7 +696,23 @@ mod tests {
         for _ in 0..100 {
             g.barrier(Duration::from_secs(1)).unwrap();
         }
-        assert!(store.num_keys().unwrap() <= 3, "{} keys left", store.num_keys().unwrap());
+        // The arrival keys of the last two barriers.
+        assert!(store.num_keys().unwrap() <= 2, "{} keys left", store.num_keys().unwrap());
+    }
+
+    #[test]
+    fn barriers_of_many_ranks_count_arrivals_and_clean_up() {
+        let n = BARRIER_KEYS_MAX + 1;
+        let store: Arc<dyn Store> = Arc::new(MemoryStore::new());
+        let s = store.clone();
+        run_ranks_on(n, s, |g| {
+            for _ in 0..5 {
+                g.barrier(Duration::from_secs(30)).unwrap();
+            }
+        });
+        // The last barrier's count, arrivals and done key.
+        let left = store.num_keys().unwrap() as usize;
+        assert!(left <= n + 2, "{left} keys left");
     }
 
     #[test]
@@ -689,9 +728,9 @@ mod tests {
             }
             g.barrier(t).unwrap();
         });
-        // The last exchange's keys (3 at most) and the last barrier's (5 at most).
+        // The last exchange's keys (3 at most) and the last barrier's arrivals (3).
         let left = store.num_keys().unwrap();
-        assert!(left <= 8, "{left} keys left after 300 exchanges");
+        assert!(left <= 6, "{left} keys left after 300 exchanges");
     }
 
     #[test]

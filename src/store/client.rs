@@ -18,7 +18,7 @@ use tokio::net::TcpStream;
 use crate::error::{Error, Result};
 use crate::store::Store;
 use crate::store::auth::{self, Role, Secret};
-use crate::wire::store::{self as wire, DecodeError, Limits, Reply, ReplyShape, Request};
+use crate::wire::store::{self as wire, DecodeError, Limits, QueryType, Reply, ReplyShape, Request};
 
 /// The default timeout of store operations and of connecting (torch's is also 300 s).
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
@@ -302,6 +302,39 @@ impl<C: Conn> StoreClient<C> {
         let req = Request::Wait { keys: keys.iter().map(|k| wire_key(k)).collect() };
         let deadline = Instant::now() + timeout;
         self.send(&req, deadline).await?;
+        self.finish_wait(keys, deadline, timeout).await
+    }
+
+    /// A barrier member's arrival in one round trip: DELETE_KEY of each `forget` key, SET of
+    /// `arrive` and WAIT for `all`, written at once; then the deletes' replies and the wait's.
+    pub async fn arrive_and_wait(
+        &mut self,
+        forget: &[&str],
+        arrive: &str,
+        all: &[&str],
+        timeout: Duration,
+    ) -> Result<()> {
+        let deadline = Instant::now() + timeout;
+        let mut reqs: Vec<Request> = forget.iter().map(|k| Request::DeleteKey { key: wire_key(k) }).collect();
+        reqs.push(Request::Set { key: wire_key(arrive), value: Vec::new() });
+        reqs.push(Request::Wait { keys: all.iter().map(|k| wire_key(k)).collect() });
+        self.send_all(&reqs, self.deadline()).await?;
+        for _ in forget {
+            match self.read_reply(ReplyShape::I64, self.deadline(), "DELETE_KEY").await {
+                Ok(Reply::I64(_)) => {}
+                Ok(other) => return Err(self.bad_reply("DELETE_KEY", &other)),
+                Err(e) => {
+                    // The WAIT's reply is still due: the connection is out of step.
+                    self.broken = true;
+                    return Err(e);
+                }
+            }
+        }
+        self.finish_wait(all, deadline, timeout).await
+    }
+
+    /// Reads a WAIT's reply; on timeout, cancels the wait.
+    async fn finish_wait(&mut self, keys: &[&str], deadline: Instant, timeout: Duration) -> Result<()> {
         match self.read_reply(ReplyShape::U8, deadline, "WAIT").await {
             Ok(Reply::U8(wire::STOP_WAITING)) => Ok(()),
             Ok(other) => Err(self.bad_reply("WAIT", &other)),
@@ -428,21 +461,29 @@ impl<C: Conn> StoreClient<C> {
     }
 
     async fn send(&mut self, req: &Request, deadline: Instant) -> Result<()> {
+        self.send_all(std::slice::from_ref(req), deadline).await
+    }
+
+    /// Sends requests back to back in one write.
+    async fn send_all(&mut self, reqs: &[Request], deadline: Instant) -> Result<()> {
         if self.broken {
             return Err(Error::Closed("store connection (an earlier request timed out; reconnect)"));
         }
-        check_limits(req)?;
+        reqs.iter().try_for_each(check_limits)?;
         self.out.clear();
-        req.encode(&mut self.out);
+        for req in reqs {
+            req.encode(&mut self.out);
+        }
+        let what = reqs.last().map_or(QueryType::Ping, Request::query_type);
         match self.stream.write_all(&self.out, deadline).await {
             Ok(()) => Ok(()),
             Err(e) if e.kind() == io::ErrorKind::TimedOut => {
                 self.broken = true;
-                Err(Error::timeout(format!("the store at {} to take {}", self.peer, req.query_type()), self.timeout))
+                Err(Error::timeout(format!("the store at {} to take {what}", self.peer), self.timeout))
             }
             Err(e) => {
                 self.broken = true;
-                Err(Error::io(format!("send {} to store at {}", req.query_type(), self.peer), e))
+                Err(Error::io(format!("send {what} to store at {}", self.peer), e))
             }
         }
     }
@@ -655,6 +696,10 @@ impl Store for TcpStore {
 
     fn wait_timeout(&self, keys: &[&str], timeout: Duration) -> Result<()> {
         self.with(async |c| c.wait(keys, timeout).await)
+    }
+
+    fn arrive_and_wait(&self, forget: &[&str], arrive: &str, all: &[&str], timeout: Duration) -> Result<()> {
+        self.with(async |c| c.arrive_and_wait(forget, arrive, all, timeout).await)
     }
 
     fn check(&self, keys: &[&str]) -> Result<bool> {

@@ -109,6 +109,17 @@ pub trait Store: Send + Sync + std::fmt::Debug {
     /// The default timeout of waiting operations.
     fn timeout(&self) -> Duration;
 
+    /// One member's arrival at a barrier: deletes the `forget` keys, sets `arrive`, and waits
+    /// up to `timeout` until every key of `all` exists. A TCP store sends all of it at once and
+    /// waits for the replies: one round trip, on any TCPStore server.
+    fn arrive_and_wait(&self, forget: &[&str], arrive: &str, all: &[&str], timeout: Duration) -> Result<()> {
+        for k in forget {
+            self.delete(k)?;
+        }
+        self.set(arrive, b"")?;
+        self.wait_timeout(all, timeout)
+    }
+
     /// [`Store::get_timeout`] with the default timeout.
     fn get(&self, key: &str) -> Result<Vec<u8>> {
         self.get_timeout(key, self.timeout())
@@ -322,6 +333,10 @@ impl Store for PrefixStore {
 
     fn wait_timeout(&self, keys: &[&str], timeout: Duration) -> Result<()> {
         self.inner.wait_timeout(&refs(&self.keys(keys)), timeout)
+    }
+
+    fn arrive_and_wait(&self, forget: &[&str], arrive: &str, all: &[&str], timeout: Duration) -> Result<()> {
+        self.inner.arrive_and_wait(&refs(&self.keys(forget)), &self.key(arrive), &refs(&self.keys(all)), timeout)
     }
 
     fn check(&self, keys: &[&str]) -> Result<bool> {

@@ -168,7 +168,9 @@ pub struct Group {
     /// A number no other group of this process has, for caches that outlive the name.
     id: u64,
     /// What layers above keep per group, by type (see [`Group::state`]).
-    state: Mutex<HashMap<TypeId, Arc<dyn Any + Send + Sync>>>,
+    /// One value per type; a handful of types, so a list scanned without hashing (the small
+    /// all-reduce looks its workspace up on every call).
+    state: Mutex<Vec<(TypeId, Arc<dyn Any + Send + Sync>)>>,
     /// The store server, when this rank hosts it; it lives as long as the group.
     _server: Option<Arc<StoreServer>>,
 }
@@ -238,7 +240,7 @@ impl Group {
             splits: Mutex::new(HashMap::new()),
             stale: Mutex::new(Vec::new()),
             id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
-            state: Mutex::new(HashMap::new()),
+            state: Mutex::new(Vec::new()),
             _server: None,
         }
     }
@@ -255,8 +257,16 @@ impl Group {
     /// exactly as long as the group: dropping the group drops it, which closes its links and
     /// frees its workspaces. `T` holds its own locks; this lock is held only for the lookup.
     pub fn state<T: Any + Send + Sync + Default>(&self) -> Arc<T> {
+        let id = TypeId::of::<T>();
         let mut all = self.state.lock().unwrap_or_else(|p| p.into_inner());
-        let any = all.entry(TypeId::of::<T>()).or_insert_with(|| Arc::new(T::default())).clone();
+        let any = match all.iter().find(|(t, _)| *t == id) {
+            Some((_, v)) => v.clone(),
+            None => {
+                let v: Arc<dyn Any + Send + Sync> = Arc::new(T::default());
+                all.push((id, v.clone()));
+                v
+            }
+        };
         drop(all);
         // The entry for T's TypeId was made as a T.
         any.downcast::<T>().unwrap_or_else(|_| unreachable!("group state keyed by its own type"))

@@ -87,26 +87,34 @@ pub(crate) const MAX_NAP: Duration = Duration::from_millis(50);
 
 /// Busy-waiting by a [`Patience`]: spin, then yield the core, then say it is time to sleep.
 pub(crate) struct Spinner {
-    start: Instant,
+    /// When the first spin happened: read then, so that a wait whose condition already holds
+    /// never reads the clock.
+    start: Option<Instant>,
     spins: u32,
     yielding: bool,
 }
 
 impl Spinner {
     pub(crate) fn new() -> Spinner {
-        Spinner { start: Instant::now(), spins: 0, yielding: false }
+        Spinner { start: None, spins: 0, yielding: false }
     }
 
     /// Whether to keep busy-waiting (spinning or yielding) rather than sleep; yields the core
     /// itself once past the spinning phase.
     pub(crate) fn keep_spinning<W: SlotWord>(&mut self, p: &Patience, slot: &W) -> bool {
         self.spins += 1;
+        let start = *self.start.get_or_insert_with(Instant::now);
+        // Crowded (no spin budget): the one waited for may need this very core, so hand it
+        // over from the first look (64 pauses would cost microseconds of its time slice).
+        if p.spin.is_zero() {
+            self.yielding = true;
+        }
         // Reading the clock costs ~20 ns; while spinning, do it every 64 spins.
-        if self.spins < 64 || !self.spins.is_multiple_of(64) && !self.yielding {
+        if !self.yielding && (self.spins < 64 || !self.spins.is_multiple_of(64)) {
             slot.relax();
             return true;
         }
-        let elapsed = self.start.elapsed();
+        let elapsed = start.elapsed();
         if elapsed < p.spin {
             slot.relax();
             return true;

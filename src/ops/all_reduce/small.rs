@@ -1,22 +1,28 @@
 //! The small-message all-reduce: one synchronization per call (DeepSpeed's "symmetric naive"
-//! scheme, `docs/symm-mem-algorithms.md` §3, with epoch counters).
+//! scheme, `docs/symm-mem-algorithms.md` §3, with epoch counters), and for the smallest inputs
+//! one cache line per rank per call (Open MPI's "fast boxes"): the input travels in the line
+//! that carries the epoch, so a peer's arrival and its data come in one line transfer.
 //!
 //! ```text
-//!   per group, a symmetric workspace:
-//!     [ epoch u64 | (numel, dtype·op) u64×2 per parity | sleepers u32 at 64 (128 B) | buf 0 | buf 1 ]
-//!   call k:  wait until every peer's epoch >= k-1   (they finished reading buf k%2 of call k-2)
-//!            copy the input into my buf k%2 and what it is into my parity k%2 words;
-//!            publish epoch = k
-//!            wait until every peer's epoch >= k     (their inputs of call k are in place)
+//!   per group, a symmetric workspace (64-byte lines):
+//!     line p (p = 0, 1):  epoch u64 | numel u64 | dtype·op u64 | inline input (40 B)
+//!     line 2:             sleepers u32
+//!     buf 0 | buf 1       inputs too large for the line (up to MAX)
+//!   call k (parity q = k % 2):
+//!            wait until every peer's line 1-q epoch >= k-1  (they finished call k-2, which read
+//!                                                            line q and buf q)
+//!            copy the input into my line q (≤ 40 B) or buf q, what it is into line q's words;
+//!            publish line q's epoch = k
+//!            wait until every peer's line q epoch >= k      (their inputs of call k are in place)
 //!            check every rank passed what rank 0 did (the same error on every rank if not)
-//!            reduce every rank's buf k%2, in rank order, into the output
+//!            reduce every rank's input of call k, in rank order, into the output
 //! ```
 //!
-//! A rank that publishes epoch k has finished call k-1, reads included, so a buffer is reused
-//! only after every peer is done with it: no trailing barrier. Orderings: the epoch store is
-//! Release after the copy and pairs with the Acquire epoch loads of the readers; a reader's
-//! next epoch store (Release) comes after its reads and pairs with the writer's Acquire wait
-//! before it overwrites. Waiting follows the crate's one patience policy
+//! A rank that publishes epoch k has finished call k-1, reads included, so a line or buffer is
+//! reused only after every peer is done with it: no trailing barrier. Orderings: the epoch
+//! store is Release after the copy and pairs with the Acquire epoch loads of the readers; a
+//! reader's next epoch store (Release) comes after its reads and pairs with the writer's
+//! Acquire wait before it overwrites. Waiting follows the crate's one patience policy
 //! (`sync::wait_until`: spin, yield the core, then sleep on the epoch word's futex); a
 //! publisher wakes sleepers only when one declared itself (Dekker-style on SeqCst operations,
 //! with a bounded nap as a safety net).
@@ -34,7 +40,14 @@ use crate::tensor::{DType, Tensor};
 
 /// The largest message this path takes.
 pub(crate) const MAX: usize = super::ONE_SHOT_MAX;
-const HEADER: usize = 128;
+/// A cache line.
+const LINE: usize = 64;
+/// The largest input carried in the epoch's line (after three words).
+pub(crate) const INLINE: usize = LINE - 24;
+/// Where the sleepers count is.
+const SLEEPERS: usize = 2 * LINE;
+/// Where the buffers start.
+const HEADER: usize = 3 * LINE;
 
 struct Workspace {
     _tensor: Tensor,
@@ -47,22 +60,27 @@ struct Workspace {
 struct State(Mutex<Option<Workspace>>);
 
 /// The words saying what `rank` passed to the call of parity `parity`: its element count, and
-/// its dtype and reduction.
+/// its dtype and reduction (bytes 8..24 of the parity's line).
 fn what(h: &SymmHandle, rank: usize, parity: u64) -> [&AtomicU64; 2] {
-    // Bytes 8..40 of the 128-byte header.
-    let at = h.offset() + 8 + 16 * parity as usize;
+    let at = h.offset() + LINE * parity as usize + 8;
     [h.word64(rank, at), h.word64(rank, at + 8)]
 }
 
-/// The epoch word and the sleepers count of `rank`'s workspace (bytes 0 and 64 of the header).
-fn words(h: &SymmHandle, rank: usize) -> (&AtomicU64, &AtomicU32) {
-    (h.word64(rank, h.offset()), h.word32(rank, h.offset() + 64))
+/// The epoch word of `rank`'s line `parity`, and its sleepers count.
+fn words(h: &SymmHandle, rank: usize, parity: u64) -> (&AtomicU64, &AtomicU32) {
+    (h.word64(rank, h.offset() + LINE * parity as usize), h.word32(rank, h.offset() + SLEEPERS))
 }
 
-fn wait_for(h: &SymmHandle, rank: usize, at_least: u64, p: &Patience, timeout: Duration) -> Result<()> {
-    let (epoch, sleepers) = words(h, rank);
+/// Where `rank`'s input of a call of parity `parity` and `bytes` bytes is.
+fn input(h: &SymmHandle, rank: usize, parity: u64, bytes: usize) -> usize {
+    let at = if bytes <= INLINE { LINE * parity as usize + 24 } else { HEADER + parity as usize * MAX };
+    h.read_ptr(rank) + h.offset() + at
+}
+
+fn wait_for(h: &SymmHandle, rank: usize, parity: u64, at_least: u64, p: &Patience, timeout: Duration) -> Result<()> {
+    let (epoch, sleepers) = words(h, rank, parity);
     // The futex word is the epoch's low half (little-endian), which changes with every publish.
-    let low = h.word32(rank, h.offset());
+    let low = h.word32(rank, h.offset() + LINE * parity as usize);
     // Acquire: pairs with the Release (SeqCst) store of `publish`.
     let done = || epoch.load(Ordering::Acquire) >= at_least;
     let sleep = |_: u32, nap: Duration| {
@@ -89,11 +107,12 @@ fn wait_for(h: &SymmHandle, rank: usize, at_least: u64, p: &Patience, timeout: D
 }
 
 fn publish(h: &SymmHandle, k: u64) {
-    let (epoch, sleepers) = words(h, h.rank());
+    let parity = k % 2;
+    let (epoch, sleepers) = words(h, h.rank(), parity);
     // SeqCst (a Release at least): pairs with the Acquire/SeqCst loads in `wait_for`.
     epoch.store(k, Ordering::SeqCst);
     if sleepers.load(Ordering::SeqCst) > 0 {
-        crate::sys::futex::wake(h.word32(h.rank(), h.offset()));
+        crate::sys::futex::wake(h.word32(h.rank(), h.offset() + LINE * parity as usize));
     }
 }
 
@@ -116,44 +135,84 @@ pub(crate) fn all_reduce(tensor: &Tensor, op: ReduceOp, group: &Group, timeout: 
     let (k, h) = (ws.epoch, ws.handle.clone());
     drop(slot);
     let p = h.patience(timeout);
-    let buf = HEADER + ((k % 2) as usize) * MAX;
+    let q = k % 2;
     let n = h.world_size();
     for r in (0..n).filter(|&r| r != h.rank()) {
-        wait_for(&h, r, k - 1, &p, timeout)?;
+        wait_for(&h, r, 1 - q, k - 1, &p, timeout)?;
     }
-    let mine = (h.read_ptr(h.rank()) + h.offset() + buf) as *mut u8;
-    // SAFETY: buf k%2 of my workspace holds MAX >= bytes bytes, and no peer reads it now (each
-    // has published k-1, so finished call k-2, the last to read it).
+    let mine = input(&h, h.rank(), q, bytes) as *mut u8;
+    // SAFETY: my input place of parity q holds INLINE (line) or MAX (buffer) >= bytes bytes
+    // inside my workspace, and no peer reads it now (each has published k-1, so finished call
+    // k-2, the last to read it).
     unsafe { std::ptr::copy_nonoverlapping(tensor.data_ptr().cast_const(), mine, bytes) };
     let sig = crate::ops::check::counts(tensor, Some(op));
-    for (w, v) in what(&h, h.rank(), k % 2).into_iter().zip(sig) {
+    for (w, v) in what(&h, h.rank(), q).into_iter().zip(sig) {
         // Relaxed: published by the epoch's Release store in `publish`.
         w.store(v, Ordering::Relaxed);
     }
     publish(&h, k);
     for r in (0..n).filter(|&r| r != h.rank()) {
-        wait_for(&h, r, k, &p, timeout)?;
+        wait_for(&h, r, q, k, &p, timeout)?;
     }
     // Every rank reads every rank's words, so every rank reaches the same verdict. Relaxed:
     // ordered by the Acquire epoch loads above.
-    let of = |r: usize| what(&h, r, k % 2).map(|w| w.load(Ordering::Relaxed));
+    let of = |r: usize| what(&h, r, q).map(|w| w.load(Ordering::Relaxed));
     let first = of(0);
     if let Some(r) = (1..n).find(|&r| of(r) != first) {
         return Err(crate::ops::check::counts_disagree("all_reduce", first, r, of(r)));
     }
     // Source pointers on the stack: no allocation on the small-message path.
-    let mut srcs = [std::ptr::null::<u8>(); 64];
+    let mut srcs = [std::ptr::null::<u8>(); 16];
     let mut heap = Vec::new();
     let srcs: &[*const u8] = if n <= srcs.len() {
         for (r, s) in srcs.iter_mut().enumerate().take(n) {
-            *s = (h.read_ptr(r) + h.offset() + buf) as *const u8;
+            *s = input(&h, r, q, bytes) as *const u8;
         }
         &srcs[..n]
     } else {
-        heap.extend((0..n).map(|r| (h.read_ptr(r) + h.offset() + buf) as *const u8));
+        heap.extend((0..n).map(|r| input(&h, r, q, bytes) as *const u8));
         &heap
     };
-    // SAFETY: every rank's buf k%2 holds its input of call k (published with Release, observed
-    // with Acquire) and is not rewritten before call k+2, which waits for our epoch k+1.
+    // SAFETY: every rank's input place of parity q holds its input of call k (published with
+    // Release, observed with Acquire; every rank agreed on the size, so on the place) and is
+    // not rewritten before call k+2, which waits for our epoch k+1.
     unsafe { reduce::reduce(tensor.dtype(), op, srcs, &[tensor.data_ptr()], tensor.numel(), n) }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::group::run_threads;
+
+    /// Inputs in the line and in the buffers, alternating from call to call (so each parity's
+    /// line and buffer are reused in turn), on 3 ranks: every result equals the sum computed
+    /// here, and a call whose ranks disagree across the boundary fails on every rank.
+    #[test]
+    fn inputs_in_the_line_and_in_the_buffers_alternate_and_agree() {
+        let t = Duration::from_secs(30);
+        run_threads(3, |g| {
+            let x = symm::empty(&[4096], DType::F32, Device::Cpu)?;
+            let sizes = [1usize, INLINE / 4 - 1, INLINE / 4, INLINE / 4 + 1, 2, 300, 10, MAX / 4];
+            for round in 0..40usize {
+                let n = sizes[round % sizes.len()];
+                let v = x.narrow(0, 0, n)?;
+                let mine: Vec<f32> = (0..n).map(|i| (g.rank() * 1000 + i + round) as f32).collect();
+                v.copy_from_slice(&mine)?;
+                all_reduce(&v, ReduceOp::Sum, &g, t)?;
+                let want: Vec<f32> = (0..n).map(|i| (3000 + 3 * (i + round)) as f32).collect();
+                assert_eq!(v.to_vec::<f32>()?, want, "round {round}, {n} elements");
+            }
+            // One rank's input fits the line, another's does not: the same error everywhere.
+            let n = if g.rank() == 1 { INLINE / 4 + 1 } else { 2 };
+            let e = all_reduce(&x.narrow(0, 0, n)?, ReduceOp::Sum, &g, t).unwrap_err().to_string();
+            assert!(e.contains("disagree") && e.contains("rank 1 pass"), "{e}");
+            // And the next call works again.
+            let v = x.narrow(0, 0, 4)?;
+            v.fill(1.0f32)?;
+            all_reduce(&v, ReduceOp::Sum, &g, t)?;
+            assert_eq!(v.to_vec::<f32>()?, vec![3.0; 4]);
+            Ok(())
+        })
+        .unwrap();
+    }
 }

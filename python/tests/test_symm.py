@@ -29,6 +29,12 @@ def test_symmetric_memory_and_operators_under_torchrun(nproc):
         assert f"symm worker ok {r}" in out.stdout, out.stdout + out.stderr
 
 
+def test_the_buffer_lookup_follows_buffers_that_die_and_views():
+    out = torchrun(1, os.path.join(os.path.dirname(__file__), "lookup_worker.py"))
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "lookup worker ok" in out.stdout and "must be allocated with symmem.symm.empty" in out.stdout
+
+
 def test_two_hosts_under_two_torchrun_launchers():
     # Two torchrun launchers play two hosts of one job (torch's own environment variables);
     # ranks on the other "host" are reached through symmem's transport.

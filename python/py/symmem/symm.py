@@ -82,10 +82,23 @@ __all__ = [
 
 # Symmetric buffers by base address, so a tensor (or a view of one) finds its allocation.
 _buffers = weakref.WeakValueDictionary()
+# The buffer found last, as (base, end, weak reference): operators are called on the same
+# tensors again and again, and scanning the weak dictionary costs microseconds.
+_last_found = (0, 0, None)
+
+# Whether a type is torch's tensor type, decided once per type (the per-call path avoids
+# string operations).
+_torch_types = {}
+# symmem's name of each torch dtype met so far.
+_torch_dtype_names = {}
 
 
 def _is_torch(x):
-    return type(x).__module__.startswith("torch") and hasattr(x, "data_ptr")
+    t = type(x)
+    known = _torch_types.get(t)
+    if known is None:
+        known = _torch_types[t] = t.__module__.startswith("torch") and hasattr(t, "data_ptr")
+    return known
 
 
 def _is_torch_dtype(dtype):
@@ -122,9 +135,14 @@ def _layout(x):
 
         x = from_dlpack(x)
     if _is_torch(x):
-        if x.device.type != "cpu":
+        if not x.is_cpu:
             raise ValueError(f"symmem supports CPU tensors only, got {x.device}")
-        return x.data_ptr(), _dtype_name(x.dtype), list(x.shape), list(x.stride()), x.element_size(), x
+        dtype = x.dtype
+        name = _torch_dtype_names.get(dtype)
+        if name is None:
+            name = _torch_dtype_names[dtype] = _dtype_name(dtype)
+        # torch.Size and the stride tuple are sequences the native side takes as they are.
+        return x.data_ptr(), name, x.shape, x.stride(), x.element_size(), x
     interface = getattr(x, "__array_interface__", None)
     if interface is None:
         raise TypeError(f"expected a torch tensor or a NumPy array, got {type(x).__name__}")
@@ -136,10 +154,37 @@ def _layout(x):
 
 
 def _find(addr):
-    for base, buf in list(_buffers.items()):
-        if base <= addr < base + buf.nbytes():
+    global _last_found
+    base, end, ref = _last_found
+    if base <= addr < end:
+        buf = ref()
+        if buf is not None:
             return base, buf
-    return None
+    # A whole tensor starts at its buffer's base: one lookup; a view needs the scan.
+    buf = _buffers.get(addr)
+    found = (addr, buf) if buf is not None else None
+    if found is None:
+        for base, buf in list(_buffers.items()):
+            if base <= addr < base + buf.nbytes():
+                found = (base, buf)
+                break
+    if found is not None:
+        base, buf = found
+        _last_found = (base, base + buf.nbytes(), weakref.ref(buf))
+    return found
+
+
+def _symmetric_or_none(x, what="tensor"):
+    """The native tensor of symmetric ``x``, or None when ``x`` has no elements (operators
+    return at once); raises for a tensor that is not symmetric."""
+    addr, name, shape, strides, _, _ = _layout(x)
+    found = _find(addr)
+    if found is not None:
+        base, buf = found
+        return buf.tensor(name, shape, strides, addr - base)
+    if _numel(x) == 0:
+        return None
+    raise ValueError(f"{what} must be allocated with symmem.symm.empty")
 
 
 def _native_tensor(x, *, symmetric=False, what="tensor"):
@@ -161,9 +206,15 @@ def _native_tensor(x, *, symmetric=False, what="tensor"):
     return _native.Tensor.external(addr, extent, owner, name, shape, strides)
 
 
+_world = None
+
+
 def world():
     """The world group (joined on first use through the launcher's store)."""
-    return _native.world()
+    global _world
+    if _world is None:
+        _world = _native.world()
+    return _world
 
 
 # Groups made by new_group, by name, so operators accept a group name as PyTorch's do.
@@ -583,9 +634,10 @@ def two_shot_all_reduce_out(input, reduce_op, group_name, out):
 
 def all_reduce(tensor, reduce_op="sum", group_name=None):
     """In-place all-reduce of symmetric ``tensor``, the algorithm chosen by size."""
-    if _numel(tensor) == 0:
-        return tensor
-    _native.all_reduce(_native_tensor(tensor, symmetric=True), reduce_op, _group(group_name))
+    # The hot path first: a symmetric tensor found by address; an empty one has no address.
+    native = _symmetric_or_none(tensor)
+    if native is not None:
+        _native.all_reduce(native, reduce_op, _group(group_name))
     return tensor
 
 

@@ -570,6 +570,7 @@ fn bench_store_emits_json_lines() {
         vec![
             "tcp_pingpong",
             "store_add_sync",
+            "store_barrier",
             "store_set",
             "store_get",
             "store_add",
@@ -578,6 +579,7 @@ fn bench_store_emits_json_lines() {
             "rendezvous_multi_get"
         ]
     );
+    assert_eq!(rows[2]["ranks"], 2, "the barrier is of two ranks");
     for r in &rows {
         for field in ["ranks", "iters", "time_us", "p99_us", "ops_per_s"] {
             assert!(r[field].as_f64().is_some_and(|v| v > 0.0), "{field} in {r}");

@@ -171,6 +171,12 @@ fn write_fails(a: &Transport, view: &transport::MemoryView, remote: &RemoteBuffe
     };
     assert_eq!(sync.transfer_kind(), started.transfer_kind(), "{sync} / {started}");
     assert_eq!(sync.to_string(), started.to_string());
+    // The try-now call refuses it the same way, or leaves it to the waiting path (tcp, ucx).
+    if let Some(now) = a.try_write_now(view, remote) {
+        let now = now.unwrap_err();
+        assert_eq!(sync.transfer_kind(), now.transfer_kind(), "{sync} / {now}");
+        assert_eq!(sync.to_string(), now.to_string());
+    }
     sync
 }
 
@@ -692,6 +698,42 @@ fn shm_moves_shared_memory_through_a_mapping_and_stops_after_unregister() {
     b.unregister_memory(&md).unwrap();
     let err = a.write(&ms.to_view(0, None).unwrap(), &remote, None).unwrap_err().to_string();
     assert!(err.contains("unknown remote buffer"), "{err}");
+}
+
+#[test]
+fn try_now_copies_on_shm_at_once_and_leaves_tcp_to_the_waiting_path() {
+    for backend in ["shm", "tcp"] {
+        let (a, b) = pair(backend);
+        let src = bytes(4096, 7);
+        let dst = Tensor::zeros(&[4096], DType::U8).unwrap();
+        let (ms, md) = (a.register_memory(&src).unwrap(), b.register_memory(&dst).unwrap());
+        let (view, remote) = (ms.to_view(0, None).unwrap(), descriptor(&md));
+        let back = Tensor::zeros(&[4096], DType::U8).unwrap();
+        let mb = a.register_memory(&back).unwrap();
+        let into = mb.to_mutable_view(0, None).unwrap();
+        match backend {
+            "shm" => {
+                a.try_write_now(&view, &remote).expect("shm copies at once").unwrap();
+                assert_eq!(dst.to_vec::<u8>().unwrap(), src.to_vec::<u8>().unwrap());
+                a.try_read_now(&into, &remote.slice(0, 4096).unwrap()).expect("shm copies at once").unwrap();
+                assert_eq!(back.to_vec::<u8>().unwrap(), src.to_vec::<u8>().unwrap());
+            }
+            _ => {
+                assert!(a.try_write_now(&view, &remote).is_none(), "tcp must wait for its peer");
+                assert!(a.try_read_now(&into, &remote).is_none(), "tcp must wait for its peer");
+                // Nothing was sent: the waiting call then does it, once.
+                std::thread::sleep(Duration::from_millis(50));
+                assert!(dst.to_vec::<u8>().unwrap().iter().all(|&x| x == 0), "a None try sent bytes");
+                a.write(&view, &remote, None).unwrap();
+                assert_eq!(dst.to_vec::<u8>().unwrap(), src.to_vec::<u8>().unwrap());
+            }
+        }
+        // A refused transfer is refused by the try too, whichever backend (checked before
+        // the backend is asked).
+        let too_short = forge(&remote, "length", serde_json::json!(8));
+        let err = a.try_write_now(&view, &too_short).expect("a refusal is an answer").unwrap_err();
+        assert!(err.to_string().contains("does not fit") || err.to_string().contains("exceeds"), "{err}");
+    }
 }
 
 /// An initiator run as another user (nobody): the kernel refuses it cross-memory attach to a

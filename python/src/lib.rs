@@ -13,6 +13,11 @@ use symmem::transport::{self, Memory, MemoryView, MutableMemoryView, RemoteBuffe
 mod log;
 mod symm;
 
+/// The largest synchronous transfer that may run holding the GIL (when the backend finishes it
+/// on the calling thread): a 64 KiB copy takes about a microsecond, less than what releasing
+/// and taking back the GIL costs a small call under contention.
+const GIL_HELD_BYTES: usize = 64 << 10;
+
 fn err(e: symmem::Error) -> PyErr {
     use symmem::TransferKind::*;
     match e {
@@ -124,6 +129,39 @@ impl PyTransport {
     ) -> PyResult<PyWork> {
         let t = seconds(timeout)?;
         Ok(PyWork(py.detach(|| self.0.start_read(&local.0, &remote.0, t)).map_err(err)?))
+    }
+
+    /// Writes `local` to the start of `remote` and waits for it. A transfer of at most
+    /// `GIL_HELD_BYTES` that the backend finishes on this thread (shm's copy) runs holding the
+    /// GIL, as a small memcpy would; anything that can wait (a peer, a socket, a long copy)
+    /// releases it.
+    #[pyo3(signature = (local, remote, timeout = None))]
+    fn write(&self, py: Python<'_>, local: &PyView, remote: &PyRemoteBuffer, timeout: Option<f64>) -> PyResult<()> {
+        let t = seconds(timeout)?;
+        if local.0.size() <= GIL_HELD_BYTES
+            && let Some(done) = self.0.try_write_now(&local.0, &remote.0)
+        {
+            return done.map_err(err);
+        }
+        py.detach(|| self.0.write(&local.0, &remote.0, t)).map_err(err)
+    }
+
+    /// Reads the start of `remote` into `local` and waits for it (the GIL as in `write`).
+    #[pyo3(signature = (local, remote, timeout = None))]
+    fn read(
+        &self,
+        py: Python<'_>,
+        local: &PyMutableView,
+        remote: &PyRemoteBuffer,
+        timeout: Option<f64>,
+    ) -> PyResult<()> {
+        let t = seconds(timeout)?;
+        if local.0.size() <= GIL_HELD_BYTES
+            && let Some(done) = self.0.try_read_now(&local.0, &remote.0)
+        {
+            return done.map_err(err);
+        }
+        py.detach(|| self.0.read(&local.0, &remote.0, t)).map_err(err)
     }
 
     #[pyo3(signature = (timeout = None))]

@@ -98,6 +98,16 @@ def test_a_write_into_a_stopped_peer_returns_in_time_without_holding_the_gil():
             timed_out(lambda: t.read(small.to_mutable_view(), remote, async_op=True, timeout=2)),
         ]
         assert all(smalls), "small transfers to a stopped peer with full buffers must time out"
+        # The same through the synchronous call, which holds the GIL only for a copy it can
+        # finish at once (shm's): here it waits with the GIL released and times out in time.
+        start = time.monotonic()
+        try:
+            t.write(small.to_view(), remote, timeout=2)
+            raise AssertionError("a synchronous write to a stopped peer with full buffers returned")
+        except TimeoutError:
+            pass
+        took = time.monotonic() - start
+        assert took < 3, f"a synchronous write with a 2 s timeout took {took:.1f} s"
         stop.set()
         ticker.join()
         # The GIL was free while the transfers waited: the other thread kept ticking.

@@ -898,6 +898,34 @@ impl Transport {
         self.transfer_sync(false, &local.0, remote, timeout)
     }
 
+    /// [`Transport::write`] if the backend can finish it on this thread without waiting for a
+    /// peer or a network (shm's copy between mapped memory): `Some` with its outcome (a refused
+    /// write included), or `None` when the write would have to wait, and nothing was done.
+    ///
+    /// For callers that hold something other threads need while a call may block (Python's
+    /// GIL): try this first holding it, and call [`Transport::write`] after releasing it on
+    /// `None`.
+    pub fn try_write_now(&self, local: &MemoryView, remote: &RemoteBuffer) -> Option<Result<()>> {
+        self.transfer_now(true, local, remote)
+    }
+
+    /// [`Transport::read`] if the backend can finish it on this thread at once (see
+    /// [`Transport::try_write_now`]).
+    pub fn try_read_now(&self, local: &MutableMemoryView, remote: &RemoteBuffer) -> Option<Result<()>> {
+        self.transfer_now(false, &local.0, remote)
+    }
+
+    /// The checks of a transfer, then the backend's synchronous path if it has one.
+    fn transfer_now(&self, write: bool, local: &MemoryView, remote: &RemoteBuffer) -> Option<Result<()>> {
+        let checked = self.check_open().and_then(|()| self.check_local(local));
+        if let Err(e) = checked.and_then(|()| self.check_remote(local, remote, write)) {
+            return Some(Err(e));
+        }
+        // No pending count: the copy is over when this returns, and the view keeps the local
+        // memory alive meanwhile even if another thread unregisters it.
+        self.backend.transfer_now(write, local, remote).map(|done| done.map_err(Error::from))
+    }
+
     fn transfer_sync(
         &self,
         write: bool,
@@ -905,13 +933,8 @@ impl Transport {
         remote: &RemoteBuffer,
         timeout: Option<Duration>,
     ) -> Result<()> {
-        self.check_open()?;
-        self.check_local(local)?;
-        self.check_remote(local, remote, write)?;
-        // No pending count: the copy is over when this returns, and the view keeps the local
-        // memory alive meanwhile even if another thread unregisters it.
-        if let Some(done) = self.backend.transfer_now(write, local, remote) {
-            return done.map_err(Error::from);
+        if let Some(done) = self.transfer_now(write, local, remote) {
+            return done;
         }
         let direction = if write { Direction::Write } else { Direction::Read };
         self.submit(direction, local, remote, timeout)?.wait(None)

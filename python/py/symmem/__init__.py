@@ -111,17 +111,16 @@ class Transport:
         self._t.unregister(memory._native)
 
     def write(self, local, remote, *, async_op=False, timeout=None):
-        work = self._t.start_write(local, remote, timeout)
         if async_op:
-            return work
-        work.wait()
+            return self._t.start_write(local, remote, timeout)
+        # Synchronous: a small shared-memory copy happens here, with no Work.
+        self._t.write(local, remote, timeout)
         return 0
 
     def read(self, local, remote, *, async_op=False, timeout=None):
-        work = self._t.start_read(local, remote, timeout)
         if async_op:
-            return work
-        work.wait()
+            return self._t.start_read(local, remote, timeout)
+        self._t.read(local, remote, timeout)
         return 0
 
     async def write_async(self, local, remote, *, timeout=None):

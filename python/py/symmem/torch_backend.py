@@ -115,9 +115,23 @@ class SymmemMemoryView:
         self._memory = memory
         self._offset = offset
         self._length = length
+        self._source = self._destination = None
 
     def size(self):
         return self._length
+
+    def _native_view(self, write):
+        """The native view of this range as the source of a write, or (``write`` false) as the
+        destination of a read; made on first use (a view that outlives its registration is
+        refused by the native checks as by ``_check_transfer``)."""
+        native = self._source if write else self._destination
+        if native is None:
+            registration = self._memory._registration.native
+            if write:
+                native = self._source = registration.to_view(self._offset, self._length)
+            else:
+                native = self._destination = registration.to_mutable_view(self._offset, self._length)
+        return native
 
 
 class SymmemMutableMemoryView(SymmemMemoryView):
@@ -364,14 +378,15 @@ class SymmemTransport(Transport):
         t = self._timeout_of(timeout)
         self._ensure_open()
         self._check_transfer(local_buffer, remote_buffer, mutable=not write)
-        registration = local_buffer._memory._registration
         native_remote = remote_buffer._native_for(self._name)
-        offset, length = local_buffer._offset, local_buffer._length
+        length = local_buffer._length
+
+        view = local_buffer._native_view(write)
 
         def submit():
             if write:
-                return self._t.start_write(registration.native.to_view(offset, length), native_remote, t)
-            return self._t.start_read(registration.native.to_mutable_view(offset, length), native_remote, t)
+                return self._t.start_write(view, native_remote, t)
+            return self._t.start_read(view, native_remote, t)
 
         retained = (local_buffer, remote_buffer)
         if off_thread and length >= OFF_THREAD_BYTES:
@@ -382,19 +397,31 @@ class SymmemTransport(Transport):
                 return SymmemWork(self._pool.submit(submit), retained, t)
         return SymmemWork(submit(), retained, t)
 
-    def write(self, local_buffer, remote_buffer, *, async_op=False, timeout=None):
-        work = self._start(True, local_buffer, remote_buffer, timeout, async_op)
-        if async_op:
-            return work
-        work.wait()
+    def _transfer(self, write, local_buffer, remote_buffer, timeout):
+        """One synchronous transfer: the checks of ``_start``, then the native call, which
+        copies on this thread with no Work when the engine can (shm) and waits otherwise."""
+        t = self._timeout_of(timeout)
+        self._ensure_open()
+        self._check_transfer(local_buffer, remote_buffer, mutable=not write)
+        view, remote = local_buffer._native_view(write), remote_buffer._native_for(self._name)
+        try:
+            if write:
+                self._t.write(view, remote, t)
+            else:
+                self._t.read(view, remote, t)
+        except TimeoutError as e:
+            raise TimeoutError("transport wait timed out; operation remains pending") from e
         return 0
 
-    def read(self, local_buffer, remote_buffer, *, async_op=False, timeout=None):
-        work = self._start(False, local_buffer, remote_buffer, timeout, async_op)
+    def write(self, local_buffer, remote_buffer, *, async_op=False, timeout=None):
         if async_op:
-            return work
-        work.wait()
-        return 0
+            return self._start(True, local_buffer, remote_buffer, timeout, True)
+        return self._transfer(True, local_buffer, remote_buffer, timeout)
+
+    def read(self, local_buffer, remote_buffer, *, async_op=False, timeout=None):
+        if async_op:
+            return self._start(False, local_buffer, remote_buffer, timeout, True)
+        return self._transfer(False, local_buffer, remote_buffer, timeout)
 
     async def write_async(self, local_buffer, remote_buffer, *, timeout=None):
         """Write a local view, yielding to asyncio until the transfer finishes (a large copy

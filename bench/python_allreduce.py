@@ -1,10 +1,19 @@
 """Per-call cost of symmem's all-reduce from Python: `symm.all_reduce` (what programs call) next
-to the native call with the group and tensor already looked up, so the wrapper's share shows.
+to the native call with the group and tensor already looked up, so the wrapper's share shows,
+and next to DeepSpeed's CPU shared-memory all-reduce (`torch.ops.deepspeed.inference_all_reduce_`,
+the fastest all-reduce PyTorch programs use on CPUs) in the same processes, when DeepSpeed is
+importable.
 
-    symmem run -n 2 -- python bench/python_allreduce.py [sizes, e.g. 8,4K,1M]
+    symmem run -n 2 -- python bench/python_allreduce.py [sizes, e.g. 8,4K,1M,16M]
 
-Prints rank 0's medians of 7 runs, in microseconds per call. (DeepSpeed's CPU shared-memory
-op, the issue's reference, is not installed by this script: see the closing notes.)
+DeepSpeed builds its op on first use (`pip install deepspeed`; it needs a C++ compiler and
+ninja, and picks its CPU accelerator by itself when there is no GPU; DS_ACCELERATOR=cpu forces
+it). Its fp32 kernel needs AVX2. It joins through torch.distributed (gloo) on the job's store, as
+`deepspeed.init_distributed` does, and takes its all-ranks-local test from LOCAL_SIZE, which this
+script sets from LOCAL_WORLD_SIZE.
+
+Prints rank 0's medians of 7 runs, in microseconds per call, float32, sum; and checks that every
+call gave the right sum before timing it.
 """
 
 import os
@@ -29,19 +38,53 @@ def per_call_us(f, n):
     return statistics.median(runs)
 
 
+def deepspeed_op(world):
+    """DeepSpeed's shared-memory all-reduce, or None (with the reason printed) when unusable."""
+    os.environ.setdefault("LOCAL_SIZE", os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+    try:
+        import deepspeed  # noqa: PLC0415 (optional, heavy)
+
+        deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+        op = torch.ops.deepspeed.inference_all_reduce_
+    except Exception as e:  # noqa: BLE001 (any reason to skip is printed)
+        print(f"DeepSpeed's op is not usable here ({type(e).__name__}: {e}); symmem only", flush=True)
+        return None
+    return op
+
+
+def checked(f, t, world):
+    """Runs `f` once on a tensor of ones and checks the sum, so a broken path is not timed."""
+    t.fill_(1.0)
+    f()
+    if not bool((t == float(world)).all()):
+        raise SystemExit(f"wrong all-reduce result: expected {world}, got {t[:4].tolist()}")
+
+
 def main():
-    sizes = sys.argv[1] if len(sys.argv) > 1 else "8,4K,64K,1M"
+    sizes = sys.argv[1] if len(sys.argv) > 1 else "8,4K,64K,1M,16M"
     units = {"K": 1 << 10, "M": 1 << 20}
-    rank = int(os.environ.get("RANK", "0"))
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    ds = deepspeed_op(world)
+    if rank == 0:
+        head = f"{'bytes':>10}  {'symm.all_reduce':>15}  {'native call':>11}"
+        print(head + (f"  {'DeepSpeed op':>12}  {'symm / DS':>9}" if ds else "") + "   (us per call)", flush=True)
     for s in sizes.split(","):
         nbytes = int(s[:-1]) * units[s[-1]] if s[-1] in units else int(s)
+        n = max(50, min(20000, (64 << 20) // max(nbytes, 1)))
         t = symm.empty(max(nbytes // 4, 1), dtype=torch.float32)
-        n = max(200, min(20000, (64 << 20) // max(nbytes, 1)))
+        checked(lambda: symm.all_reduce(t), t, world)
         wrapped = per_call_us(lambda: symm.all_reduce(t), n)
         native_t, group = symm._native_tensor(t, symmetric=True), symm._group(None)
+        checked(lambda: _native.all_reduce(native_t, "sum", group), t, world)
         native = per_call_us(lambda: _native.all_reduce(native_t, "sum", group), n)
+        row = f"{nbytes:>10}  {wrapped:15.2f}  {native:11.2f}"
+        if ds:
+            d = torch.empty(max(nbytes // 4, 1), dtype=torch.float32)
+            checked(lambda: ds(d), d, world)
+            theirs = per_call_us(lambda: ds(d), n)
+            row += f"  {theirs:12.2f}  {wrapped / theirs:9.2f}"
         if rank == 0:
-            print(f"{nbytes:>10} B  symm.all_reduce {wrapped:9.2f} us  native call {native:9.2f} us", flush=True)
+            print(row, flush=True)
 
 
 if __name__ == "__main__":

@@ -35,6 +35,12 @@ def test_the_buffer_lookup_follows_buffers_that_die_and_views():
     assert "lookup worker ok" in out.stdout and "must be allocated with symmem.symm.empty" in out.stdout
 
 
+def test_a_remembered_view_follows_layout_changes_in_place_and_dies_with_its_buffer():
+    out = torchrun(2, os.path.join(os.path.dirname(__file__), "layout_worker.py"))
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.count("layout worker ok") == 2, out.stdout + out.stderr
+
+
 def test_two_hosts_under_two_torchrun_launchers():
     # Two torchrun launchers play two hosts of one job (torch's own environment variables);
     # ranks on the other "host" are reached through symmem's transport.

@@ -85,6 +85,13 @@ _buffers = weakref.WeakValueDictionary()
 # The buffer found last, as (base, end, weak reference): operators are called on the same
 # tensors again and again, and scanning the weak dictionary costs microseconds.
 _last_found = (0, 0, None)
+# The native tensor made last, with what it was made from: (tensor type, address, shape,
+# strides, dtype, native tensor, weak reference to its buffer). A torch tensor of that type,
+# address and layout gets it back without reading its layout again nor building a native view
+# (1.3 us of the 2.3 us a call spent in Python). The buffer's death clears it, so it never holds
+# freed memory nor outlives its allocation.
+_NO_NATIVE = (None, 0, None, None, None, None, None)
+_last_native = _NO_NATIVE
 
 # Whether a type is torch's tensor type, decided once per type (the per-call path avoids
 # string operations).
@@ -174,14 +181,48 @@ def _find(addr):
     return found
 
 
+def _forget_native(ref):
+    """Weak-reference callback: the buffer behind the remembered native tensor died."""
+    global _last_native
+    if _last_native[6] is ref:
+        _last_native = _NO_NATIVE
+
+
+def _remembered(x):
+    """The native tensor made last, if ``x`` is a tensor of its type, address and layout."""
+    kind, addr, shape, strides, dtype, native, _ = _last_native
+    if (
+        type(x) is kind
+        and x.data_ptr() == addr
+        and x.dtype is dtype
+        and x.shape == shape
+        and x.stride() == strides
+        and x.is_cpu
+    ):
+        return native
+    return None
+
+
+def _symmetric_view(x, found, addr, name, shape, strides):
+    """The native view of ``x`` in its symmetric buffer ``found``, remembered for the next call."""
+    global _last_native
+    base, buf = found
+    native = buf.tensor(name, shape, strides, addr - base)
+    if _is_torch(x):
+        _last_native = (type(x), addr, shape, strides, x.dtype, native, weakref.ref(buf, _forget_native))
+    return native
+
+
 def _symmetric_or_none(x, what="tensor"):
     """The native tensor of symmetric ``x``, or None when ``x`` has no elements (operators
     return at once); raises for a tensor that is not symmetric."""
+    native = _remembered(x)
+    if native is not None:
+        return native
     addr, name, shape, strides, _, _ = _layout(x)
     found = _find(addr)
     if found is not None:
-        base, buf = found
-        return buf.tensor(name, shape, strides, addr - base)
+        return _symmetric_view(x, found, addr, name, shape, strides)
     if _numel(x) == 0:
         return None
     raise ValueError(f"{what} must be allocated with symmem.symm.empty")
@@ -190,11 +231,13 @@ def _symmetric_or_none(x, what="tensor"):
 def _native_tensor(x, *, symmetric=False, what="tensor"):
     """The native tensor behind ``x``: its symmetric allocation, or (unless ``symmetric``) its
     own memory, borrowed for the call."""
+    native = _remembered(x)
+    if native is not None:
+        return native
     addr, name, shape, strides, item, owner = _layout(x)
     found = _find(addr)
     if found is not None:
-        base, buf = found
-        return buf.tensor(name, shape, strides, addr - base)
+        return _symmetric_view(x, found, addr, name, shape, strides)
     if symmetric:
         raise ValueError(f"{what} must be allocated with symmem.symm.empty")
     extent = item

@@ -124,6 +124,45 @@ pub fn cores() -> usize {
     *CORES.get_or_init(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
 }
 
+/// The CPUs this process may run on now (its affinity mask), as inclusive ranges; empty if the
+/// kernel will not say.
+pub fn affinity() -> Vec<[u32; 2]> {
+    let Ok(set) = rustix::thread::sched_getaffinity(None) else { return Vec::new() };
+    let mut ranges: Vec<[u32; 2]> = Vec::new();
+    for cpu in (0..rustix::thread::CpuSet::MAX_CPU).filter(|&c| set.is_set(c)) {
+        let cpu = cpu as u32;
+        match ranges.last_mut() {
+            Some(last) if last[1] + 1 == cpu => last[1] = cpu,
+            _ => ranges.push([cpu, cpu]),
+        }
+    }
+    ranges
+}
+
+/// Whether `ranks` processes whose affinity masks are `masks` (as [`affinity`] gives them,
+/// from peers) outnumber the CPUs they may use together: then a waiting rank should hand its
+/// core to the one it waits for rather than spin. Each rank's own mask counts, so ranks pinned
+/// to distinct cores are not crowded even when each has a single core, and ranks all bound to
+/// the same two cores are. An empty mask (unknown) counts as this process's [`cores`]. Ranges
+/// beyond the kernel's largest CPU number are ignored (peer input: the work stays bounded).
+pub fn crowded<'a>(ranks: usize, masks: impl IntoIterator<Item = &'a [[u32; 2]]>) -> bool {
+    const MAX: usize = rustix::thread::CpuSet::MAX_CPU;
+    let mut union = [false; MAX];
+    let mut unknown = false;
+    for mask in masks {
+        unknown |= mask.is_empty();
+        for &[first, last] in mask {
+            let (first, last) = (first as usize, (last as usize).min(MAX - 1));
+            for cpu in union.iter_mut().take(last + 1).skip(first) {
+                *cpu = true;
+            }
+        }
+    }
+    let known = union.iter().filter(|&&c| c).count();
+    let cpus = if unknown { known.max(cores()) } else { known };
+    ranks > cpus.max(1)
+}
+
 /// Which ranks of a group share a host: hosts are numbered in order of their lowest rank, and a
 /// host's lowest rank is its leader.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -192,6 +231,30 @@ impl HostMap {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn crowding_counts_the_cpus_a_hosts_ranks_may_use_together() {
+        let one = |c: u32| vec![[c, c]];
+        // Pinned to distinct cores, one each: not crowded (each process sees one CPU).
+        assert!(!crowded(2, [one(0).as_slice(), one(1).as_slice()]));
+        // Both bound to the same core, or four ranks to the same two: crowded.
+        assert!(crowded(2, [one(0).as_slice(), one(0).as_slice()]));
+        let two = vec![[0, 1]];
+        assert!(crowded(4, [two.as_slice(); 4]));
+        assert!(!crowded(2, [two.as_slice(); 2]));
+        // Ranges are a peer's input: beyond the kernel's largest CPU they are ignored, a
+        // reversed one is empty, and a huge one costs no more than the largest CPU count.
+        let far = vec![[u32::MAX - 1, u32::MAX]];
+        assert!(crowded(2, [far.as_slice(), far.as_slice()]));
+        assert!(crowded(2, [vec![[5, 1]].as_slice(), vec![[9, 2]].as_slice()]));
+        let all = vec![[0, u32::MAX]];
+        assert!(!crowded(64, [all.as_slice(); 2]));
+        // An unknown mask counts as this process's CPUs.
+        assert_eq!(crowded(2, [[].as_slice(), [].as_slice()]), 2 > cores());
+        // This process's own mask has at least one CPU, in order and without overlaps.
+        let mine = affinity();
+        assert!(!mine.is_empty() && mine.windows(2).all(|w| w[0][1] + 1 < w[1][0]), "{mine:?}");
+    }
 
     #[test]
     fn the_route_to_a_loopback_store_is_loopback_and_interfaces_skip_it() {

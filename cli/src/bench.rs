@@ -468,6 +468,8 @@ pub fn sample_record(rank: usize) -> Vec<u8> {
         shape: vec![512, 512],
         dtype: symmem::tensor::DType::F32.code(),
         offset: 0,
+        // 8 ranks of a 56-CPU host, each bound to its 7 CPUs.
+        cpus: vec![[(rank % 8 * 7) as u32, (rank % 8 * 7 + 6) as u32]],
     }
     .encode()
 }
@@ -593,10 +595,16 @@ fn launch_bench(
 }
 
 /// Signal ping-pong and barrier latency across launched ranks, next to the floor: a plain
-/// atomic-flag ping-pong between two processes pinned to different cores.
+/// atomic-flag ping-pong between two processes. Both ping-pongs run pinned (each process on
+/// its own core: the hardware's floor) and unpinned (where the scheduler puts them, as a job
+/// runs unless it pins).
 pub fn signal(options: &SignalBenchOptions, mut emit: impl FnMut(BenchResult)) -> Result<()> {
     let iters = options.iters.to_string();
-    let mut jobs: Vec<(usize, Vec<&str>)> = vec![(2, vec!["__bench-flag-rank", "--iters", &iters])];
+    let mut jobs: Vec<(usize, Vec<&str>)> = vec![
+        (2, vec!["__bench-flag-rank", "--iters", &iters, "--pin"]),
+        (2, vec!["__bench-flag-rank", "--iters", &iters]),
+        (2, vec!["__bench-signal-rank", "--iters", &iters, "--pin"]),
+    ];
     for &n in &options.ranks {
         jobs.push((n, vec!["__bench-signal-rank", "--iters", &iters]));
     }
@@ -663,11 +671,13 @@ fn half_round_trips(mut rtt: Vec<Duration>, name: &str, ranks: usize, note: &str
 }
 
 /// One rank of the signal benchmark (run by `symmem bench signal` through the launcher).
-pub fn signal_rank(iters: usize) -> Result<()> {
+/// `pin`: each rank on its own core, and only the ping-pong is timed.
+pub fn signal_rank(iters: usize, pin: bool) -> Result<()> {
     use symmem::symm::{self, Device};
     use symmem::tensor::DType;
     let group = symmem::Group::from_env()?;
     let (me, ws) = (group.rank(), group.world_size());
+    let pinned = pin && pin_to_cpu(me);
     let x = symm::empty(&[64], DType::U8, Device::Cpu)?;
     let h = symm::rendezvous(&x, &group)?;
     let t = Duration::from_secs(60);
@@ -689,7 +699,22 @@ pub fn signal_rank(iters: usize) -> Result<()> {
                 rtt.push(start.elapsed());
             }
         }
-        rows.push(half_round_trips(rtt, "signal_pingpong", 2, "put_signal+wait_signal, one way (RTT/2), unpinned"));
+        rows.push(match (pin, pinned) {
+            (false, _) => {
+                half_round_trips(rtt, "signal_pingpong", 2, "put_signal+wait_signal, one way (RTT/2), unpinned")
+            }
+            (true, true) => half_round_trips(
+                rtt,
+                "signal_pingpong_pinned",
+                2,
+                "put_signal+wait_signal, one way (RTT/2), pinned to cores 0 and 1",
+            ),
+            (true, false) => half_round_trips(rtt, "signal_pingpong_pinned", 2, "pinning refused: unpinned"),
+        });
+    }
+    if pin {
+        group.barrier(t)?;
+        return if me == 0 { report(&rows) } else { Ok(()) };
     }
     h.barrier(0, t)?;
     let mut lat = Vec::with_capacity(iters);
@@ -708,16 +733,16 @@ pub fn signal_rank(iters: usize) -> Result<()> {
     if me == 0 { report(&rows) } else { Ok(()) }
 }
 
-/// One rank of the baseline: two processes pinned to different cores bounce a plain atomic
+/// One rank of the baseline: two processes (`pin`: on different cores) bounce a plain atomic
 /// flag through shared memory, with nothing else (no protocol, no timeouts, no sleeping).
-pub fn flag_rank(iters: usize) -> Result<()> {
+pub fn flag_rank(iters: usize, pin: bool) -> Result<()> {
     use std::sync::atomic::{AtomicU32, Ordering};
 
     use symmem::symm::{self, Device};
     use symmem::tensor::DType;
     let group = symmem::Group::from_env()?;
     let me = group.rank();
-    let pinned = pin_to_cpu(me);
+    let pinned = pin && pin_to_cpu(me);
     // Two flags on separate cache lines.
     let x = symm::empty(&[256], DType::U8, Device::Cpu)?;
     let h = symm::rendezvous(&x, &group)?;
@@ -747,12 +772,12 @@ pub fn flag_rank(iters: usize) -> Result<()> {
         }
     }
     h.barrier(0, Duration::from_secs(60))?;
-    let note = if pinned {
-        "baseline: atomic flag ping-pong, one way (RTT/2), pinned to cores 0 and 1"
-    } else {
-        "baseline: atomic flag ping-pong, one way (RTT/2), pinning refused"
+    let (name, note) = match (pin, pinned) {
+        (true, true) => ("flag_pingpong", "baseline: atomic flag ping-pong, one way (RTT/2), pinned to cores 0 and 1"),
+        (true, false) => ("flag_pingpong", "baseline: atomic flag ping-pong, one way (RTT/2), pinning refused"),
+        (false, _) => ("flag_pingpong_unpinned", "baseline: atomic flag ping-pong, one way (RTT/2), unpinned"),
     };
-    if me == 0 { report(&[half_round_trips(rtt, "flag_pingpong", 2, note)]) } else { Ok(()) }
+    if me == 0 { report(&[half_round_trips(rtt, name, 2, note)]) } else { Ok(()) }
 }
 
 /// What `symmem bench transport` measures.
@@ -1204,8 +1229,10 @@ pub fn collective_rank(op: &str, algo: &str, dtype: DType, iters: usize, warmup:
         };
         let (median, p99) = percentiles(&mut lat);
         let hosts = symmem::config::hosts();
+        // What the operator decided from (its input's handle, made by its first call).
+        let crowded = symm::rendezvous(&input, &group)?.crowded();
         let used = match (op, algo) {
-            ("all_reduce", "auto") => symmem::ops::all_reduce::select(bytes, ws, ws.div_ceil(hosts), hosts).name(),
+            ("all_reduce", "auto") => symmem::ops::all_reduce::select(bytes, crowded, ws.div_ceil(hosts), hosts).name(),
             ("all_reduce", a) => a,
             ("all_to_all", _) => symmem::ops::all_to_all::select(bytes, hosts).name(),
             _ => "pull",

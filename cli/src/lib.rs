@@ -63,12 +63,18 @@ enum Command {
     BenchSignalRank {
         #[arg(long)]
         iters: usize,
+        /// Pin each rank to its own core and time only the ping-pong.
+        #[arg(long)]
+        pin: bool,
     },
     /// One rank of the flag ping-pong baseline of `symmem bench signal`.
     #[command(name = "__bench-flag-rank", hide = true)]
     BenchFlagRank {
         #[arg(long)]
         iters: usize,
+        /// Pin each rank to its own core.
+        #[arg(long)]
+        pin: bool,
     },
     /// One rank of `symmem bench <collective>`.
     #[command(name = "__bench-op-rank", hide = true)]
@@ -667,8 +673,8 @@ fn dispatch(command: Command) -> Result<u8> {
         Command::Run(args) => run(args),
         Command::Demo { nproc, hosts } => demo(nproc, hosts),
         Command::DemoRank => demo_rank().map(|()| SUCCESS),
-        Command::BenchSignalRank { iters } => bench::signal_rank(iters).map(|()| SUCCESS).map_err(Into::into),
-        Command::BenchFlagRank { iters } => bench::flag_rank(iters).map(|()| SUCCESS).map_err(Into::into),
+        Command::BenchSignalRank { iters, pin } => bench::signal_rank(iters, pin).map(|()| SUCCESS).map_err(Into::into),
+        Command::BenchFlagRank { iters, pin } => bench::flag_rank(iters, pin).map(|()| SUCCESS).map_err(Into::into),
         Command::BenchOpRank { op, algo, dtype, iters, warmup, sizes } => {
             let dtype = bench::parse_dtype(&dtype)?;
             bench::collective_rank(&op, &algo, dtype, iters, warmup, &sizes).map(|()| SUCCESS).map_err(Into::into)
@@ -931,7 +937,8 @@ fn demo_rank() -> Result<()> {
         let (median, _) = bench::percentiles(&mut lat);
         if rank == 0 {
             let hosts = if h.all_local() { 1 } else { 2 };
-            let algo = ops::all_reduce::select(bytes, world, h.max_ranks_per_host(), hosts).name().replace('_', "-");
+            let algo =
+                ops::all_reduce::select(bytes, h.crowded(), h.max_ranks_per_host(), hosts).name().replace('_', "-");
             say!(
                 "rank 0: all-reduce of {label} ({algo}) on {world} ranks: median {median:.2} us, result checked on every rank"
             );

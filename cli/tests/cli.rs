@@ -378,13 +378,20 @@ fn info_lists_every_knob() {
 }
 
 #[test]
-fn bench_signal_emits_the_baseline_and_every_rank_count() {
+fn bench_signal_emits_the_baselines_pinned_and_unpinned_and_every_rank_count() {
     let out = symmem(&["bench", "signal", "--json", "--ranks", "2,3", "--iters", "200"]);
     assert!(out.status.success(), "{}", text(&out.stderr));
     let rows: Vec<serde_json::Value> = text(&out.stdout).lines().map(|l| serde_json::from_str(l).unwrap()).collect();
     let got: Vec<(String, u64)> =
         rows.iter().map(|r| (r["bench"].as_str().unwrap().to_string(), r["ranks"].as_u64().unwrap())).collect();
-    let want = [("flag_pingpong", 2), ("signal_pingpong", 2), ("barrier", 2), ("barrier", 3)];
+    let want = [
+        ("flag_pingpong", 2),
+        ("flag_pingpong_unpinned", 2),
+        ("signal_pingpong_pinned", 2),
+        ("signal_pingpong", 2),
+        ("barrier", 2),
+        ("barrier", 3),
+    ];
     assert_eq!(got, want.map(|(b, n)| (b.to_string(), n)));
     for r in &rows {
         assert!(r["time_us"].as_f64().is_some_and(|v| v > 0.0) && r["iters"].as_u64() == Some(200), "{r}");

@@ -259,6 +259,9 @@ struct PeerSet {
     /// This rank's signal pad and data buffer as registered on each link, by peer.
     exposed: HashMap<usize, (Arc<Link>, Memory, Memory)>,
     lock: Arc<Mutex<()>>,
+    /// Whether this host's ranks outnumber the CPUs their affinity masks give them together
+    /// (as every rank of the host computes it from the same records).
+    crowded: bool,
 }
 
 impl Drop for PeerSet {
@@ -369,6 +372,7 @@ fn exchange(alloc: &Allocation, tensor: &Tensor, offset: usize, group: &Group, s
         shape: tensor.shape().iter().map(|&d| d as u64).collect(),
         dtype: tensor.dtype().code(),
         offset: offset as u64,
+        cpus: crate::topo::affinity(),
     };
     let timeout = crate::config::op_timeout();
     let raw = group.exchange_bytes(&format!("symm/{step}"), &me.encode(), timeout).map_err(|e| match e {
@@ -539,6 +543,10 @@ fn exchange(alloc: &Allocation, tensor: &Tensor, offset: usize, group: &Group, s
     for (r, &h) in host_of.iter().enumerate() {
         ranks_of_host[h].push(r);
     }
+    // The same records on every rank of the host: the same verdict (an algorithm chosen by it
+    // agrees across ranks).
+    let mates = &ranks_of_host[host_of[rank]];
+    let crowded = crate::topo::crowded(mates.len(), mates.iter().map(|&r| records[r].cpus.as_slice()));
     Ok(PeerSet {
         rank,
         world_size: ws,
@@ -550,6 +558,7 @@ fn exchange(alloc: &Allocation, tensor: &Tensor, offset: usize, group: &Group, s
         sync: Default::default(),
         exposed,
         lock,
+        crowded,
     })
 }
 
@@ -882,7 +891,14 @@ impl SymmHandle {
     }
 
     pub(crate) fn patience(&self, timeout: Duration) -> Patience {
-        Patience::new(timeout, self.world_size() > crate::topo::cores())
+        Patience::new(timeout, self.peers.crowded)
+    }
+
+    /// Whether the ranks on this host outnumber the CPUs their affinity masks allow them
+    /// together (read at the rendezvous): then a wait hands its core over instead of spinning,
+    /// and the small all-reduce takes more sizes. Every rank of a host gets the same answer.
+    pub fn crowded(&self) -> bool {
+        self.peers.crowded
     }
 
     /// Raises a signal at `dst_rank` on `channel`; blocks while the previous signal on that
@@ -974,7 +990,11 @@ impl SymmHandle {
     /// local ones.
     fn put_all(&self, dsts: &[usize], channel: usize, p: &Patience, op: &str, timeout: Duration) -> Result<()> {
         let slot = channel * self.world_size() + self.rank();
-        let remote: Vec<(&Remote, usize)> = dsts.iter().filter_map(|&d| self.remote(d).map(|r| (r, slot))).collect();
+        let remote: Vec<(&Remote, usize)> = if self.all_local() {
+            Vec::new()
+        } else {
+            dsts.iter().filter_map(|&d| self.remote(d).map(|r| (r, slot))).collect()
+        };
         if !remote.is_empty() {
             let what = |peer: usize| {
                 format!(
@@ -1006,7 +1026,7 @@ impl SymmHandle {
             let slice = p.until(Instant::now() + crate::sync::MAX_NAP);
             match slot::wait(slot, &slice) {
                 Ok(()) => return Ok(()),
-                Err(Failure::TimedOut) if Instant::now() < p.deadline => {
+                Err(Failure::TimedOut) if Instant::now() < p.deadline() => {
                     if let Some(why) = r.link.lost() {
                         return Err(Error::transfer(
                             crate::error::TransferKind::PeerLost,

@@ -22,6 +22,7 @@
 
 pub(crate) mod slot;
 
+use std::sync::OnceLock;
 use std::sync::atomic::AtomicU32;
 use std::time::{Duration, Instant};
 
@@ -42,14 +43,19 @@ pub(crate) trait SlotWord {
 }
 
 /// How long to spin, then yield the core, before sleeping; and when to give up.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 pub(crate) struct Patience {
     pub(crate) spin: Duration,
     /// After spinning: how long to keep yielding the core (`sched_yield`) before sleeping.
     /// When ranks outnumber cores, the rank being waited for is often runnable on this very
     /// core, and yielding lets it run at once instead of after a futex round trip.
     pub(crate) yield_for: Duration,
-    pub(crate) deadline: Instant,
+    /// How long the wait may last, counted from its first clock reading.
+    timeout: Duration,
+    /// When the wait gives up: fixed at the first clock reading (a [`Spinner`]'s first look at
+    /// the time, or the first [`Patience::nap`]), so a wait that ends within its first spins
+    /// reads no clock at all (a signal ping-pong read it twice per message, 40 ns of 130).
+    deadline: OnceLock<Instant>,
 }
 
 impl Patience {
@@ -62,22 +68,39 @@ impl Patience {
         } else {
             (crate::config::spin(), Duration::from_micros(100))
         };
-        Patience { spin, yield_for, deadline: Instant::now() + timeout }
+        Patience { spin, yield_for, timeout, deadline: OnceLock::new() }
     }
 
     /// One look, no waiting (a remote atomic that must never block its serving thread).
     pub(crate) fn once() -> Patience {
-        Patience { spin: Duration::ZERO, yield_for: Duration::ZERO, deadline: Instant::now() }
+        Patience::with(Duration::ZERO, Duration::ZERO, Duration::ZERO)
+    }
+
+    /// Spin `spin`, yield `yield_for`, give up `timeout` after the first clock reading.
+    pub(crate) fn with(spin: Duration, yield_for: Duration, timeout: Duration) -> Patience {
+        Patience { spin, yield_for, timeout, deadline: OnceLock::new() }
     }
 
     /// The same policy, giving up at `deadline` if that comes first.
     pub(crate) fn until(&self, deadline: Instant) -> Patience {
-        Patience { deadline: self.deadline.min(deadline), ..*self }
+        let fixed = OnceLock::from(self.deadline().min(deadline));
+        Patience { spin: self.spin, yield_for: self.yield_for, timeout: Duration::ZERO, deadline: fixed }
+    }
+
+    /// When the wait gives up (fixed now if no clock was read yet).
+    pub(crate) fn deadline(&self) -> Instant {
+        self.started(Instant::now())
+    }
+
+    /// Fixes the deadline from `now` if this is the wait's first clock reading; the deadline.
+    fn started(&self, now: Instant) -> Instant {
+        *self.deadline.get_or_init(|| now + self.timeout)
     }
 
     /// How long to sleep next: the time left, at most [`MAX_NAP`]; `None` once it is past.
     pub(crate) fn nap(&self) -> Option<Duration> {
-        let left = self.deadline.saturating_duration_since(Instant::now());
+        let now = Instant::now();
+        let left = self.started(now).saturating_duration_since(now);
         (!left.is_zero()).then(|| left.min(MAX_NAP))
     }
 }
@@ -103,18 +126,22 @@ impl Spinner {
     /// itself once past the spinning phase.
     pub(crate) fn keep_spinning<W: SlotWord>(&mut self, p: &Patience, slot: &W) -> bool {
         self.spins += 1;
-        let start = *self.start.get_or_insert_with(Instant::now);
         // Crowded (no spin budget): the one waited for may need this very core, so hand it
         // over from the first look (64 pauses would cost microseconds of its time slice).
         if p.spin.is_zero() {
             self.yielding = true;
         }
-        // Reading the clock costs ~20 ns; while spinning, do it every 64 spins.
+        // Reading the clock costs ~20 ns; while spinning, do it every 64 spins. The spinning
+        // phase and the wait's deadline start at the first reading (64 pauses in, at most a
+        // few microseconds late).
         if !self.yielding && (self.spins < 64 || !self.spins.is_multiple_of(64)) {
             slot.relax();
             return true;
         }
-        let elapsed = start.elapsed();
+        let now = Instant::now();
+        let start = *self.start.get_or_insert(now);
+        p.started(now);
+        let elapsed = now.saturating_duration_since(start);
         if elapsed < p.spin {
             slot.relax();
             return true;

@@ -130,11 +130,8 @@ mod tests {
     use std::time::{Duration, Instant};
 
     fn patience(spin_us: u64, timeout_ms: u64) -> Patience {
-        Patience {
-            spin: Duration::from_micros(spin_us),
-            yield_for: Duration::from_micros(spin_us),
-            deadline: Instant::now() + Duration::from_millis(timeout_ms),
-        }
+        let spin = Duration::from_micros(spin_us);
+        Patience::with(spin, spin, Duration::from_millis(timeout_ms))
     }
 
     #[test]
@@ -179,7 +176,7 @@ mod tests {
         use super::super::*;
         use loom::sync::Arc;
         use loom::sync::atomic::{AtomicU32, Ordering};
-        use std::time::{Duration, Instant};
+        use std::time::Duration;
 
         struct LoomSlot(AtomicU32);
 
@@ -204,11 +201,7 @@ mod tests {
 
         fn forever() -> Patience {
             // No spinning: go straight to the sleeping states, the interesting part.
-            Patience {
-                spin: Duration::ZERO,
-                yield_for: Duration::ZERO,
-                deadline: Instant::now() + Duration::from_secs(3600),
-            }
+            Patience::with(Duration::ZERO, Duration::ZERO, Duration::from_secs(3600))
         }
 
         #[test]

@@ -6,7 +6,7 @@
 use serde::{Deserialize, Serialize};
 
 /// The version of [`PeerRecord`]; a peer with another version is refused.
-pub const RECORD_VERSION: u32 = 1;
+pub const RECORD_VERSION: u32 = 2;
 
 /// One rank's description of its allocation, and where peers can open it.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -32,6 +32,9 @@ pub struct PeerRecord {
     pub dtype: u8,
     /// Its byte offset in the allocation's data buffer.
     pub offset: u64,
+    /// The CPUs the owner may run on (its affinity mask), as inclusive ranges: with its
+    /// host's other ranks', whether they outnumber the CPUs they share.
+    pub cpus: Vec<[u32; 2]>,
 }
 
 impl PeerRecord {
@@ -145,7 +148,7 @@ mod tests {
     #[test]
     fn round_trips_and_refuses_strangers() {
         let r = PeerRecord {
-            version: 1,
+            version: RECORD_VERSION,
             host: "h/b".into(),
             pid: 7,
             fd: 9,
@@ -155,13 +158,14 @@ mod tests {
             shape: vec![4, 4],
             dtype: 1,
             offset: 0,
+            cpus: vec![[0, 3], [8, 8]],
         };
         assert_eq!(PeerRecord::decode(&r.encode()), Ok(r.clone()));
         let mut v: serde_json::Value = serde_json::from_slice(&r.encode()).unwrap();
         v["extra"] = 1.into();
         assert!(PeerRecord::decode(v.to_string().as_bytes()).unwrap_err().contains("unknown field"));
         assert!(PeerRecord::decode(b"{").is_err());
-        let old = PeerRecord { version: 2, ..r };
-        assert!(PeerRecord::decode(&old.encode()).unwrap_err().contains("version 2"));
+        let old = PeerRecord { version: 1, ..r };
+        assert!(PeerRecord::decode(&old.encode()).unwrap_err().contains("version 1"));
     }
 }

@@ -45,16 +45,17 @@ impl Algo {
     }
 }
 
-/// The one selection: the algorithm [`all_reduce`] uses for `bytes` on `world_size` ranks, at
-/// most `ranks_per_host` on a host, spanning `hosts` hosts. On one host: one-shot up to 1 KiB,
-/// or up to 8 KiB when ranks outnumber cores (then every extra synchronization costs a context
-/// switch), two-shot above (measured crossovers on 2 cores: 2 ranks ~1 KiB, 4 ranks ~8 KiB).
-/// Across hosts: host-push while a host's inputs fit in 256 KiB, two-shot above.
-pub fn select(bytes: usize, world_size: usize, ranks_per_host: usize, hosts: usize) -> Algo {
+/// The one selection: the algorithm [`all_reduce`] uses for `bytes`, at most `ranks_per_host`
+/// ranks on a host, spanning `hosts` hosts, `crowded` when a host's ranks outnumber the CPUs
+/// they may use ([`crate::symm::SymmHandle::crowded`], the same on every rank). On one host:
+/// one-shot up to 1 KiB, or up to 8 KiB when crowded (then every extra synchronization costs a
+/// context switch), two-shot above (measured crossovers on 2 cores: 2 ranks ~1 KiB, 4 ranks
+/// ~8 KiB). Across hosts: host-push while a host's inputs fit in 256 KiB, two-shot above.
+pub fn select(bytes: usize, crowded: bool, ranks_per_host: usize, hosts: usize) -> Algo {
     if hosts > 1 {
         return if hostpush::fits_size(bytes, ranks_per_host) { Algo::HostPush } else { Algo::TwoShot };
     }
-    let max = if world_size > crate::topo::cores() { ONE_SHOT_MAX } else { 1024 };
+    let max = if crowded { ONE_SHOT_MAX } else { 1024 };
     if bytes <= max { Algo::Small } else { Algo::TwoShot }
 }
 
@@ -240,9 +241,16 @@ pub fn all_reduce(tensor: &Tensor, op: ReduceOp, group: &Group) -> Result<()> {
     if tensor.numel() == 0 {
         return Ok(());
     }
+    // Small, once the group's small workspace exists: its handle says what the choice needs
+    // (one host? crowded?), so the tensor's own handle is not looked up.
+    if tensor.nbytes() <= ONE_SHOT_MAX
+        && let Some(done) = small::all_reduce_on_host(tensor, op, group, timeout())
+    {
+        return done;
+    }
     let h = symm::rendezvous(tensor, group)?;
     let hosts = if h.all_local() { 1 } else { 2 };
-    match select(tensor.nbytes(), group.world_size(), h.max_ranks_per_host(), hosts) {
+    match select(tensor.nbytes(), h.crowded(), h.max_ranks_per_host(), hosts) {
         Algo::Small => small::all_reduce(tensor, op, group, timeout()),
         Algo::HostPush => host_push::all_reduce(tensor, op, group, timeout()),
         Algo::TwoShot => {

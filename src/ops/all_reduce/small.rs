@@ -48,10 +48,123 @@ pub(crate) const INLINE: usize = LINE - 24;
 const SLEEPERS: usize = 2 * LINE;
 /// Where the buffers start.
 const HEADER: usize = 3 * LINE;
+/// The workspace's size: the header and the two buffers.
+const SIZE: usize = HEADER + 2 * MAX;
 
-struct Workspace {
+/// The group's workspace: the symmetric tensor, its handle, and where each rank's copy is.
+struct Lines {
     _tensor: Tensor,
     handle: Arc<SymmHandle>,
+    /// Each rank's workspace address in this process: checked once, when made (inside the
+    /// rank's mapping, line-aligned), so a word costs an addition per call.
+    bases: Vec<usize>,
+}
+
+impl Lines {
+    fn new(tensor: Tensor, handle: Arc<SymmHandle>) -> Lines {
+        let bases = (0..handle.world_size())
+            .map(|r| {
+                // The checked accessors vouch for the first and the last word (in the rank's
+                // buffer, aligned); every word used lies between them.
+                let first = handle.word64(r, handle.offset()) as *const AtomicU64 as usize;
+                let _last = handle.word64(r, handle.offset() + SIZE - 8);
+                assert!(first.is_multiple_of(LINE), "the small all-reduce workspace is not line-aligned");
+                first
+            })
+            .collect();
+        Lines { _tensor: tensor, handle, bases }
+    }
+
+    /// The 8-byte word at byte `at` of `rank`'s workspace.
+    fn word64(&self, rank: usize, at: usize) -> &AtomicU64 {
+        debug_assert!(at + 8 <= SIZE && at.is_multiple_of(8));
+        // SAFETY: bases[rank] is rank's workspace, checked in `new` to hold SIZE bytes of
+        // shared memory mapped while `self.handle` lives (so for this borrow); `at` is one of
+        // this module's 8-aligned offsets below SIZE. Every process touches these words only
+        // atomically.
+        unsafe { &*((self.bases[rank] + at) as *const AtomicU64) }
+    }
+
+    /// The 4-byte word at byte `at` of `rank`'s workspace.
+    fn word32(&self, rank: usize, at: usize) -> &AtomicU32 {
+        debug_assert!(at + 4 <= SIZE && at.is_multiple_of(4));
+        // SAFETY: as in word64, for 4 bytes, 4-aligned.
+        unsafe { &*((self.bases[rank] + at) as *const AtomicU32) }
+    }
+
+    /// The words saying what `rank` passed to the call of parity `parity`: its element count,
+    /// and its dtype and reduction (bytes 8..24 of the parity's line).
+    fn what(&self, rank: usize, parity: u64) -> [&AtomicU64; 2] {
+        let at = LINE * parity as usize + 8;
+        [self.word64(rank, at), self.word64(rank, at + 8)]
+    }
+
+    /// The epoch word of `rank`'s line `parity`.
+    fn epoch(&self, rank: usize, parity: u64) -> &AtomicU64 {
+        self.word64(rank, LINE * parity as usize)
+    }
+
+    /// Where `rank`'s input of a call of parity `parity` and `bytes` bytes is.
+    fn input(&self, rank: usize, parity: u64, bytes: usize) -> usize {
+        let at = if bytes <= INLINE { LINE * parity as usize + 24 } else { HEADER + parity as usize * MAX };
+        self.bases[rank] + at
+    }
+
+    fn wait_for(
+        &self,
+        rank: usize,
+        parity: u64,
+        at_least: u64,
+        p: &mut Option<Patience>,
+        timeout: Duration,
+    ) -> Result<()> {
+        let epoch = self.epoch(rank, parity);
+        // Acquire: pairs with the Release (SeqCst) store of `publish`. Checked once before the
+        // wait machinery (and its clock read) is set up: usually the peer is already there.
+        let done = || epoch.load(Ordering::Acquire) >= at_least;
+        if done() {
+            return Ok(());
+        }
+        let p = p.get_or_insert_with(|| self.handle.patience(timeout));
+        let sleepers = self.word32(rank, SLEEPERS);
+        // The futex word is the epoch's low half (little-endian), which changes with every
+        // publish.
+        let low = self.word32(rank, LINE * parity as usize);
+        let sleep = |_: u32, nap: Duration| {
+            // SeqCst pairs with the SeqCst store and load in `publish` (no lost wake-up).
+            sleepers.fetch_add(1, Ordering::SeqCst);
+            let now = epoch.load(Ordering::SeqCst);
+            if now < at_least {
+                crate::sys::futex::wait(low, now as u32, nap);
+            }
+            sleepers.fetch_sub(1, Ordering::SeqCst);
+        };
+        match wait_until(low, done, p, || Ok::<(), Error>(()), sleep) {
+            Ok(()) => Ok(()),
+            Err(Stop::Failed(e)) => Err(e),
+            Err(Stop::TimedOut) => Err(Error::timeout(
+                format!(
+                    "all_reduce: rank {} waiting for rank {rank} to reach call {at_least} (is it in another \
+                     operator, or in an all_reduce of a size that takes another algorithm?)",
+                    self.handle.rank()
+                ),
+                timeout,
+            )),
+        }
+    }
+
+    fn publish(&self, k: u64) {
+        let (me, parity) = (self.handle.rank(), k % 2);
+        // SeqCst (a Release at least): pairs with the Acquire/SeqCst loads in `wait_for`.
+        self.epoch(me, parity).store(k, Ordering::SeqCst);
+        if self.word32(me, SLEEPERS).load(Ordering::SeqCst) > 0 {
+            crate::sys::futex::wake(self.word32(me, LINE * parity as usize));
+        }
+    }
+}
+
+struct Workspace {
+    lines: Arc<Lines>,
     epoch: u64,
 }
 
@@ -59,104 +172,73 @@ struct Workspace {
 #[derive(Default)]
 struct State(Mutex<Option<Workspace>>);
 
-/// The words saying what `rank` passed to the call of parity `parity`: its element count, and
-/// its dtype and reduction (bytes 8..24 of the parity's line).
-fn what(h: &SymmHandle, rank: usize, parity: u64) -> [&AtomicU64; 2] {
-    let at = h.offset() + LINE * parity as usize + 8;
-    [h.word64(rank, at), h.word64(rank, at + 8)]
-}
-
-/// The epoch word of `rank`'s line `parity`, and its sleepers count.
-fn words(h: &SymmHandle, rank: usize, parity: u64) -> (&AtomicU64, &AtomicU32) {
-    (h.word64(rank, h.offset() + LINE * parity as usize), h.word32(rank, h.offset() + SLEEPERS))
-}
-
-/// Where `rank`'s input of a call of parity `parity` and `bytes` bytes is.
-fn input(h: &SymmHandle, rank: usize, parity: u64, bytes: usize) -> usize {
-    let at = if bytes <= INLINE { LINE * parity as usize + 24 } else { HEADER + parity as usize * MAX };
-    h.read_ptr(rank) + h.offset() + at
-}
-
-fn wait_for(h: &SymmHandle, rank: usize, parity: u64, at_least: u64, p: &Patience, timeout: Duration) -> Result<()> {
-    let (epoch, sleepers) = words(h, rank, parity);
-    // The futex word is the epoch's low half (little-endian), which changes with every publish.
-    let low = h.word32(rank, h.offset() + LINE * parity as usize);
-    // Acquire: pairs with the Release (SeqCst) store of `publish`.
-    let done = || epoch.load(Ordering::Acquire) >= at_least;
-    let sleep = |_: u32, nap: Duration| {
-        // SeqCst pairs with the SeqCst store and load in `publish` (no lost wake-up).
-        sleepers.fetch_add(1, Ordering::SeqCst);
-        let now = epoch.load(Ordering::SeqCst);
-        if now < at_least {
-            crate::sys::futex::wait(low, now as u32, nap);
-        }
-        sleepers.fetch_sub(1, Ordering::SeqCst);
-    };
-    match wait_until(low, done, p, || Ok::<(), Error>(()), sleep) {
-        Ok(()) => Ok(()),
-        Err(Stop::Failed(e)) => Err(e),
-        Err(Stop::TimedOut) => Err(Error::timeout(
-            format!(
-                "all_reduce: rank {} waiting for rank {rank} to reach call {at_least} (is it in another operator, \
-                 or in an all_reduce of a size that takes another algorithm?)",
-                h.rank()
-            ),
-            timeout,
-        )),
-    }
-}
-
-fn publish(h: &SymmHandle, k: u64) {
-    let parity = k % 2;
-    let (epoch, sleepers) = words(h, h.rank(), parity);
-    // SeqCst (a Release at least): pairs with the Acquire/SeqCst loads in `wait_for`.
-    epoch.store(k, Ordering::SeqCst);
-    if sleepers.load(Ordering::SeqCst) > 0 {
-        crate::sys::futex::wake(h.word32(h.rank(), h.offset() + LINE * parity as usize));
-    }
-}
-
 /// In-place all-reduce of at most [`MAX`] bytes.
 pub(crate) fn all_reduce(tensor: &Tensor, op: ReduceOp, group: &Group, timeout: Duration) -> Result<()> {
-    let bytes = tensor.nbytes();
     let state = group.state::<State>();
     let mut slot = state.0.lock().unwrap_or_else(|p| p.into_inner());
     let ws = match &mut *slot {
         Some(ws) => ws,
         None => {
             // Collective: every rank's first small all-reduce on this group creates it.
-            let t = symm::empty(&[HEADER + 2 * MAX], DType::U8, Device::Cpu)?;
+            let t = symm::empty(&[SIZE], DType::U8, Device::Cpu)?;
             let handle = symm::rendezvous(&t, group)?;
             handle.barrier(0, timeout)?;
-            slot.insert(Workspace { _tensor: t, handle, epoch: 0 })
+            slot.insert(Workspace { lines: Arc::new(Lines::new(t, handle)), epoch: 0 })
         }
     };
     ws.epoch += 1;
-    let (k, h) = (ws.epoch, ws.handle.clone());
+    let (k, lines) = (ws.epoch, ws.lines.clone());
     drop(slot);
-    let p = h.patience(timeout);
+    run(tensor, op, k, &lines, timeout)
+}
+
+/// [`all_reduce`] when the group has made its workspace, all its ranks are on this host and
+/// [`super::select`] picks this path for the size (what the caller would learn from the
+/// tensor's own rendezvous, skipped); `None` otherwise, with nothing done.
+pub(crate) fn all_reduce_on_host(
+    tensor: &Tensor,
+    op: ReduceOp,
+    group: &Group,
+    timeout: Duration,
+) -> Option<Result<()>> {
+    let state = group.state::<State>();
+    let mut slot = state.0.lock().unwrap_or_else(|p| p.into_inner());
+    let ws = slot.as_mut().filter(|ws| {
+        let h = &ws.lines.handle;
+        h.all_local() && super::select(tensor.nbytes(), h.crowded(), 1, 1) == super::Algo::Small
+    })?;
+    ws.epoch += 1;
+    let (k, lines) = (ws.epoch, ws.lines.clone());
+    drop(slot);
+    Some(run(tensor, op, k, &lines, timeout))
+}
+
+/// Call `k` of the small all-reduce on the workspace `w`.
+fn run(tensor: &Tensor, op: ReduceOp, k: u64, w: &Lines, timeout: Duration) -> Result<()> {
+    let bytes = tensor.nbytes();
+    let mut p = None;
     let q = k % 2;
-    let n = h.world_size();
-    for r in (0..n).filter(|&r| r != h.rank()) {
-        wait_for(&h, r, 1 - q, k - 1, &p, timeout)?;
+    let (me, n) = (w.handle.rank(), w.handle.world_size());
+    for r in (0..n).filter(|&r| r != me) {
+        w.wait_for(r, 1 - q, k - 1, &mut p, timeout)?;
     }
-    let mine = input(&h, h.rank(), q, bytes) as *mut u8;
+    let mine = w.input(me, q, bytes) as *mut u8;
     // SAFETY: my input place of parity q holds INLINE (line) or MAX (buffer) >= bytes bytes
     // inside my workspace, and no peer reads it now (each has published k-1, so finished call
     // k-2, the last to read it).
     unsafe { std::ptr::copy_nonoverlapping(tensor.data_ptr().cast_const(), mine, bytes) };
     let sig = crate::ops::check::counts(tensor, Some(op));
-    for (w, v) in what(&h, h.rank(), q).into_iter().zip(sig) {
+    for (word, v) in w.what(me, q).into_iter().zip(sig) {
         // Relaxed: published by the epoch's Release store in `publish`.
-        w.store(v, Ordering::Relaxed);
+        word.store(v, Ordering::Relaxed);
     }
-    publish(&h, k);
-    for r in (0..n).filter(|&r| r != h.rank()) {
-        wait_for(&h, r, q, k, &p, timeout)?;
+    w.publish(k);
+    for r in (0..n).filter(|&r| r != me) {
+        w.wait_for(r, q, k, &mut p, timeout)?;
     }
     // Every rank reads every rank's words, so every rank reaches the same verdict. Relaxed:
     // ordered by the Acquire epoch loads above.
-    let of = |r: usize| what(&h, r, q).map(|w| w.load(Ordering::Relaxed));
+    let of = |r: usize| w.what(r, q).map(|word| word.load(Ordering::Relaxed));
     let first = of(0);
     if let Some(r) = (1..n).find(|&r| of(r) != first) {
         return Err(crate::ops::check::counts_disagree("all_reduce", first, r, of(r)));
@@ -166,11 +248,11 @@ pub(crate) fn all_reduce(tensor: &Tensor, op: ReduceOp, group: &Group, timeout: 
     let mut heap = Vec::new();
     let srcs: &[*const u8] = if n <= srcs.len() {
         for (r, s) in srcs.iter_mut().enumerate().take(n) {
-            *s = input(&h, r, q, bytes) as *const u8;
+            *s = w.input(r, q, bytes) as *const u8;
         }
         &srcs[..n]
     } else {
-        heap.extend((0..n).map(|r| input(&h, r, q, bytes) as *const u8));
+        heap.extend((0..n).map(|r| w.input(r, q, bytes) as *const u8));
         &heap
     };
     // SAFETY: every rank's input place of parity q holds its input of call k (published with
@@ -183,6 +265,28 @@ pub(crate) fn all_reduce(tensor: &Tensor, op: ReduceOp, group: &Group, timeout: 
 mod tests {
     use super::*;
     use crate::group::run_threads;
+
+    /// The on-host entry declines (doing nothing) until the group's workspace exists; then it
+    /// reduces a tensor that was never rendezvoused, as the public call does.
+    #[test]
+    fn the_on_host_entry_waits_for_the_workspace_then_skips_the_rendezvous() {
+        let t = Duration::from_secs(30);
+        run_threads(2, |g| {
+            let mine = g.rank() as f32 + 1.0;
+            let x = symm::empty(&[4], DType::F32, Device::Cpu)?;
+            x.fill(mine)?;
+            assert!(all_reduce_on_host(&x, ReduceOp::Sum, &g, t).is_none());
+            assert_eq!(x.to_vec::<f32>()?, [mine; 4], "a declined call changed its input");
+            crate::ops::all_reduce(&x, ReduceOp::Sum, &g)?;
+            assert_eq!(x.to_vec::<f32>()?, [3.0; 4]);
+            let y = symm::empty(&[3], DType::F32, Device::Cpu)?;
+            y.fill(mine)?;
+            all_reduce_on_host(&y, ReduceOp::Max, &g, t).expect("the workspace exists")?;
+            assert_eq!(y.to_vec::<f32>()?, [2.0; 3]);
+            Ok(())
+        })
+        .unwrap();
+    }
 
     /// Inputs in the line and in the buffers, alternating from call to call (so each parity's
     /// line and buffer are reused in turn), on 3 ranks: every result equals the sum computed

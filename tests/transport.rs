@@ -736,6 +736,45 @@ fn try_now_copies_on_shm_at_once_and_leaves_tcp_to_the_waiting_path() {
     }
 }
 
+/// Callers read their own small replies while they wait (tcp: no hand-off from the receiver
+/// thread); several threads doing so at once, with asynchronous transfers whose replies nobody
+/// waits for in between, must each get their own completions and bytes.
+#[test]
+fn concurrent_waiters_reading_their_own_replies_get_the_right_ones() {
+    let (a, b) = pair("tcp");
+    let a = Arc::new(a);
+    let dst = Tensor::zeros(&[4 * 64], DType::U8).unwrap();
+    let md = b.register_memory(&dst).unwrap();
+    let remote = descriptor(&md);
+    let threads: Vec<_> = (0..4u8)
+        .map(|t| {
+            let (a, remote) = (a.clone(), remote.clone());
+            std::thread::spawn(move || {
+                let mine = remote.slice(u64::from(t) * 64, 64).unwrap();
+                let out = Tensor::zeros(&[64], DType::U8).unwrap();
+                let back = Tensor::zeros(&[64], DType::U8).unwrap();
+                let (mo, mb) = (a.register_memory(&out).unwrap(), a.register_memory(&back).unwrap());
+                for i in 0..300u32 {
+                    let v = (i as u8).wrapping_mul(7).wrapping_add(t);
+                    out.fill(v).unwrap();
+                    if i % 3 == 0 {
+                        // Started, not waited for at once: its reply may be read by anyone.
+                        let w = a.start_write(&mo.to_view(0, None).unwrap(), &mine, None).unwrap();
+                        w.wait(Some(Duration::from_secs(30))).unwrap();
+                    } else {
+                        a.write(&mo.to_view(0, None).unwrap(), &mine, Some(Duration::from_secs(30))).unwrap();
+                    }
+                    a.read(&mb.to_mutable_view(0, None).unwrap(), &mine, Some(Duration::from_secs(30))).unwrap();
+                    assert!(back.to_vec::<u8>().unwrap().iter().all(|&x| x == v), "thread {t}, round {i}");
+                }
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().unwrap();
+    }
+}
+
 /// An initiator run as another user (nobody): the kernel refuses it cross-memory attach to a
 /// root peer, so `shm` says so, and `tcp` refuses it by its socket's credentials.
 #[test]

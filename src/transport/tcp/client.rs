@@ -5,12 +5,17 @@
 //!                     │                          │ the rest
 //!                     no ──────────────▶ queue ◀─┘ ──▶ the flow's sender thread, when the
 //!                                                        socket has room (poll)
-//!   receiver thread per flow: ACK / DATA / ERROR ──▶ completes the Work
+//!   replies: ACK / DATA / ERROR ──▶ completes the Work, read by whoever holds the flow's
+//!            reader: a caller waiting on a one-frame request (flow 0) reads while it spins,
+//!            else the flow's receiver thread (which polls without holding the reader)
 //! ```
 //!
 //! Nothing here waits for a socket on the caller's thread: a full socket (a peer that stopped
 //! reading) leaves the rest of a frame queued, and the caller's wait on the Work is what times
-//! out. Frames leave a flow in the order they were submitted to it.
+//! out. Frames leave a flow in the order they were submitted to it. A waiter reading its own
+//! reply spares the hand-off from the receiver thread (8-byte write 31-38 -> 27-29 µs on 2
+//! cores); the receiver is still woken by the same reply and finds it taken, which is what
+//! keeps a small request above one round trip here.
 
 use std::collections::{HashMap, VecDeque};
 use std::io::{IoSlice, Read, Write};
@@ -103,8 +108,21 @@ struct Flow {
     queue: Mutex<Queue>,
     /// Signalled when frames are queued, and when the client fails.
     more: Condvar,
-    /// The same socket, to wait for room without the queue's lock.
+    /// The same socket, to wait for room or replies without a lock.
     poller: TcpStream,
+    /// The same socket, for reading replies: whoever holds it (the flow's receiver thread, or
+    /// a caller progressing its own small transfer) reads whole frames.
+    reader: Mutex<TcpStream>,
+}
+
+/// What one attempt to read a reply frame found.
+enum Got {
+    /// A frame was read and handled.
+    Frame,
+    /// Nothing to read now (at a frame boundary).
+    Empty,
+    /// The peer closed the connection (at a frame boundary), or the client failed.
+    Closed,
 }
 
 pub(super) struct Client {
@@ -236,10 +254,12 @@ impl Client {
         for s in socks {
             let r = s.try_clone().map_err(|e| Error::io("clone a socket", e))?;
             let poller = s.try_clone().map_err(|e| Error::io("clone a socket", e))?;
+            let reader = Mutex::new(s.try_clone().map_err(|e| Error::io("clone a socket", e))?);
             flows.push(Flow {
                 queue: Mutex::new(Queue { sock: s, frames: VecDeque::new() }),
                 more: Condvar::new(),
                 poller,
+                reader,
             });
             readers.push(r);
         }
@@ -256,7 +276,7 @@ impl Client {
             let c = client.clone();
             std::thread::Builder::new()
                 .name("symmem-tcp-recv".into())
-                .spawn(move || c.receive(r))
+                .spawn(move || c.receive(i, r))
                 .map_err(|e| Error::io("start a tcp transport receiver", e))?;
             let c = client.clone();
             std::thread::Builder::new()
@@ -309,12 +329,22 @@ impl Client {
         out
     }
 
-    pub(super) fn submit(&self, req: Request) -> Result<()> {
+    pub(super) fn submit(self: &Arc<Self>, req: Request) -> Result<()> {
         if !self.alive() {
             return Err(self.lost());
         }
         let id = self.next.fetch_add(1, Ordering::Relaxed);
         let chunks = self.plan(req.len);
+        if let [(0, _, _)] = chunks[..] {
+            // One frame on flow 0, one reply: a waiter reads it itself while it spins, so the
+            // reply reaches it with no hand-off from the receiver thread.
+            let client = Arc::downgrade(self);
+            req.work.set_progress(Arc::new(move || {
+                if let Some(c) = client.upgrade() {
+                    c.progress(0);
+                }
+            }));
+        }
         let (op, status, operand) = match req.direction {
             Direction::Write => (Op::Write, 0, None),
             Direction::Read => (Op::Read, 0, None),
@@ -408,21 +438,78 @@ impl Client {
         }
     }
 
-    fn receive(&self, s: TcpStream) {
-        let why = match self.receive_loop(&s) {
+    fn receive(&self, flow: usize, s: TcpStream) {
+        let why = match self.receive_loop(flow, &s) {
             Ok(()) => "the peer closed the connection".to_string(),
             Err(e) => e.to_string(),
         };
         self.fail(why);
     }
 
-    fn receive_loop(&self, s: &TcpStream) -> std::io::Result<()> {
-        let mut hdr = [0u8; HEADER_LEN];
+    /// The flow's receiver: waits for replies without holding the reader (a caller may be
+    /// reading its own), then reads whatever has arrived.
+    fn receive_loop(&self, flow: usize, s: &TcpStream) -> std::io::Result<()> {
         loop {
-            if !read_full(s, &mut hdr, &self.alive)? {
+            if !self.alive() {
                 return Ok(());
             }
-            let h = Header::decode(&hdr).map_err(std::io::Error::other)?;
+            wait_for(s, PollFlags::IN, Duration::from_secs(1));
+            let reader = lock(&self.flows[flow].reader);
+            loop {
+                match self.read_one(&reader)? {
+                    Got::Frame => {}
+                    Got::Empty => break,
+                    Got::Closed => return Ok(()),
+                }
+            }
+        }
+    }
+
+    /// A waiter's turn at reading flow `flow`'s replies: whatever has arrived, if no other
+    /// thread is reading (then that one delivers them). Never waits for the peer; a broken
+    /// connection fails the client.
+    fn progress(&self, flow: usize) {
+        let Ok(reader) = self.flows[flow].reader.try_lock() else { return };
+        loop {
+            match self.read_one(&reader) {
+                Ok(Got::Frame) => {}
+                Ok(Got::Empty) => return,
+                Ok(Got::Closed) => {
+                    drop(reader);
+                    return self.fail("the peer closed the connection".into());
+                }
+                Err(e) => {
+                    drop(reader);
+                    return self.fail(e.to_string());
+                }
+            }
+        }
+    }
+
+    /// Reads and handles one reply frame if one has begun to arrive (a frame begun is read
+    /// whole, waiting for the rest); `Empty` if nothing has.
+    fn read_one(&self, mut s: &TcpStream) -> std::io::Result<Got> {
+        let mut hdr = [0u8; HEADER_LEN];
+        let first = loop {
+            match s.read(&mut hdr) {
+                Ok(0) => return Ok(Got::Closed),
+                Ok(n) => break n,
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return Ok(Got::Empty),
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(e),
+            }
+        };
+        if !read_full(s, &mut hdr[first..], &self.alive)? && first < HEADER_LEN {
+            return Err(std::io::ErrorKind::UnexpectedEof.into());
+        }
+        self.handle(s, &hdr)?;
+        Ok(Got::Frame)
+    }
+
+    /// Handles one reply whose header is `hdr` (reading its payload from `s`).
+    fn handle(&self, s: &TcpStream, hdr: &[u8; HEADER_LEN]) -> std::io::Result<()> {
+        {
+            let h = Header::decode(hdr).map_err(std::io::Error::other)?;
             let p = lock(&self.pending)
                 .get(&h.request)
                 .cloned()
@@ -467,6 +554,7 @@ impl Client {
                 p.req.complete(e.map_or(Ok(()), Err));
             }
         }
+        Ok(())
     }
 
     #[cold]

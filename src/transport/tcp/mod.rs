@@ -13,7 +13,7 @@
 //! - Many requests may be in flight per endpoint; each carries an id, and replies complete
 //!   them in any order. Large requests are striped over `flows` connections in chunks, so the
 //!   two ends' cores share the work; small ones are written by the caller itself, with no
-//!   hand-off to another thread.
+//!   hand-off to another thread, and their replies read by the caller waiting for them.
 //! - Submitting never blocks: sockets are non-blocking, and what a full socket does not take
 //!   waits in the flow's queue for its sender thread. A peer that stops reading makes the
 //!   caller's wait time out (the Work stays pending and completes if the peer resumes), never

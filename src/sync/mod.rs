@@ -4,7 +4,10 @@
 //!
 //! ```text
 //!   Patience::new(timeout, crowded)   spin SYMMEM_SPIN_US (none when ranks outnumber cores),
-//!                                     yield 100 µs (2 ms when crowded), sleep until the deadline
+//!                                     yield 100 µs (2 ms when crowded), sleep until the deadline;
+//!                                     contended (3 waits in 50 ms outlasted their spin while this
+//!                                     thread was preempted: other load owns the cores): no spin,
+//!                                     yield 20 µs, then sleep, for the next 50 ms
 //!   slot::put / slot::wait            PyTorch's signal protocol with sleeping (loom-checked)
 //!   wait_until(word, done, p, check)  spin/yield by the policy, then nap on the word's futex,
 //!                                     `check` between naps (a lost peer fails the wait at once)
@@ -23,7 +26,7 @@
 pub(crate) mod slot;
 
 use std::sync::OnceLock;
-use std::sync::atomic::AtomicU32;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 /// A slot: an atomic word that can be slept on.
@@ -65,6 +68,13 @@ impl Patience {
     pub(crate) fn new(timeout: Duration, crowded: bool) -> Patience {
         let (spin, yield_for) = if crowded {
             (Duration::ZERO, Duration::from_millis(2))
+        } else if contended() {
+            // Lately waits outlasted their spinning while this thread was preempted: other
+            // load is taking the cores, and the one waited for may be descheduled. Spinning
+            // would only burn this core's time slice: hand the core over at once, and sleep
+            // soon, so the scheduler can run the waited-for process here. (A 5 µs spin first
+            // measured worse at every size under a competing busy loop.)
+            (Duration::ZERO, Duration::from_micros(20))
         } else {
             (crate::config::spin(), Duration::from_micros(100))
         };
@@ -103,6 +113,62 @@ impl Patience {
         let left = self.started(now).saturating_duration_since(now);
         (!left.is_zero()).then(|| left.min(MAX_NAP))
     }
+}
+
+/// When (coarse monotonic nanoseconds) a wait last spun its whole budget without its
+/// condition while this thread was being preempted: other load is taking the cores, so the
+/// process waited for is likely not running either.
+static LAST_OVERRUN: AtomicU64 = AtomicU64::new(0);
+/// This thread's count of involuntary context switches at the last overrun (of any thread:
+/// a hint).
+static PREEMPTIONS: AtomicU64 = AtomicU64::new(0);
+/// The window in which preempted overruns are counted, and their count.
+static WINDOW_START: AtomicU64 = AtomicU64::new(0);
+static IN_WINDOW: AtomicU64 = AtomicU64::new(0);
+/// How long after an overrun waits stay in contended mode.
+const CONTENDED_FOR_NS: u64 = 50_000_000;
+
+fn coarse_nanos() -> u64 {
+    let t = rustix::time::clock_gettime(rustix::time::ClockId::MonotonicCoarse);
+    (t.tv_sec as u64).wrapping_mul(1_000_000_000).wrapping_add(t.tv_nsec as u64)
+}
+
+/// A wait spun its whole budget: if this thread was preempted since the last such wait (the
+/// cores are oversubscribed, not merely a slow peer, such as one copying 16 MiB), waits turn
+/// contended for a while.
+fn overran() {
+    use nix::sys::resource::{UsageWho, getrusage};
+    let Ok(usage) = getrusage(UsageWho::RUSAGE_THREAD) else { return };
+    let now = usage.involuntary_context_switches() as u64;
+    // Relaxed (all three): a hint (see `contended`).
+    if PREEMPTIONS.swap(now, Ordering::Relaxed) >= now {
+        return;
+    }
+    let t = coarse_nanos();
+    let (start, count) = (WINDOW_START.load(Ordering::Relaxed), IN_WINDOW.load(Ordering::Relaxed));
+    let (start, count, contended) = window_step(start, count, t);
+    WINDOW_START.store(start, Ordering::Relaxed);
+    IN_WINDOW.store(count, Ordering::Relaxed);
+    if contended {
+        LAST_OVERRUN.store(t, Ordering::Relaxed);
+    }
+}
+
+/// Counts a preempted overrun at `t` into the window (`start`, `count`): the new window, and
+/// whether it now holds three (one alone is a startup or a passing job, not contention).
+fn window_step(start: u64, count: u64, t: u64) -> (u64, u64, bool) {
+    if start == 0 || t.saturating_sub(start) > CONTENDED_FOR_NS {
+        return (t, 1, false);
+    }
+    let count = count.saturating_add(1);
+    (start, count, count >= 3)
+}
+
+/// Whether a wait overran its spinning within the last [`CONTENDED_FOR_NS`].
+fn contended() -> bool {
+    // Relaxed: a hint; a stale value only picks the other policy for one wait.
+    let last = LAST_OVERRUN.load(Ordering::Relaxed);
+    last != 0 && coarse_nanos().saturating_sub(last) < CONTENDED_FOR_NS
 }
 
 /// Longest single futex sleep, so a sleeper rechecks its deadline (and its peers) regularly.
@@ -147,6 +213,9 @@ impl Spinner {
             return true;
         }
         if elapsed < p.spin + p.yield_for {
+            if !self.yielding && !p.spin.is_zero() {
+                overran();
+            }
             self.yielding = true;
             slot.yield_now();
             return true;
@@ -247,5 +316,47 @@ impl SlotWord for AtomicU32 {
 
     fn yield_now(&self) {
         std::thread::yield_now();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn three_preempted_overruns_within_the_window_mean_contention() {
+        let ms = 1_000_000;
+        // One, then two more within 50 ms: contended at the third.
+        let (s, c, hot) = window_step(0, 0, 1000 * ms);
+        assert!(!hot);
+        let (s, c, hot) = window_step(s, c, 1010 * ms);
+        assert!(!hot);
+        let (s, c, hot) = window_step(s, c, 1040 * ms);
+        assert!(hot && s == 1000 * ms && c == 3);
+        // Past the window a new one starts, and one alone is nothing.
+        let (s, c, hot) = window_step(s, c, 1100 * ms);
+        assert!(!hot && s == 1100 * ms && c == 1);
+        // Spread out (one per window) never turns contended.
+        let mut w = (0, 0);
+        for i in 0..10 {
+            let (s, c, hot) = window_step(w.0, w.1, 2000 * ms + i * 60 * ms);
+            assert!(!hot);
+            w = (s, c);
+        }
+    }
+
+    #[test]
+    fn a_patience_fixes_its_deadline_at_the_first_clock_reading() {
+        let p = Patience::with(Duration::ZERO, Duration::ZERO, Duration::from_millis(200));
+        std::thread::sleep(Duration::from_millis(50));
+        let before = Instant::now();
+        let d = p.deadline();
+        assert!(d >= before + Duration::from_millis(200), "the deadline counted from creation");
+        assert_eq!(p.deadline(), d, "the deadline moved");
+        // `until` takes the earlier of the two.
+        assert_eq!(p.until(d + Duration::from_secs(1)).deadline(), d);
+        let soon = Instant::now();
+        assert_eq!(p.until(soon).deadline(), soon);
+        assert!(Patience::once().nap().is_none(), "one look never sleeps");
     }
 }

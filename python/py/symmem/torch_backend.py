@@ -357,6 +357,7 @@ class SymmemTransport(Transport):
                 del self._registrations[key]
 
     def _check_transfer(self, local_buffer, remote_buffer, *, mutable):
+        # Every synchronous call runs this: attribute reads rather than method calls.
         kind = SymmemMutableMemoryView if mutable else SymmemMemoryView
         if not isinstance(local_buffer, kind) or local_buffer._memory._transport is not self:
             raise TypeError("local_buffer was not registered by this transport")
@@ -364,13 +365,14 @@ class SymmemTransport(Transport):
             raise TypeError("remote_buffer was not registered by a symmem transport")
         if not self._was_connected:
             raise ValueError("remote buffer does not belong to the connected peer (the transport is not connected)")
-        if local_buffer.size() > remote_buffer.length:
+        if local_buffer._length > remote_buffer.length:
             raise ValueError("local view does not fit in the remote buffer")
         registration = local_buffer._memory._registration
-        registration.ensure_active()
-        if registration.tensor.data_ptr() != registration.address or (
-            registration.tensor.numel() * registration.tensor.element_size() != registration.length
-        ):
+        if not registration.active:
+            registration.ensure_active()
+        # The registered memory must still be the tensor's (a resize frees it).
+        tensor = registration.tensor
+        if tensor.data_ptr() != registration.address or tensor.nbytes != registration.length:
             raise RuntimeError("registered tensor was resized or its storage was replaced")
 
     def _start(self, write, local_buffer, remote_buffer, timeout, off_thread):
@@ -400,8 +402,9 @@ class SymmemTransport(Transport):
     def _transfer(self, write, local_buffer, remote_buffer, timeout):
         """One synchronous transfer: the checks of ``_start``, then the native call, which
         copies on this thread with no Work when the engine can (shm) and waits otherwise."""
-        t = self._timeout_of(timeout)
-        self._ensure_open()
+        t = self._timeout if timeout is None else self._timeout_of(timeout)
+        if self._closing or self._closed:
+            self._ensure_open()
         self._check_transfer(local_buffer, remote_buffer, mutable=not write)
         view, remote = local_buffer._native_view(write), remote_buffer._native_for(self._name)
         try:

@@ -144,14 +144,15 @@ pub fn affinity() -> Vec<[u32; 2]> {
 /// core to the one it waits for rather than spin. Each rank's own mask counts, so ranks pinned
 /// to distinct cores are not crowded even when each has a single core, and ranks all bound to
 /// the same two cores are. An empty mask (unknown) counts as this process's [`cores`]. Ranges
-/// beyond the kernel's largest CPU number are ignored (peer input: the work stays bounded).
+/// beyond the kernel's largest CPU number, and a mask's ranges past the most a real mask can
+/// have, are ignored (peer input: the work stays bounded).
 pub fn crowded<'a>(ranks: usize, masks: impl IntoIterator<Item = &'a [[u32; 2]]>) -> bool {
     const MAX: usize = rustix::thread::CpuSet::MAX_CPU;
     let mut union = [false; MAX];
     let mut unknown = false;
     for mask in masks {
         unknown |= mask.is_empty();
-        for &[first, last] in mask {
+        for &[first, last] in mask.iter().take(MAX / 2 + 1) {
             let (first, last) = (first as usize, (last as usize).min(MAX - 1));
             for cpu in union.iter_mut().take(last + 1).skip(first) {
                 *cpu = true;
@@ -249,6 +250,10 @@ mod tests {
         assert!(crowded(2, [vec![[5, 1]].as_slice(), vec![[9, 2]].as_slice()]));
         let all = vec![[0, u32::MAX]];
         assert!(!crowded(64, [all.as_slice(); 2]));
+        // A flood of ranges is read no further than a real mask goes: the tail is ignored.
+        let mut flood = vec![[5000, 6000]; 1 << 20];
+        flood.push([0, 63]);
+        assert!(crowded(2, [flood.as_slice()]));
         // An unknown mask counts as this process's CPUs.
         assert_eq!(crowded(2, [[].as_slice(), [].as_slice()]), 2 > cores());
         // This process's own mask has at least one CPU, in order and without overlaps.

@@ -612,6 +612,35 @@ fn a_ucx_peer_killed_mid_transfer_fails_pending_work() {
     }
 }
 
+/// A caller blocked in a synchronous small tcp write (reading its own reply while it spins,
+/// then sleeping) when its peer is stopped and then killed: the write fails as peer-lost
+/// promptly, not at its 20 s timeout.
+#[test]
+fn a_synchronous_small_write_whose_peer_is_killed_fails_promptly() {
+    let (mut child, url, remote) = spawn_peer("tcp");
+    let a = Arc::new(new_transport("tcp", None, &Options::new()).unwrap());
+    a.connect(url.as_bytes(), None).unwrap();
+    let src = a.register_memory(&bytes(8, 1)).unwrap();
+    a.write(&src.to_view(0, None).unwrap(), &remote, None).unwrap();
+    let pid = child.id().to_string();
+    assert!(Command::new("kill").args(["-STOP", &pid]).status().unwrap().success());
+    let writer = {
+        let (a, view, remote) = (a.clone(), src.to_view(0, None).unwrap(), remote.clone());
+        std::thread::spawn(move || {
+            let t = Instant::now();
+            (a.write(&view, &remote, Some(Duration::from_secs(20))), t)
+        })
+    };
+    std::thread::sleep(Duration::from_millis(300));
+    child.kill().unwrap();
+    child.wait().unwrap();
+    let (outcome, started) = writer.join().unwrap();
+    let err = outcome.unwrap_err();
+    assert_eq!(err.transfer_kind(), Some(TransferKind::PeerLost), "{err}");
+    assert!(started.elapsed() < Duration::from_secs(10), "took {:?}", started.elapsed());
+    assert!(!a.connected());
+}
+
 fn a_peer_killed_mid_transfer_fails_pending_work_on(backend: &str, says: &str) {
     let (mut child, url, remote) = spawn_peer(backend);
     let a = new_transport(backend, None, &Options::new()).unwrap();

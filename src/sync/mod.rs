@@ -128,7 +128,8 @@ static IN_WINDOW: AtomicU64 = AtomicU64::new(0);
 /// How long after an overrun waits stay in contended mode.
 const CONTENDED_FOR_NS: u64 = 50_000_000;
 
-fn coarse_nanos() -> u64 {
+/// The coarse monotonic clock in nanoseconds (a few ns to read; ticks every few ms).
+pub(crate) fn coarse_nanos() -> u64 {
     let t = rustix::time::clock_gettime(rustix::time::ClockId::MonotonicCoarse);
     (t.tv_sec as u64).wrapping_mul(1_000_000_000).wrapping_add(t.tv_nsec as u64)
 }

@@ -300,7 +300,7 @@ impl Peer {
         }
         // The coarse clock (a few ns through the vDSO, at the scheduler tick's resolution) is
         // enough to rate-limit a liveness poll.
-        let now = coarse_nanos().saturating_sub(self.epoch);
+        let now = crate::sync::coarse_nanos().saturating_sub(self.epoch);
         let last = self.checked.load(Ordering::Relaxed);
         // Relaxed: the timestamp only rate-limits the pidfd poll; racing threads at worst both
         // poll.
@@ -313,12 +313,6 @@ impl Peer {
         }
         true
     }
-}
-
-/// The coarse monotonic clock in nanoseconds.
-fn coarse_nanos() -> u64 {
-    let t = rustix::time::clock_gettime(rustix::time::ClockId::MonotonicCoarse);
-    (t.tv_sec as u64).wrapping_mul(1_000_000_000).wrapping_add(t.tv_nsec as u64)
 }
 
 /// The `shm` backend.
@@ -510,7 +504,7 @@ impl Backend for ShmBackend {
             pidfd,
             alive: AtomicBool::new(true),
             checked: AtomicU64::new(0),
-            epoch: coarse_nanos(),
+            epoch: crate::sync::coarse_nanos(),
             maps: Mutex::new(Maps::default()),
             pruned_at: AtomicU64::new(0),
         };

@@ -213,16 +213,26 @@ def _symmetric_view(x, found, addr, name, shape, strides):
     return native
 
 
+def _symmetric_lookup(x):
+    """(the native view of ``x`` in its symmetric buffer, or None if it has none; ``x``'s
+    layout, or None when the view was remembered)."""
+    native = _remembered(x)
+    if native is not None:
+        return native, None
+    layout = _layout(x)
+    addr, name, shape, strides, _, _ = layout
+    found = _find(addr)
+    if found is None:
+        return None, layout
+    return _symmetric_view(x, found, addr, name, shape, strides), layout
+
+
 def _symmetric_or_none(x, what="tensor"):
     """The native tensor of symmetric ``x``, or None when ``x`` has no elements (operators
     return at once); raises for a tensor that is not symmetric."""
-    native = _remembered(x)
+    native, _ = _symmetric_lookup(x)
     if native is not None:
         return native
-    addr, name, shape, strides, _, _ = _layout(x)
-    found = _find(addr)
-    if found is not None:
-        return _symmetric_view(x, found, addr, name, shape, strides)
     if _numel(x) == 0:
         return None
     raise ValueError(f"{what} must be allocated with symmem.symm.empty")
@@ -231,15 +241,12 @@ def _symmetric_or_none(x, what="tensor"):
 def _native_tensor(x, *, symmetric=False, what="tensor"):
     """The native tensor behind ``x``: its symmetric allocation, or (unless ``symmetric``) its
     own memory, borrowed for the call."""
-    native = _remembered(x)
+    native, layout = _symmetric_lookup(x)
     if native is not None:
         return native
-    addr, name, shape, strides, item, owner = _layout(x)
-    found = _find(addr)
-    if found is not None:
-        return _symmetric_view(x, found, addr, name, shape, strides)
     if symmetric:
         raise ValueError(f"{what} must be allocated with symmem.symm.empty")
+    addr, name, shape, strides, item, owner = layout
     extent = item
     for d, s in zip(shape, strides):
         if d == 0:

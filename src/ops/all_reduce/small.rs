@@ -110,22 +110,14 @@ impl Lines {
         self.bases[rank] + at
     }
 
-    fn wait_for(
-        &self,
-        rank: usize,
-        parity: u64,
-        at_least: u64,
-        p: &mut Option<Patience>,
-        timeout: Duration,
-    ) -> Result<()> {
+    fn wait_for(&self, rank: usize, parity: u64, at_least: u64, p: &Patience, timeout: Duration) -> Result<()> {
         let epoch = self.epoch(rank, parity);
         // Acquire: pairs with the Release (SeqCst) store of `publish`. Checked once before the
-        // wait machinery (and its clock read) is set up: usually the peer is already there.
+        // wait's machinery is set up: usually the peer is already there.
         let done = || epoch.load(Ordering::Acquire) >= at_least;
         if done() {
             return Ok(());
         }
-        let p = p.get_or_insert_with(|| self.handle.patience(timeout));
         let sleepers = self.word32(rank, SLEEPERS);
         // The futex word is the epoch's low half (little-endian), which changes with every
         // publish.
@@ -216,11 +208,12 @@ pub(crate) fn all_reduce_on_host(
 /// Call `k` of the small all-reduce on the workspace `w`.
 fn run(tensor: &Tensor, op: ReduceOp, k: u64, w: &Lines, timeout: Duration) -> Result<()> {
     let bytes = tensor.nbytes();
-    let mut p = None;
+    // Reads no clock until a wait must (its deadline is fixed at the first reading).
+    let p = w.handle.patience(timeout);
     let q = k % 2;
     let (me, n) = (w.handle.rank(), w.handle.world_size());
     for r in (0..n).filter(|&r| r != me) {
-        w.wait_for(r, 1 - q, k - 1, &mut p, timeout)?;
+        w.wait_for(r, 1 - q, k - 1, &p, timeout)?;
     }
     let mine = w.input(me, q, bytes) as *mut u8;
     // SAFETY: my input place of parity q holds INLINE (line) or MAX (buffer) >= bytes bytes
@@ -234,7 +227,7 @@ fn run(tensor: &Tensor, op: ReduceOp, k: u64, w: &Lines, timeout: Duration) -> R
     }
     w.publish(k);
     for r in (0..n).filter(|&r| r != me) {
-        w.wait_for(r, q, k, &mut p, timeout)?;
+        w.wait_for(r, q, k, &p, timeout)?;
     }
     // Every rank reads every rank's words, so every rank reaches the same verdict. Relaxed:
     // ordered by the Acquire epoch loads above.

@@ -13,9 +13,8 @@
 //! Nothing here waits for a socket on the caller's thread: a full socket (a peer that stopped
 //! reading) leaves the rest of a frame queued, and the caller's wait on the Work is what times
 //! out. Frames leave a flow in the order they were submitted to it. A waiter reading its own
-//! reply spares the hand-off from the receiver thread (8-byte write 31-38 -> 27-29 µs on 2
-//! cores); the receiver is still woken by the same reply and finds it taken, which is what
-//! keeps a small request above one round trip here.
+//! reply spares the hand-off from the receiver thread; the receiver is still woken by the same
+//! reply (it polls the socket) and finds it taken.
 
 use std::collections::{HashMap, VecDeque};
 use std::io::{IoSlice, Read, Write};
@@ -28,6 +27,7 @@ use rustix::event::{PollFd, PollFlags, poll};
 
 use super::{CLIENT_PROOF, INLINE, SERVER_PROOF, STRIPE_MIN, TcpOptions, Url, lock, tune};
 use crate::error::{Error, Failed, Result, TransferKind};
+use crate::transport::work::Progress;
 use crate::transport::{Direction, Request};
 use crate::wire::tcp::{
     ATOMIC_BUSY, Auth, CHALLENGE_LEN, Challenge, HEADER_LEN, Header, Hello, MAX_ERROR_LEN, Op, Refused, transcript,
@@ -133,6 +133,8 @@ pub(super) struct Client {
     alive: AtomicBool,
     why: OnceLock<String>,
     chunk: usize,
+    /// What a waiter on a one-frame request calls while it spins: reads flow 0's replies.
+    progress: Progress,
 }
 
 /// Waits until `s` is readable (`IN`) or writable (`OUT`), at most `within`.
@@ -250,9 +252,7 @@ impl Client {
             socks.push(s);
         }
         let mut flows = Vec::with_capacity(socks.len());
-        let mut readers = Vec::with_capacity(socks.len());
         for s in socks {
-            let r = s.try_clone().map_err(|e| Error::io("clone a socket", e))?;
             let poller = s.try_clone().map_err(|e| Error::io("clone a socket", e))?;
             let reader = Mutex::new(s.try_clone().map_err(|e| Error::io("clone a socket", e))?);
             flows.push(Flow {
@@ -261,22 +261,30 @@ impl Client {
                 poller,
                 reader,
             });
-            readers.push(r);
         }
-        let client = Arc::new(Client {
-            flows,
-            pending: Mutex::new(HashMap::new()),
-            next: AtomicU64::new(1),
-            rr: AtomicUsize::new(0),
-            alive: AtomicBool::new(true),
-            why: OnceLock::new(),
-            chunk: opts.chunk,
+        let client = Arc::new_cyclic(|me: &std::sync::Weak<Client>| {
+            let me = me.clone();
+            Client {
+                flows,
+                pending: Mutex::new(HashMap::new()),
+                next: AtomicU64::new(1),
+                rr: AtomicUsize::new(0),
+                alive: AtomicBool::new(true),
+                why: OnceLock::new(),
+                chunk: opts.chunk,
+                // Weak: a Work outliving its transport must not keep the client alive.
+                progress: Arc::new(move || {
+                    if let Some(c) = me.upgrade() {
+                        c.progress(0);
+                    }
+                }),
+            }
         });
-        for (i, r) in readers.into_iter().enumerate() {
+        for i in 0..client.flows.len() {
             let c = client.clone();
             std::thread::Builder::new()
                 .name("symmem-tcp-recv".into())
-                .spawn(move || c.receive(i, r))
+                .spawn(move || c.receive(i))
                 .map_err(|e| Error::io("start a tcp transport receiver", e))?;
             let c = client.clone();
             std::thread::Builder::new()
@@ -329,7 +337,7 @@ impl Client {
         out
     }
 
-    pub(super) fn submit(self: &Arc<Self>, req: Request) -> Result<()> {
+    pub(super) fn submit(&self, req: Request) -> Result<()> {
         if !self.alive() {
             return Err(self.lost());
         }
@@ -338,12 +346,7 @@ impl Client {
         if let [(0, _, _)] = chunks[..] {
             // One frame on flow 0, one reply: a waiter reads it itself while it spins, so the
             // reply reaches it with no hand-off from the receiver thread.
-            let client = Arc::downgrade(self);
-            req.work.set_progress(Arc::new(move || {
-                if let Some(c) = client.upgrade() {
-                    c.progress(0);
-                }
-            }));
+            req.work.set_progress(self.progress.clone());
         }
         let (op, status, operand) = match req.direction {
             Direction::Write => (Op::Write, 0, None),
@@ -438,8 +441,8 @@ impl Client {
         }
     }
 
-    fn receive(&self, flow: usize, s: TcpStream) {
-        let why = match self.receive_loop(flow, &s) {
+    fn receive(&self, flow: usize) {
+        let why = match self.receive_loop(flow) {
             Ok(()) => "the peer closed the connection".to_string(),
             Err(e) => e.to_string(),
         };
@@ -448,12 +451,12 @@ impl Client {
 
     /// The flow's receiver: waits for replies without holding the reader (a caller may be
     /// reading its own), then reads whatever has arrived.
-    fn receive_loop(&self, flow: usize, s: &TcpStream) -> std::io::Result<()> {
+    fn receive_loop(&self, flow: usize) -> std::io::Result<()> {
         loop {
             if !self.alive() {
                 return Ok(());
             }
-            wait_for(s, PollFlags::IN, Duration::from_secs(1));
+            wait_for(&self.flows[flow].poller, PollFlags::IN, Duration::from_secs(1));
             let reader = lock(&self.flows[flow].reader);
             loop {
                 match self.read_one(&reader)? {
@@ -466,8 +469,8 @@ impl Client {
     }
 
     /// A waiter's turn at reading flow `flow`'s replies: whatever has arrived, if no other
-    /// thread is reading (then that one delivers them). Never waits for the peer; a broken
-    /// connection fails the client.
+    /// thread is reading (then that one delivers them). Never waits for a reply that has not
+    /// begun to arrive; a broken connection fails the client.
     fn progress(&self, flow: usize) {
         let Ok(reader) = self.flows[flow].reader.try_lock() else { return };
         loop {

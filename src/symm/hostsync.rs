@@ -91,7 +91,17 @@ impl Words {
             None => Ok(()),
         };
         // Acquire: pairs with the Release store of `publish` or of the remote atomic.
-        let done = || reached(w.load(Ordering::Acquire), e);
+        let seen = || reached(w.load(Ordering::Acquire), e);
+        let link = self.h.remote(from).map(|r| &r.link.transport);
+        // A word a rank on another host moves: what it sent may have arrived, and this thread
+        // applies it itself rather than wait for the link's thread to wake.
+        let done = || {
+            seen()
+                || link.is_some_and(|t| {
+                    t.serve_arrived();
+                    seen()
+                })
+        };
         match wait_until(w, done, p, lost, |seen, nap| crate::sys::futex::wait(w, seen, nap)) {
             Ok(()) => Ok(()),
             Err(Stop::Failed(err)) => Err(err),

@@ -804,6 +804,15 @@ impl SymmHandle {
         r.start_write_from(&src, to, timeout).map_err(|e| r.link.error("writing to", &e))
     }
 
+    /// Runs `f`, which starts transfers to `rank` (on another host), and sends the small ones
+    /// together when it returns (see `Transport::batch`); `f` must not wait for them.
+    pub(crate) fn batch<R>(&self, rank: usize, f: impl FnOnce() -> R) -> R {
+        match self.remote(rank) {
+            Some(r) => r.link.transport.batch(f),
+            None => f(),
+        }
+    }
+
     /// The size of the whole data buffer of the allocation, in bytes.
     pub fn buffer_size(&self) -> usize {
         self.peers.own.data_size()

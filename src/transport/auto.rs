@@ -194,6 +194,18 @@ impl Backend for AutoBackend {
         self.chosen()?.backend.transfer_now(write, local, remote)
     }
 
+    fn hold(&self, on: bool) {
+        if let Some(m) = self.chosen() {
+            m.backend.hold(on);
+        }
+    }
+
+    fn serve_arrived(&self) {
+        if let Some(m) = self.chosen() {
+            m.backend.serve_arrived();
+        }
+    }
+
     fn shutdown(&self) {
         self.members.iter().for_each(|m| m.backend.shutdown());
     }

@@ -78,6 +78,16 @@ pub trait Backend: Send + Sync + 'static {
     fn transfer_now(&self, _write: bool, _local: &MemoryView, _remote: &RemoteBuffer) -> Option<Completion> {
         None
     }
+    /// Holds (`true`) or releases (`false`) the small requests submitted next, so that those
+    /// started back to back (a write and the signal after it) leave together, in one system
+    /// call, at the last release. Holds nest. A held request still leaves at once when a
+    /// caller waits for it. Backends that send nothing themselves ignore it.
+    fn hold(&self, _on: bool) {}
+    /// Serves, on the calling thread, the peer's requests that have already arrived, so that a
+    /// caller waiting for the peer's signal needs no other thread to apply it. Never waits for
+    /// a request that has not begun to arrive. Backends whose peers need no serving (shm), or
+    /// that serve them elsewhere, ignore it.
+    fn serve_arrived(&self) {}
     /// Releases sockets and threads, failing whatever is still pending. Never blocks long.
     fn shutdown(&self);
     /// The timeout of operations given none.
@@ -676,6 +686,30 @@ impl Transport {
             let _ = self.peer_endpoint.set(p);
         }
         Ok(())
+    }
+
+    /// Runs `f`, which starts transfers on this transport, and sends the small requests it
+    /// starts together when it returns: on a backend that sends them itself (tcp), a write and
+    /// the signal that follows it leave in one system call and reach the peer in one read.
+    /// Ordering and completion are unchanged, and waiting inside `f` for a transfer it started
+    /// on this transport sends what is held at once; waiting there for anything else (another
+    /// transport, a peer that needs these requests first) stalls until that wait's timeout.
+    pub(crate) fn batch<R>(&self, f: impl FnOnce() -> R) -> R {
+        struct Release<'a>(&'a dyn Backend);
+        impl Drop for Release<'_> {
+            fn drop(&mut self) {
+                self.0.hold(false);
+            }
+        }
+        self.backend.hold(true);
+        let _release = Release(&*self.backend);
+        f()
+    }
+
+    /// Serves the peer's requests that have already arrived on the calling thread (see
+    /// [`Backend::serve_arrived`]): a caller spinning on a word the peer writes calls it.
+    pub(crate) fn serve_arrived(&self) {
+        self.backend.serve_arrived();
     }
 
     /// Whether connected to a live peer.

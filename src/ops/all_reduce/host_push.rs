@@ -46,11 +46,15 @@ pub(crate) fn all_reduce(tensor: &Tensor, op: ReduceOp, group: &Group, timeout: 
     }
     if !gathered {
         for &l in &other_leaders {
-            for work in send_before_signal(&hw, l, inbox(me), inbox(me), n, timeout)? {
-                w.sent.push((l, e, work));
-            }
-            w.sent.push((l, e, hw.start_push(l, sigs.slot(me), 16, sigs.slot(me), timeout)?));
-            w.sent.push((l, e, w.words.start_remote(l, from(me), e, timeout)?));
+            // The data, its signature and the FROM word leave together.
+            hw.batch(l, || -> Result<()> {
+                for work in send_before_signal(&hw, l, inbox(me), inbox(me), n, timeout)? {
+                    w.sent.push((l, e, work));
+                }
+                w.sent.push((l, e, hw.start_push(l, sigs.slot(me), 16, sigs.slot(me), timeout)?));
+                w.sent.push((l, e, w.words.start_remote(l, from(me), e, timeout)?));
+                Ok(())
+            })?;
         }
     }
     if me != leader {
@@ -85,15 +89,19 @@ pub(crate) fn all_reduce(tensor: &Tensor, op: ReduceOp, group: &Group, timeout: 
             }
         }
         for &l in &other_leaders {
-            for (a, b) in runs(locals) {
-                let (first, len) = (locals[a], (b - a - 1) * stride + n);
-                for work in send_before_signal(&hw, l, inbox(first), inbox(first), len, timeout)? {
-                    w.sent.push((l, e, work));
+            // The host's data, their signatures and the FROM word leave together.
+            hw.batch(l, || -> Result<()> {
+                for (a, b) in runs(locals) {
+                    let (first, len) = (locals[a], (b - a - 1) * stride + n);
+                    for work in send_before_signal(&hw, l, inbox(first), inbox(first), len, timeout)? {
+                        w.sent.push((l, e, work));
+                    }
+                    let at = sigs.slot(first);
+                    w.sent.push((l, e, hw.start_push(l, at, (b - a) * 16, at, timeout)?));
                 }
-                let at = sigs.slot(first);
-                w.sent.push((l, e, hw.start_push(l, at, (b - a) * 16, at, timeout)?));
-            }
-            w.sent.push((l, e, w.words.start_remote(l, from(leader), e, timeout)?));
+                w.sent.push((l, e, w.words.start_remote(l, from(leader), e, timeout)?));
+                Ok(())
+            })?;
         }
     }
     let senders: Vec<usize> = if gathered { other_leaders } else { (0..world).filter(|&r| !hw.is_local(r)).collect() };

@@ -60,16 +60,20 @@ pub(crate) fn all_to_all(input: &Tensor, out: &Tensor, group: &Group, h: &SymmHa
         for &host in &other_hosts {
             let theirs = hw.ranks_on(host);
             let l = theirs[0];
-            // Blocks for a run of consecutive ranks of that host are consecutive both in the
-            // stage and in this rank's row of the inbox.
-            for (a, end) in runs(theirs) {
-                let len = (end - a - 1) * bs + b;
-                for work in send_before_signal(&hw, l, stage(theirs[a]), inbox(my_host, ls, a), len, timeout)? {
-                    w.sent.push((l, e, work));
+            // The blocks, the signature and the FROM word leave together.
+            hw.batch(l, || -> Result<()> {
+                // Blocks for a run of consecutive ranks of that host are consecutive both in
+                // the stage and in this rank's row of the inbox.
+                for (a, end) in runs(theirs) {
+                    let len = (end - a - 1) * bs + b;
+                    for work in send_before_signal(&hw, l, stage(theirs[a]), inbox(my_host, ls, a), len, timeout)? {
+                        w.sent.push((l, e, work));
+                    }
                 }
-            }
-            w.sent.push((l, e, hw.start_push(l, sigs.slot(me), 16, sigs.slot(me), timeout)?));
-            w.sent.push((l, e, w.words.start_remote(l, from(me), e, timeout)?));
+                w.sent.push((l, e, hw.start_push(l, sigs.slot(me), 16, sigs.slot(me), timeout)?));
+                w.sent.push((l, e, w.words.start_remote(l, from(me), e, timeout)?));
+                Ok(())
+            })?;
         }
     }
     if me != leader {
@@ -100,14 +104,18 @@ pub(crate) fn all_to_all(input: &Tensor, out: &Tensor, group: &Group, h: &SymmHa
                 }
                 let l = theirs[0];
                 let (src, dst, len) = (outbox(host, 0, 0), inbox(my_host, 0, 0), lmax * lmax * bs);
-                for work in send_before_signal(&hw, l, src, dst, len, timeout)? {
-                    w.sent.push((l, e, work));
-                }
-                for (a, end) in runs(locals) {
-                    let at = sigs.slot(locals[a]);
-                    w.sent.push((l, e, hw.start_push(l, at, (end - a) * 16, at, timeout)?));
-                }
-                w.sent.push((l, e, w.words.start_remote(l, from(leader), e, timeout)?));
+                // The host's blocks, their signatures and the FROM word leave together.
+                hw.batch(l, || -> Result<()> {
+                    for work in send_before_signal(&hw, l, src, dst, len, timeout)? {
+                        w.sent.push((l, e, work));
+                    }
+                    for (a, end) in runs(locals) {
+                        let at = sigs.slot(locals[a]);
+                        w.sent.push((l, e, hw.start_push(l, at, (end - a) * 16, at, timeout)?));
+                    }
+                    w.sent.push((l, e, w.words.start_remote(l, from(leader), e, timeout)?));
+                    Ok(())
+                })?;
             }
         }
         let senders: Vec<usize> = if gathered {

@@ -73,35 +73,68 @@ impl Frame {
         // completes.
         unsafe { std::slice::from_raw_parts(self.pending.req.local_ptr().add(self.at).cast_const(), self.len) }
     }
-
-    /// Writes what the socket takes now; true once the whole frame is written.
-    fn write_some(&mut self, mut s: &TcpStream) -> std::io::Result<bool> {
-        loop {
-            let total = HEADER_LEN + self.len;
-            if self.done >= total {
-                return Ok(true);
-            }
-            let payload = self.payload();
-            let (a, b) = if self.done < HEADER_LEN {
-                (&self.head[self.done..], payload)
-            } else {
-                (&[][..], &payload[self.done - HEADER_LEN..])
-            };
-            match s.write_vectored(&[IoSlice::new(a), IoSlice::new(b)]) {
-                Ok(0) => return Err(std::io::ErrorKind::WriteZero.into()),
-                Ok(n) => self.done += n,
-                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return Ok(false),
-                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-                Err(e) => return Err(e),
-            }
-        }
-    }
 }
 
 /// A flow's socket (non-blocking) and the frames waiting for it, in order.
 struct Queue {
     sock: TcpStream,
     frames: VecDeque<Frame>,
+    /// The sender thread is to write the frames (set with every notify; cleared when it has
+    /// written them all): frames held for a release wait without it.
+    kicked: bool,
+}
+
+/// The most frames one vectored write takes.
+const GATHER: usize = 16;
+
+impl Queue {
+    /// Writes the queued frames, several per system call, as far as the socket takes them
+    /// now; true once the queue is empty.
+    fn write_queued(&mut self) -> std::io::Result<bool> {
+        let mut s = &self.sock;
+        loop {
+            if self.frames.is_empty() {
+                return Ok(true);
+            }
+            let written = {
+                let mut slices = [IoSlice::new(&[]); 2 * GATHER];
+                let mut k = 0;
+                for f in self.frames.iter().take(GATHER) {
+                    let payload = f.payload();
+                    if f.done < HEADER_LEN {
+                        slices[k] = IoSlice::new(&f.head[f.done..]);
+                        slices[k + 1] = IoSlice::new(payload);
+                    } else {
+                        slices[k + 1] = IoSlice::new(&payload[f.done - HEADER_LEN..]);
+                    }
+                    k += 2;
+                }
+                s.write_vectored(&slices[..k])
+            };
+            match written {
+                Ok(0) => return Err(std::io::ErrorKind::WriteZero.into()),
+                Ok(mut n) => {
+                    while n > 0 {
+                        let Some(f) = self.frames.front_mut() else { break };
+                        let left = HEADER_LEN + f.len - f.done;
+                        if n < left {
+                            f.done += n;
+                            break;
+                        }
+                        n -= left;
+                        self.frames.pop_front();
+                    }
+                    // A frame without payload whose header went out whole is done too.
+                    while self.frames.front().is_some_and(|f| f.done >= HEADER_LEN + f.len) {
+                        self.frames.pop_front();
+                    }
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return Ok(false),
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(e),
+            }
+        }
+    }
 }
 
 struct Flow {
@@ -112,7 +145,62 @@ struct Flow {
     poller: TcpStream,
     /// The same socket, for reading replies: whoever holds it (the flow's receiver thread, or
     /// a caller progressing its own small transfer) reads whole frames.
-    reader: Mutex<TcpStream>,
+    reader: Mutex<Reader>,
+}
+
+/// Bytes of replies read ahead: the acknowledgements the peer answered a batch with are read
+/// with one system call.
+const READ_AHEAD: usize = 4096;
+
+/// A flow's socket for replies, read ahead.
+struct Reader {
+    sock: TcpStream,
+    buf: Box<[u8; READ_AHEAD]>,
+    at: usize,
+    end: usize,
+}
+
+impl Reader {
+    fn buffered(&self) -> usize {
+        self.end - self.at
+    }
+
+    /// Reads what has arrived after the bytes still buffered, without waiting: `Ok(None)` at
+    /// the end of the stream, `Ok(Some(0))` when nothing has arrived.
+    fn fill(&mut self) -> std::io::Result<Option<usize>> {
+        self.buf.copy_within(self.at..self.end, 0);
+        self.end -= self.at;
+        self.at = 0;
+        let mut s = &self.sock;
+        loop {
+            match s.read(&mut self.buf[self.end..]) {
+                Ok(0) => return Ok(None),
+                Ok(n) => {
+                    self.end += n;
+                    return Ok(Some(n));
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return Ok(Some(0)),
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    /// Fills `dst` with the stream's next bytes: those read ahead, then the rest from the
+    /// socket, waiting for them; false at a clean end of the stream before the first byte.
+    fn read_exact(&mut self, dst: &mut [u8], alive: &AtomicBool) -> std::io::Result<bool> {
+        let n = dst.len().min(self.buffered());
+        dst[..n].copy_from_slice(&self.buf[self.at..self.at + n]);
+        self.at += n;
+        if n == dst.len() {
+            return Ok(true);
+        }
+        match read_full(&self.sock, &mut dst[n..], alive)? {
+            true => Ok(true),
+            false if n == 0 => Ok(false),
+            false => Err(std::io::ErrorKind::UnexpectedEof.into()),
+        }
+    }
 }
 
 /// What one attempt to read a reply frame found.
@@ -135,6 +223,9 @@ pub(super) struct Client {
     chunk: usize,
     /// What a waiter on a one-frame request calls while it spins: reads flow 0's replies.
     progress: Progress,
+    /// How many holds are open ([`Client::hold`]): while any is, small requests wait in flow
+    /// 0's queue for the last release (or for a waiter) instead of leaving one by one.
+    held: AtomicUsize,
 }
 
 /// Waits until `s` is readable (`IN`) or writable (`OUT`), at most `within`.
@@ -254,9 +345,14 @@ impl Client {
         let mut flows = Vec::with_capacity(socks.len());
         for s in socks {
             let poller = s.try_clone().map_err(|e| Error::io("clone a socket", e))?;
-            let reader = Mutex::new(s.try_clone().map_err(|e| Error::io("clone a socket", e))?);
+            let reader = Mutex::new(Reader {
+                sock: s.try_clone().map_err(|e| Error::io("clone a socket", e))?,
+                buf: Box::new([0; READ_AHEAD]),
+                at: 0,
+                end: 0,
+            });
             flows.push(Flow {
-                queue: Mutex::new(Queue { sock: s, frames: VecDeque::new() }),
+                queue: Mutex::new(Queue { sock: s, frames: VecDeque::new(), kicked: false }),
                 more: Condvar::new(),
                 poller,
                 reader,
@@ -272,6 +368,7 @@ impl Client {
                 alive: AtomicBool::new(true),
                 why: OnceLock::new(),
                 chunk: opts.chunk,
+                held: AtomicUsize::new(0),
                 // Weak: a Work outliving its transport must not keep the client alive.
                 progress: Arc::new(move || {
                     if let Some(c) = me.upgrade() {
@@ -343,9 +440,10 @@ impl Client {
         }
         let id = self.next.fetch_add(1, Ordering::Relaxed);
         let chunks = self.plan(req.len);
-        if let [(0, _, _)] = chunks[..] {
-            // One frame on flow 0, one reply: a waiter reads it itself while it spins, so the
-            // reply reaches it with no hand-off from the receiver thread.
+        // One frame on flow 0, one reply: a waiter reads it itself while it spins, so the reply
+        // reaches it with no hand-off from the receiver thread (and sends it, if held).
+        let one = matches!(chunks[..], [(0, _, _)]);
+        if one {
             req.work.set_progress(self.progress.clone());
         }
         let (op, status, operand) = match req.direction {
@@ -379,18 +477,27 @@ impl Client {
             };
             let len = if op == Op::Write { n } else { 0 };
             let frame = Frame { head: header.encode(), pending: pending.clone(), at, len, done: 0 };
-            self.enqueue(flow, frame, inline);
+            self.enqueue(flow, frame, inline, one);
         }
         Ok(())
     }
 
     /// Writes `frame` now if its flow has nothing queued and `now` (as much as the socket
-    /// takes), and queues the rest for the flow's sender thread. Never waits for the socket.
-    fn enqueue(&self, flow: usize, mut frame: Frame, now: bool) {
+    /// takes), and queues the rest for the flow's sender thread; while a hold is open, the
+    /// frame of a one-frame request (whose waiter sends it, see `progress`) that would have
+    /// been written now waits for the release instead. Never waits for the socket.
+    fn enqueue(&self, flow: usize, frame: Frame, now: bool, holdable: bool) {
         let f = &self.flows[flow];
         let mut q = lock(&f.queue);
-        if q.frames.is_empty() && now {
-            match frame.write_some(&q.sock) {
+        let idle = q.frames.is_empty();
+        q.frames.push_back(frame);
+        // Read under the queue's lock, which `hold(false)` takes after its decrement: either
+        // this frame is queued before that release looks, or this sees the decrement.
+        if now && holdable && self.held.load(Ordering::Relaxed) > 0 {
+            return;
+        }
+        if idle && now {
+            match q.write_queued() {
                 Ok(true) => return,
                 Ok(false) => {}
                 Err(e) => {
@@ -400,8 +507,43 @@ impl Client {
                 }
             }
         }
-        q.frames.push_back(frame);
+        q.kicked = true;
         f.more.notify_one();
+    }
+
+    /// Opens (`true`) or closes (`false`) a hold; the last close sends what was held, in as
+    /// few system calls as the socket allows.
+    pub(super) fn hold(&self, on: bool) {
+        if on {
+            self.held.fetch_add(1, Ordering::Relaxed);
+            return;
+        }
+        // Relaxed: the queue's mutex orders this with `enqueue`'s load (see there).
+        let was = self.held.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1));
+        if was == Ok(1) {
+            self.send_held();
+        }
+    }
+
+    /// Writes flow 0's queued frames now, as far as the socket takes them; the sender thread
+    /// gets the rest.
+    fn send_held(&self) {
+        let f = &self.flows[0];
+        let mut q = lock(&f.queue);
+        if q.frames.is_empty() {
+            return;
+        }
+        match q.write_queued() {
+            Ok(true) => {}
+            Ok(false) => {
+                q.kicked = true;
+                f.more.notify_one();
+            }
+            Err(e) => {
+                drop(q);
+                self.fail(format!("send to the peer: {e}"));
+            }
+        }
     }
 
     /// Writes a flow's queued frames as the socket takes them.
@@ -409,7 +551,7 @@ impl Client {
         let f = &self.flows[flow];
         loop {
             let mut q = lock(&f.queue);
-            while q.frames.is_empty() {
+            while q.frames.is_empty() || !q.kicked {
                 if !self.alive() {
                     return;
                 }
@@ -418,21 +560,17 @@ impl Client {
             if !self.alive() {
                 return;
             }
-            let Queue { sock, frames } = &mut *q;
-            while let Some(front) = frames.front_mut() {
-                match front.write_some(sock) {
-                    Ok(true) => {
-                        frames.pop_front();
-                    }
-                    Ok(false) => break,
-                    Err(e) => {
-                        drop(q);
-                        self.fail(format!("send to the peer: {e}"));
-                        return;
-                    }
+            let full = match q.write_queued() {
+                Ok(done) => {
+                    q.kicked = !done;
+                    !done
                 }
-            }
-            let full = !q.frames.is_empty();
+                Err(e) => {
+                    drop(q);
+                    self.fail(format!("send to the peer: {e}"));
+                    return;
+                }
+            };
             drop(q);
             if full {
                 // The socket is full: wait for room without holding the queue.
@@ -457,9 +595,9 @@ impl Client {
                 return Ok(());
             }
             wait_for(&self.flows[flow].poller, PollFlags::IN, Duration::from_secs(1));
-            let reader = lock(&self.flows[flow].reader);
+            let mut reader = lock(&self.flows[flow].reader);
             loop {
-                match self.read_one(&reader)? {
+                match self.read_one(&mut reader)? {
                     Got::Frame => {}
                     Got::Empty => break,
                     Got::Closed => return Ok(()),
@@ -472,9 +610,13 @@ impl Client {
     /// thread is reading (then that one delivers them). Never waits for a reply that has not
     /// begun to arrive; a broken connection fails the client.
     fn progress(&self, flow: usize) {
-        let Ok(reader) = self.flows[flow].reader.try_lock() else { return };
+        // A waiter's own request may be held: it leaves now.
+        if flow == 0 && self.held.load(Ordering::Relaxed) > 0 {
+            self.send_held();
+        }
+        let Ok(mut reader) = self.flows[flow].reader.try_lock() else { return };
         loop {
-            match self.read_one(&reader) {
+            match self.read_one(&mut reader) {
                 Ok(Got::Frame) => {}
                 Ok(Got::Empty) => return,
                 Ok(Got::Closed) => {
@@ -491,26 +633,25 @@ impl Client {
 
     /// Reads and handles one reply frame if one has begun to arrive (a frame begun is read
     /// whole, waiting for the rest); `Empty` if nothing has.
-    fn read_one(&self, mut s: &TcpStream) -> std::io::Result<Got> {
-        let mut hdr = [0u8; HEADER_LEN];
-        let first = loop {
-            match s.read(&mut hdr) {
-                Ok(0) => return Ok(Got::Closed),
-                Ok(n) => break n,
-                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return Ok(Got::Empty),
-                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-                Err(e) => return Err(e),
+    fn read_one(&self, r: &mut Reader) -> std::io::Result<Got> {
+        if r.buffered() < HEADER_LEN {
+            match r.fill()? {
+                None if r.buffered() == 0 => return Ok(Got::Closed),
+                None => return Err(std::io::ErrorKind::UnexpectedEof.into()),
+                Some(0) if r.buffered() == 0 => return Ok(Got::Empty),
+                Some(_) => {}
             }
-        };
-        if !read_full(s, &mut hdr[first..], &self.alive)? && first < HEADER_LEN {
-            return Err(std::io::ErrorKind::UnexpectedEof.into());
         }
-        self.handle(s, &hdr)?;
+        let mut hdr = [0u8; HEADER_LEN];
+        if !r.read_exact(&mut hdr, &self.alive)? {
+            return Ok(Got::Closed);
+        }
+        self.handle(r, &hdr)?;
         Ok(Got::Frame)
     }
 
     /// Handles one reply whose header is `hdr` (reading its payload from `s`).
-    fn handle(&self, s: &TcpStream, hdr: &[u8; HEADER_LEN]) -> std::io::Result<()> {
+    fn handle(&self, s: &mut Reader, hdr: &[u8; HEADER_LEN]) -> std::io::Result<()> {
         {
             let h = Header::decode(hdr).map_err(std::io::Error::other)?;
             let p = lock(&self.pending)
@@ -531,7 +672,7 @@ impl Client {
                     // inside the registration the pending request keeps alive; the caller
                     // promised not to touch a read's destination until it completes.
                     let dst = unsafe { std::slice::from_raw_parts_mut(p.req.local_ptr().add(at), n) };
-                    if !read_full(s, dst, &self.alive)? {
+                    if !s.read_exact(dst, &self.alive)? {
                         return Err(std::io::ErrorKind::UnexpectedEof.into());
                     }
                     None
@@ -541,7 +682,7 @@ impl Client {
                         return Err(std::io::Error::other("oversized error message"));
                     }
                     let mut msg = vec![0u8; h.length as usize];
-                    if !read_full(s, &mut msg, &self.alive)? {
+                    if !s.read_exact(&mut msg, &self.alive)? {
                         return Err(std::io::ErrorKind::UnexpectedEof.into());
                     }
                     Some(Failed::new(

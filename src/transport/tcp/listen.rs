@@ -7,10 +7,10 @@
 //! once. A client of another user on this host is refused from its socket's credentials.
 
 use std::collections::VecDeque;
-use std::io::{IoSlice, Read, Write};
+use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::sync::Arc;
 use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use rustix::event::{PollFd, PollFlags, poll};
@@ -91,7 +91,10 @@ pub(super) fn accept_loop(inner: Arc<Inner>, listener: TcpListener) {
             match step(&inner, &mut p) {
                 Next::Wait => keep.push_back(p),
                 Next::Drop(why) => tracing::debug!(peer = %p.peer, "tcp transport: refused a connection: {why}"),
-                Next::Serve => start_serving(&inner, p.stream),
+                Next::Serve => {
+                    let flow = p.hello.map_or(0, |(h, _)| h.flow);
+                    start_serving(&inner, p.stream, flow)
+                }
             }
         }
         pending = keep;
@@ -211,28 +214,26 @@ fn send(s: &TcpStream, bytes: &[u8]) -> bool {
     s.write(bytes).is_ok_and(|n| n == bytes.len())
 }
 
-fn start_serving(inner: &Arc<Inner>, stream: TcpStream) {
-    if stream.set_nonblocking(false).is_err() {
-        return;
-    }
+fn start_serving(inner: &Arc<Inner>, stream: TcpStream, flow: u32) {
     tune(&stream, inner.opts.timeout);
+    let Ok(poller) = stream.try_clone() else { return };
+    let served = Arc::new(Served { flow, poller, conn: Mutex::new(Conn::new(stream)) });
     inner.serving.fetch_add(1, Ordering::Relaxed);
     let inner2 = inner.clone();
     let spawned = std::thread::Builder::new().name("symmem-tcp-serve".into()).spawn(move || {
         let inner = inner2;
         let id = inner.next_served.fetch_add(1, Ordering::Relaxed);
-        if let Ok(clone) = stream.try_clone() {
-            lock(&inner.served).insert(id, clone);
-        }
+        inner.served.write().unwrap_or_else(|p| p.into_inner()).insert(id, served.clone());
         if inner.closed.load(Ordering::Acquire) {
-            let _ = stream.shutdown(std::net::Shutdown::Both);
+            let _ = served.poller.shutdown(std::net::Shutdown::Both);
         }
-        if let Err(e) = serve(&inner, &stream) {
+        if let Err(e) = serve(&inner, &served) {
             tracing::debug!("tcp transport: closing a served connection: {e}");
         }
-        // Close for real: the clone kept for `shutdown` would otherwise hold it open.
-        let _ = stream.shutdown(std::net::Shutdown::Both);
-        lock(&inner.served).remove(&id);
+        // Close for real: the clones kept for waiters and `shutdown` would otherwise hold it
+        // open.
+        let _ = served.poller.shutdown(std::net::Shutdown::Both);
+        inner.served.write().unwrap_or_else(|p| p.into_inner()).remove(&id);
         inner.serving.fetch_sub(1, Ordering::Relaxed);
     });
     if spawned.is_err() {
@@ -240,16 +241,249 @@ fn start_serving(inner: &Arc<Inner>, stream: TcpStream) {
     }
 }
 
-/// Serves one flow that passed its handshake: requests in, replies out, until the peer closes
-/// or breaks the protocol.
-fn serve(inner: &Inner, mut s: &TcpStream) -> std::io::Result<()> {
-    let mut hdr = [0u8; HEADER_LEN];
-    loop {
-        match s.read_exact(&mut hdr) {
-            Ok(()) => {}
-            Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(()),
+/// A flow being served. Whoever holds `conn` serves it: the flow's thread, which waits for
+/// requests without holding it, or a caller waiting for a signal from the peer
+/// ([`serve_arrived`]), which then needs no other thread to apply it.
+pub(super) struct Served {
+    /// The flow's index among its client's flows (flow 0 carries the small requests).
+    flow: u32,
+    /// The same socket, to wait for requests without holding `conn`, and to shut it down.
+    pub(super) poller: TcpStream,
+    conn: Mutex<Conn>,
+}
+
+/// Bytes of requests read ahead: the requests that arrived together (a write and the signal
+/// that follows it) are read with one system call and answered with one.
+const READ_AHEAD: usize = 8 * 1024;
+/// Replies with more payload than this are written at once rather than gathered.
+const GATHER_MAX: usize = 16 * 1024;
+
+/// A served flow's socket (non-blocking), read ahead and answered in batches. Gathered
+/// replies are written whenever the requests that have arrived are all handled, and before
+/// every wait for more, so the peer never waits for an answer this side holds.
+struct Conn {
+    s: TcpStream,
+    buf: Box<[u8; READ_AHEAD]>,
+    at: usize,
+    end: usize,
+    out: Vec<u8>,
+}
+
+/// What looking for the next request found.
+enum Arrived {
+    Header([u8; HEADER_LEN]),
+    /// Nothing has arrived (at a request boundary).
+    Empty,
+    /// The peer closed the flow (at a request boundary).
+    End,
+}
+
+impl Conn {
+    fn new(s: TcpStream) -> Conn {
+        Conn { s, buf: Box::new([0; READ_AHEAD]), at: 0, end: 0, out: Vec::with_capacity(1024) }
+    }
+
+    fn buffered(&self) -> usize {
+        self.end - self.at
+    }
+
+    /// Waits until the socket is readable (`IN`) or writable (`OUT`), at most a second; an
+    /// error once the transport is closed.
+    fn wait(&self, inner: &Inner, flags: PollFlags) -> std::io::Result<()> {
+        if inner.closed.load(Ordering::Acquire) {
+            return Err(std::io::Error::other("the transport was closed"));
+        }
+        let mut fds = [PollFd::new(&self.s, flags)];
+        let t = rustix::time::Timespec { tv_sec: 1, tv_nsec: 0 };
+        let _ = poll(&mut fds, Some(&t));
+        Ok(())
+    }
+
+    /// Writes the gathered replies, waiting for room as needed.
+    fn flush(&mut self, inner: &Inner) -> std::io::Result<()> {
+        let mut done = 0;
+        while done < self.out.len() {
+            match (&self.s).write(&self.out[done..]) {
+                Ok(0) => return Err(std::io::ErrorKind::WriteZero.into()),
+                Ok(n) => done += n,
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => self.wait(inner, PollFlags::OUT)?,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(e),
+            }
+        }
+        self.out.clear();
+        Ok(())
+    }
+
+    /// Reads what has arrived after the bytes still buffered, without waiting: `None` at the
+    /// end of the stream, `Some(0)` when nothing has arrived.
+    fn fill(&mut self) -> std::io::Result<Option<usize>> {
+        self.buf.copy_within(self.at..self.end, 0);
+        self.end -= self.at;
+        self.at = 0;
+        loop {
+            match (&self.s).read(&mut self.buf[self.end..]) {
+                Ok(0) => return Ok(None),
+                Ok(n) => {
+                    self.end += n;
+                    return Ok(Some(n));
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return Ok(Some(0)),
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    /// The next request's header if one has begun to arrive (read whole, waiting for the
+    /// rest); otherwise, with the gathered replies written, `Empty` or `End`.
+    fn header(&mut self, inner: &Inner) -> std::io::Result<Arrived> {
+        while self.buffered() < HEADER_LEN {
+            match self.fill()? {
+                None if self.buffered() == 0 => return Ok(Arrived::End),
+                None => return Err(std::io::ErrorKind::UnexpectedEof.into()),
+                Some(0) if self.buffered() == 0 => {
+                    self.flush(inner)?;
+                    return Ok(Arrived::Empty);
+                }
+                Some(0) => {
+                    self.flush(inner)?;
+                    self.wait(inner, PollFlags::IN)?;
+                }
+                Some(_) => {}
+            }
+        }
+        let mut h = [0u8; HEADER_LEN];
+        h.copy_from_slice(&self.buf[self.at..self.at + HEADER_LEN]);
+        self.at += HEADER_LEN;
+        Ok(Arrived::Header(h))
+    }
+
+    /// Fills `dst` with the stream's next bytes: those read ahead, then the rest straight from
+    /// the socket, waiting for them.
+    fn read_exact(&mut self, inner: &Inner, dst: &mut [u8]) -> std::io::Result<()> {
+        let n = dst.len().min(self.buffered());
+        dst[..n].copy_from_slice(&self.buf[self.at..self.at + n]);
+        self.at += n;
+        let mut at = n;
+        if at < dst.len() {
+            self.flush(inner)?;
+        }
+        while at < dst.len() {
+            match (&self.s).read(&mut dst[at..]) {
+                Ok(0) => return Err(std::io::ErrorKind::UnexpectedEof.into()),
+                Ok(k) => at += k,
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => self.wait(inner, PollFlags::IN)?,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(())
+    }
+
+    /// Skips the stream's next `n` bytes.
+    fn skip(&mut self, inner: &Inner, mut n: u64) -> std::io::Result<()> {
+        let k = n.min(self.buffered() as u64) as usize;
+        self.at += k;
+        n -= k as u64;
+        let mut sink = [0u8; 4096];
+        while n > 0 {
+            let k = (n as usize).min(sink.len());
+            self.read_exact(inner, &mut sink[..k])?;
+            n -= k as u64;
+        }
+        Ok(())
+    }
+
+    /// Answers a request: gathered while more requests are buffered, written before the next
+    /// wait (and at once when it carries much).
+    fn send(&mut self, inner: &Inner, h: &Header, payload: &[u8]) -> std::io::Result<()> {
+        if payload.len() > GATHER_MAX {
+            self.flush(inner)?;
+            self.out.extend_from_slice(&h.encode());
+            self.flush(inner)?;
+            return write_all(inner, self, payload);
+        }
+        self.out.extend_from_slice(&h.encode());
+        self.out.extend_from_slice(payload);
+        if self.out.len() >= READ_AHEAD {
+            self.flush(inner)?;
+        }
+        Ok(())
+    }
+
+    fn reply(&mut self, inner: &Inner, req: &Header, op: Op, payload: &[u8]) -> std::io::Result<()> {
+        let h = Header { op, status: 0, length: if op == Op::Ack { req.length } else { payload.len() as u64 }, ..*req };
+        self.send(inner, &h, payload)
+    }
+}
+
+/// Writes `bytes` (a large reply's payload, straight from registered memory) on `c`'s socket,
+/// waiting for room as needed.
+fn write_all(inner: &Inner, c: &Conn, bytes: &[u8]) -> std::io::Result<()> {
+    let mut done = 0;
+    while done < bytes.len() {
+        match (&c.s).write(&bytes[done..]) {
+            Ok(0) => return Err(std::io::ErrorKind::WriteZero.into()),
+            Ok(n) => done += n,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => c.wait(inner, PollFlags::OUT)?,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
             Err(e) => return Err(e),
         }
+    }
+    Ok(())
+}
+
+/// Serves one flow that passed its handshake: requests in, replies out, until the peer closes
+/// or breaks the protocol. Waits for requests without holding the flow, so a waiter may serve
+/// them first.
+fn serve(inner: &Inner, served: &Served) -> std::io::Result<()> {
+    loop {
+        if inner.closed.load(Ordering::Acquire) {
+            return Ok(());
+        }
+        {
+            let mut fds = [PollFd::new(&served.poller, PollFlags::IN)];
+            let t = rustix::time::Timespec { tv_sec: 1, tv_nsec: 0 };
+            let _ = poll(&mut fds, Some(&t));
+        }
+        let mut c = lock(&served.conn);
+        match serve_some(inner, &mut c) {
+            Ok(true) => {}
+            Ok(false) => return Ok(()),
+            Err(e) => {
+                // What was answered before the failure still goes out.
+                let _ = c.flush(inner);
+                return Err(e);
+            }
+        }
+    }
+}
+
+/// Serves, on the calling thread, the requests that have already arrived on the flows that
+/// carry small ones (flow 0 of each client), unless their threads are at it; never waits for a
+/// request that has not begun to arrive.
+pub(super) fn serve_arrived(inner: &Inner) {
+    let served = inner.served.read().unwrap_or_else(|p| p.into_inner());
+    for s in served.values().filter(|s| s.flow == 0) {
+        let Ok(mut c) = s.conn.try_lock() else { continue };
+        if let Err(e) = serve_some(inner, &mut c) {
+            tracing::debug!("tcp transport: closing a served connection: {e}");
+            // Its thread sees the end and cleans up.
+            let _ = c.s.shutdown(std::net::Shutdown::Both);
+        }
+    }
+}
+
+/// Handles the requests that have arrived on a flow, and writes their replies; false at the
+/// end of the stream.
+fn serve_some(inner: &Inner, c: &mut Conn) -> std::io::Result<bool> {
+    loop {
+        let hdr = match c.header(inner)? {
+            Arrived::Header(h) => h,
+            Arrived::Empty => return Ok(true),
+            Arrived::End => return Ok(false),
+        };
         let h = Header::decode(&hdr).map_err(std::io::Error::other)?;
         if h.length > MAX_CHUNK {
             return Err(std::io::Error::other(format!("frame of {} bytes exceeds {MAX_CHUNK}", h.length)));
@@ -258,7 +492,7 @@ fn serve(inner: &Inner, mut s: &TcpStream) -> std::io::Result<()> {
             Op::Write => true,
             Op::Read => false,
             Op::Atomic => {
-                atomic(inner, s, &h)?;
+                atomic(inner, c, &h)?;
                 continue;
             }
             other => return Err(std::io::Error::other(format!("unexpected {other:?} frame from the initiator"))),
@@ -278,75 +512,46 @@ fn serve(inner: &Inner, mut s: &TcpStream) -> std::io::Result<()> {
                     // exposed to peers while transfers run (the transport contract), so this
                     // thread has the bytes to itself.
                     let dst = unsafe { std::slice::from_raw_parts_mut(at, len) };
-                    s.read_exact(dst)?;
-                    reply(s, &h, Op::Ack, &[])?;
+                    c.read_exact(inner, dst)?;
+                    c.reply(inner, &h, Op::Ack, &[])?;
                 } else {
                     // SAFETY: as above; the bytes are only read.
                     let src = unsafe { std::slice::from_raw_parts(at.cast_const(), len) };
-                    reply(s, &h, Op::Data, src)?;
+                    c.reply(inner, &h, Op::Data, src)?;
                 }
             }
             Err(msg) => {
                 if write {
-                    drain(s, h.length)?;
+                    c.skip(inner, h.length)?;
                 }
                 let m = msg.as_bytes();
-                reply(s, &h, Op::Error, &m[..m.len().min(MAX_ERROR_LEN as usize)])?;
+                c.reply(inner, &h, Op::Error, &m[..m.len().min(MAX_ERROR_LEN as usize)])?;
             }
         }
     }
 }
 
 /// Performs an ATOMIC request on a registered word and answers it.
-fn atomic(inner: &Inner, s: &TcpStream, h: &Header) -> std::io::Result<()> {
-    let refuse = |msg: &str| reply(s, h, Op::Error, &msg.as_bytes()[..msg.len().min(MAX_ERROR_LEN as usize)]);
+fn atomic(inner: &Inner, c: &mut Conn, h: &Header) -> std::io::Result<()> {
+    let refuse = |c: &mut Conn, msg: &str| {
+        c.reply(inner, h, Op::Error, &msg.as_bytes()[..msg.len().min(MAX_ERROR_LEN as usize)])
+    };
     let op = match Atomic::from_byte(h.status) {
         Some(Atomic::SlotPut) => crate::transport::Atomic::SlotPut,
         Some(Atomic::Set32) => crate::transport::Atomic::Set32,
         Some(Atomic::Set64) => crate::transport::Atomic::Set64,
-        None => return refuse(&format!("unknown remote atomic {}", h.status)),
+        None => return refuse(c, &format!("unknown remote atomic {}", h.status)),
     };
     if h.length != op.width() {
-        return refuse(&format!("a {op:?} acts on an aligned {}-byte word", op.width()));
+        return refuse(c, &format!("a {op:?} acts on an aligned {}-byte word", op.width()));
     }
     let reg = inner.table.read().unwrap_or_else(|p| p.into_inner()).get(&h.buffer).cloned();
-    let Some(reg) = reg else { return refuse("unknown remote buffer") };
+    let Some(reg) = reg else { return refuse(c, "unknown remote buffer") };
     match crate::transport::target::apply_atomic(&reg, &h.key, h.remote_offset, op, h.cookie) {
         Ok(busy) => {
             let ack = Header { op: Op::Ack, status: if busy { ATOMIC_BUSY } else { 0 }, ..*h };
-            write_frame(s, &ack, &[])
+            c.send(inner, &ack, &[])
         }
-        Err(msg) => refuse(&msg),
+        Err(msg) => refuse(c, &msg),
     }
-}
-
-fn drain(mut s: &TcpStream, mut n: u64) -> std::io::Result<()> {
-    let mut sink = [0u8; 64 * 1024];
-    while n > 0 {
-        let k = (n as usize).min(sink.len());
-        s.read_exact(&mut sink[..k])?;
-        n -= k as u64;
-    }
-    Ok(())
-}
-
-fn reply(s: &TcpStream, req: &Header, op: Op, payload: &[u8]) -> std::io::Result<()> {
-    let h = Header { op, status: 0, length: if op == Op::Ack { req.length } else { payload.len() as u64 }, ..*req };
-    write_frame(s, &h, payload)
-}
-
-/// Writes a header and its payload with as few system calls as possible.
-fn write_frame(mut s: &TcpStream, h: &Header, payload: &[u8]) -> std::io::Result<()> {
-    let head = h.encode();
-    let (mut a, mut b): (&[u8], &[u8]) = (&head, payload);
-    while !a.is_empty() || !b.is_empty() {
-        let n = s.write_vectored(&[IoSlice::new(a), IoSlice::new(b)])?;
-        if n == 0 {
-            return Err(std::io::ErrorKind::WriteZero.into());
-        }
-        let from_a = n.min(a.len());
-        a = &a[from_a..];
-        b = &b[n - from_a..];
-    }
-    Ok(())
 }

@@ -10,6 +10,13 @@
 //!   receiver thread (per flow) ◀── ACK / DATA / ERROR ── or send DATA straight from it
 //! ```
 //!
+//! - Small requests started in a [`crate::transport::Transport::batch`] (a write and the
+//!   signal after it) leave in one system call; the target reads what arrived together with
+//!   one read (8 KiB read ahead) and answers it with one write.
+//! - A thread waiting for a word the peer sets serves the peer's flow 0 itself
+//!   (`Transport::serve_arrived`): whoever holds a served flow's state serves it, the flow's
+//!   thread waiting for requests without holding it.
+//!
 //! - Many requests may be in flight per endpoint; each carries an id, and replies complete
 //!   them in any order. Large requests are striped over `flows` connections in chunks, so the
 //!   two ends' cores share the work; small ones are written by the caller itself, with no
@@ -159,8 +166,9 @@ struct Inner {
     token: [u8; 16],
     table: RwLock<HashMap<u64, Arc<Registration>>>,
     bound: Mutex<Option<(Vec<u8>, TcpListener)>>,
-    /// Clones of served sockets, so `shutdown` can end their threads; removed when they end.
-    served: Mutex<HashMap<u64, TcpStream>>,
+    /// The flows being served, for waiters to serve (`listen::serve_arrived`) and `shutdown`
+    /// to end; removed when their threads end.
+    served: RwLock<HashMap<u64, Arc<listen::Served>>>,
     next_served: AtomicU64,
     /// Connections being served (each has a thread).
     serving: AtomicUsize,
@@ -181,7 +189,7 @@ impl TcpBackend {
                 token,
                 table: RwLock::new(HashMap::new()),
                 bound: Mutex::new(None),
-                served: Mutex::new(HashMap::new()),
+                served: RwLock::new(HashMap::new()),
                 next_served: AtomicU64::new(0),
                 serving: AtomicUsize::new(0),
                 client: Mutex::new(None),
@@ -305,14 +313,24 @@ impl Backend for TcpBackend {
         }
     }
 
+    fn serve_arrived(&self) {
+        listen::serve_arrived(&self.inner);
+    }
+
+    fn hold(&self, on: bool) {
+        if let Some(c) = lock(&self.inner.client).clone() {
+            c.hold(on);
+        }
+    }
+
     fn shutdown(&self) {
         self.inner.closed.store(true, Ordering::Release);
         if let Some((_, l)) = lock(&self.inner.bound).take() {
             // Wakes the accept thread, which then sees `closed`.
             let _ = rustix::net::shutdown(&l, rustix::net::Shutdown::Read);
         }
-        for (_, s) in lock(&self.inner.served).drain() {
-            let _ = s.shutdown(std::net::Shutdown::Both);
+        for (_, s) in self.inner.served.write().unwrap_or_else(|p| p.into_inner()).drain() {
+            let _ = s.poller.shutdown(std::net::Shutdown::Both);
         }
         if let Some(c) = lock(&self.inner.client).take() {
             c.fail("the transport was closed".into());
@@ -348,6 +366,166 @@ mod tests {
         assert_eq!(o(&[("timeout", "1.5")]).unwrap().timeout, Duration::from_millis(1500));
         assert!(o(&[("auth", "token")]).unwrap().secret.is_none());
         assert!(o(&[("auth", "maybe")]).unwrap_err().to_string().contains("auto, job, token"));
+    }
+
+    use crate::tensor::{DType, Tensor};
+    use crate::transport::{Atomic, Transport, new_transport};
+
+    const LONG: Option<Duration> = Some(Duration::from_secs(30));
+
+    fn pair() -> (Transport, Transport) {
+        let a = new_transport("tcp", None, &Options::new()).unwrap();
+        let b = new_transport("tcp", None, &Options::new()).unwrap();
+        let (ua, ub) = (a.bind(None).unwrap(), b.bind(None).unwrap());
+        a.connect(&ub, None).unwrap();
+        b.connect(&ua, None).unwrap();
+        (a, b)
+    }
+
+    fn u32_at(t: &Tensor, at: usize) -> u32 {
+        let v = t.to_vec::<u8>().unwrap();
+        u32::from_le_bytes(v[at..at + 4].try_into().unwrap())
+    }
+
+    #[test]
+    fn a_batch_holds_its_small_requests_until_it_ends_then_they_land_in_order() {
+        let (a, b) = pair();
+        let dst = Tensor::zeros(&[64], DType::U8).unwrap();
+        let remote = b.register_memory(&dst).unwrap().to_remote_buffer().unwrap();
+        let src = Tensor::from_slice(&[8], &[7u8; 8]).unwrap();
+        let ms = a.register_memory(&src).unwrap();
+        let word = Tensor::zeros(&[8], DType::U8).unwrap();
+        let mw = a.register_memory_read_only(&word).unwrap();
+        let works = a
+            .batch(|| -> crate::error::Result<_> {
+                let w1 = a.start_write(&ms.to_view(0, None)?, &remote.slice(0, 8)?, LONG)?;
+                let w2 = a.start_atomic(&mw.to_view(0, Some(4))?, &remote.slice(32, 4)?, Atomic::Set32, 9, LONG)?;
+                std::thread::sleep(Duration::from_millis(50));
+                // Held: nothing has left this process (the sender thread was not asked to).
+                assert!(dst.to_vec::<u8>().unwrap().iter().all(|&x| x == 0), "a held request landed");
+                assert!(!w1.is_completed() && !w2.is_completed());
+                Ok(vec![w1, w2])
+            })
+            .unwrap();
+        for w in works {
+            w.wait(LONG).unwrap();
+        }
+        assert_eq!(&dst.to_vec::<u8>().unwrap()[..8], &[7u8; 8]);
+        assert_eq!(u32_at(&dst, 32), 9);
+    }
+
+    #[test]
+    fn waiting_inside_a_batch_for_its_own_request_sends_it() {
+        let (a, b) = pair();
+        let dst = Tensor::zeros(&[8], DType::U8).unwrap();
+        let remote = b.register_memory(&dst).unwrap().to_remote_buffer().unwrap();
+        let src = Tensor::from_slice(&[8], &[3u8; 8]).unwrap();
+        let ms = a.register_memory(&src).unwrap();
+        a.batch(|| {
+            let w = a.start_write(&ms.to_view(0, None).unwrap(), &remote, LONG).unwrap();
+            // Far shorter than the sender thread's periodic look: only the waiter sends it.
+            w.wait(Some(Duration::from_millis(500))).unwrap();
+        });
+        assert_eq!(dst.to_vec::<u8>().unwrap(), vec![3u8; 8]);
+    }
+
+    #[test]
+    fn a_batch_of_mixed_requests_read_ahead_by_the_target_each_get_their_own_outcome() {
+        let (a, b) = pair();
+        let big = 20 * 1024;
+        let dst = Tensor::zeros(&[4096 + big], DType::U8).unwrap();
+        let remote = b.register_memory(&dst).unwrap().to_remote_buffer().unwrap();
+        let ro = Tensor::zeros(&[64], DType::U8).unwrap();
+        // Withdrawn after its descriptor was handed out: only the target can refuse it.
+        let withdrawn = b.register_memory(&ro).unwrap();
+        let gone = withdrawn.to_remote_buffer().unwrap();
+        b.unregister_memory(&withdrawn).unwrap();
+        let src: Vec<u8> = (0..4096 + big).map(|i| (i * 7 + 1) as u8).collect();
+        let src = Tensor::from_slice(&[src.len()], &src).unwrap();
+        let ms = a.register_memory(&src).unwrap();
+        let back = Tensor::zeros(&[4096 + big], DType::U8).unwrap();
+        let mb = a.register_memory(&back).unwrap();
+        let word = Tensor::zeros(&[8], DType::U8).unwrap();
+        let mw = a.register_memory_read_only(&word).unwrap();
+        let works = a
+            .batch(|| -> crate::error::Result<_> {
+                let mut ok = Vec::new();
+                let mut refused = Vec::new();
+                for i in 0..64 {
+                    let at = i * 64;
+                    ok.push(a.start_write(&ms.to_view(at, Some(60))?, &remote.slice(at as u64, 60)?, LONG)?);
+                    if i % 16 == 5 {
+                        // Refused mid-batch: its payload is skipped, the rest served.
+                        refused.push(a.start_write(&ms.to_view(0, Some(48))?, &gone.slice(0, 48)?, LONG)?);
+                    }
+                    // In order: the read sees the write before it.
+                    ok.push(a.start_read(&mb.to_mutable_view(at, Some(60))?, &remote.slice(at as u64, 60)?, LONG)?);
+                    let word_at = (at + 60) as u64;
+                    ok.push(a.start_atomic(
+                        &mw.to_view(0, Some(4))?,
+                        &remote.slice(word_at, 4)?,
+                        Atomic::Set32,
+                        i as u64,
+                        LONG,
+                    )?);
+                }
+                // More than the target reads ahead, and a reply larger than it gathers.
+                ok.push(a.start_write(&ms.to_view(4096, Some(big))?, &remote.slice(4096, big as u64)?, LONG)?);
+                ok.push(a.start_read(&mb.to_mutable_view(4096, Some(big))?, &remote.slice(4096, big as u64)?, LONG)?);
+                Ok((ok, refused))
+            })
+            .unwrap();
+        for w in works.0 {
+            w.wait(LONG).unwrap();
+        }
+        for w in works.1 {
+            let e = w.wait(LONG).unwrap_err();
+            assert!(e.to_string().contains("unknown remote buffer"), "{e}");
+        }
+        let (s, d, r) = (src.to_vec::<u8>().unwrap(), dst.to_vec::<u8>().unwrap(), back.to_vec::<u8>().unwrap());
+        for i in 0..64 {
+            let at = i * 64;
+            assert_eq!(&d[at..at + 60], &s[at..at + 60], "block {i}");
+            assert_eq!(&r[at..at + 60], &s[at..at + 60], "block {i} read back");
+            assert_eq!(u32_at(&dst, at + 60), i as u32, "word {i}");
+        }
+        assert_eq!(&d[4096..], &s[4096..]);
+        assert_eq!(&r[4096..], &s[4096..]);
+        assert!(ro.to_vec::<u8>().unwrap().iter().all(|&x| x == 0));
+    }
+
+    #[test]
+    fn a_target_thread_serving_what_arrived_alternates_safely_with_the_flows_thread() {
+        let (a, b) = pair();
+        let dst = Tensor::zeros(&[256], DType::U8).unwrap();
+        let remote = b.register_memory(&dst).unwrap().to_remote_buffer().unwrap();
+        let stop = Arc::new(AtomicBool::new(false));
+        let b = Arc::new(b);
+        let server = {
+            let (b, stop) = (b.clone(), stop.clone());
+            std::thread::spawn(move || {
+                let mut calls = 0u64;
+                while !stop.load(Ordering::Relaxed) {
+                    b.serve_arrived();
+                    calls += 1;
+                }
+                calls
+            })
+        };
+        let src = Tensor::zeros(&[256], DType::U8).unwrap();
+        let back = Tensor::zeros(&[256], DType::U8).unwrap();
+        let (ms, mb) = (a.register_memory(&src).unwrap(), a.register_memory(&back).unwrap());
+        for i in 0..1000u32 {
+            let v = (i as u8).wrapping_mul(13).wrapping_add(1);
+            src.fill(v).unwrap();
+            let n = 1 + (i as usize * 37) % 256;
+            a.write(&ms.to_view(0, Some(n)).unwrap(), &remote.slice(0, n as u64).unwrap(), LONG).unwrap();
+            a.read(&mb.to_mutable_view(0, Some(n)).unwrap(), &remote.slice(0, n as u64).unwrap(), LONG).unwrap();
+            assert!(back.to_vec::<u8>().unwrap()[..n].iter().all(|&x| x == v), "round {i}");
+        }
+        stop.store(true, Ordering::Relaxed);
+        // Never waiting for what has not arrived, it looked many times.
+        assert!(server.join().unwrap() > 1000);
     }
 
     #[test]

@@ -10,7 +10,7 @@
 //!   receiver thread (per flow) ◀── ACK / DATA / ERROR ── or send DATA straight from it
 //! ```
 //!
-//! - Small requests started in a [`crate::transport::Transport::batch`] (a write and the
+//! - Small requests started in a `Transport::batch` (a write and the
 //!   signal after it) leave in one system call; the target reads what arrived together with
 //!   one read (8 KiB read ahead) and answers it with one write.
 //! - A thread waiting for a word the peer sets serves the peer's flow 0 itself

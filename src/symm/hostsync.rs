@@ -118,10 +118,11 @@ impl Words {
         }
     }
 
-    /// Starts setting word `i` of `rank` (on another host) to `e`, without waiting.
+    /// Starts setting word `i` of `rank` (on another host) to `e`, without waiting; posted (the
+    /// Work may complete once sent: the peer learns of it by watching the word).
     pub(crate) fn start_remote(&self, rank: usize, i: usize, e: u32, timeout: Duration) -> Result<Work> {
         let r = self.h.remote(rank).ok_or_else(|| Error::InvalidArgument(format!("rank {rank} is not remote")))?;
-        r.start_set(self.offset(i), 4, u64::from(e), timeout).map_err(|err| r.link.error("signalling", &err))
+        r.start_set(self.offset(i), 4, u64::from(e), timeout, true).map_err(|err| r.link.error("signalling", &err))
     }
 }
 

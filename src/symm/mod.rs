@@ -789,7 +789,9 @@ impl SymmHandle {
 
     /// Starts writing `len` bytes at `from` in this rank's own data buffer to `to` in the data
     /// buffer of `rank`, on another host, without waiting. Writes of at most 64 KiB that one
-    /// thread starts on one link land in the order started, atomics included.
+    /// thread starts on one link land in the order started, atomics included. Posted: the
+    /// Work may complete once the bytes are sent (the peer learns of them from the signal
+    /// that follows).
     pub(crate) fn start_push(
         &self,
         rank: usize,
@@ -801,7 +803,7 @@ impl SymmHandle {
         let r = self.remote(rank).ok_or_else(|| Error::InvalidArgument(format!("rank {rank} is not remote")))?;
         let (_, _, data) = &self.peers.exposed[&rank];
         let src = data.to_view(from, Some(len))?;
-        r.start_write_from(&src, to, timeout).map_err(|e| r.link.error("writing to", &e))
+        r.post_write_from(&src, to, timeout).map_err(|e| r.link.error("writing to", &e))
     }
 
     /// Runs `f`, which starts transfers to `rank` (on another host), and sends the small ones
@@ -1306,7 +1308,7 @@ pub fn nvshmem_put_with_signal(tensor: &Tensor, sigpad: &Tensor, signal: u64, pe
             Ok(())
         }
         Peer::Remote(r) => r
-            .start_set(sh.offset, width, signal, t)
+            .start_set(sh.offset, width, signal, t, false)
             .and_then(|w| w.wait(None))
             .map_err(|e| r.link.error("nvshmem_put_with_signal: signalling", &e)),
     }

@@ -56,10 +56,18 @@ impl Link {
         self.transport.caps().in_order_up_to
     }
 
-    /// Starts a remote atomic on the word at the start of `remote`.
-    fn start_atomic(&self, remote: &RemoteBuffer, op: Atomic, operand: u64, timeout: Duration) -> Result<Work> {
+    /// Starts a remote atomic on the word at the start of `remote` (`posted`: see
+    /// `Transport::start_atomic`).
+    fn start_atomic(
+        &self,
+        remote: &RemoteBuffer,
+        op: Atomic,
+        operand: u64,
+        timeout: Duration,
+        posted: bool,
+    ) -> Result<Work> {
         let scratch = self.scratch.to_view(0, Some(op.width() as usize))?;
-        self.transport.start_atomic(&scratch, remote, op, operand, Some(timeout))
+        self.transport.start_atomic(&scratch, remote, op, operand, Some(timeout), posted)
     }
 }
 
@@ -243,6 +251,17 @@ impl Remote {
         self.link.transport.start_read(dst, &self.data.slice(at as u64, len as u64)?, Some(timeout))
     }
 
+    /// Starts a posted write (`Transport::post_write`) of `src` (a view registered on this
+    /// link) to `[at, ..)` of the peer's data buffer: what follows on the link lands after it.
+    pub(crate) fn post_write_from(
+        &self,
+        src: &crate::transport::MemoryView,
+        at: usize,
+        timeout: Duration,
+    ) -> Result<Work> {
+        self.link.transport.post_write(src, &self.data.slice(at as u64, src.size() as u64)?, Some(timeout))
+    }
+
     /// Starts writing `src` (a view registered on this link) to `[at, ..)` of the peer's data
     /// buffer.
     pub(crate) fn start_write_from(
@@ -262,14 +281,22 @@ impl Remote {
     /// Starts a slot put on signal slot `slot` of the peer's pad.
     pub(crate) fn start_slot_put(&self, slot: usize, timeout: Duration) -> Result<Work> {
         let word = self.pad.slice(slot as u64 * 4, 4)?;
-        self.link.start_atomic(&word, Atomic::SlotPut, 1, timeout)
+        self.link.start_atomic(&word, Atomic::SlotPut, 1, timeout, false)
     }
 
-    /// Starts storing `value` (4 or 8 bytes wide) at byte `at` of the peer's data buffer.
-    pub(crate) fn start_set(&self, at: usize, width: usize, value: u64, timeout: Duration) -> Result<Work> {
+    /// Starts storing `value` (4 or 8 bytes wide) at byte `at` of the peer's data buffer;
+    /// `posted`: its Work may complete once sent (the peer learns of it by watching the word).
+    pub(crate) fn start_set(
+        &self,
+        at: usize,
+        width: usize,
+        value: u64,
+        timeout: Duration,
+        posted: bool,
+    ) -> Result<Work> {
         let op = if width == 8 { Atomic::Set64 } else { Atomic::Set32 };
         let word = self.data.slice(at as u64, width as u64)?;
-        self.link.start_atomic(&word, op, value, timeout)
+        self.link.start_atomic(&word, op, value, timeout, posted)
     }
 }
 

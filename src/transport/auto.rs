@@ -206,6 +206,10 @@ impl Backend for AutoBackend {
         }
     }
 
+    fn fence(&self, timeout: Duration) -> Result<()> {
+        self.chosen().map_or(Ok(()), |m| m.backend.fence(timeout))
+    }
+
     fn shutdown(&self) {
         self.members.iter().for_each(|m| m.backend.shutdown());
     }

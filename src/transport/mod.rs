@@ -88,6 +88,11 @@ pub trait Backend: Send + Sync + 'static {
     /// a request that has not begun to arrive. Backends whose peers need no serving (shm), or
     /// that serve them elsewhere, ignore it.
     fn serve_arrived(&self) {}
+    /// Waits, at most `timeout`, until the posted requests ([`Request::posted`]) it completed
+    /// before they landed have landed; [`Transport::close`] calls it before closing.
+    fn fence(&self, _timeout: Duration) -> Result<()> {
+        Ok(())
+    }
     /// Releases sockets and threads, failing whatever is still pending. Never blocks long.
     fn shutdown(&self);
     /// The timeout of operations given none.
@@ -158,6 +163,11 @@ pub struct Request {
     pub len: usize,
     /// The remote range (its offset is the start; `len` bytes from there).
     pub remote: RemoteBuffer,
+    /// Posted (a write, or a store atomic): the initiator needs no word that it landed, so the
+    /// backend may complete it once it has left this process, keeping it in order with what
+    /// the caller starts next on the link; a refusal then ends the connection (nobody is left
+    /// to report it to). Backends may ignore it and complete it when it lands.
+    pub posted: bool,
     /// Completed by the backend.
     pub(crate) work: Arc<WorkState>,
 }
@@ -840,6 +850,7 @@ impl Transport {
         local: &MemoryView,
         remote: &RemoteBuffer,
         timeout: Option<Duration>,
+        posted: bool,
     ) -> Result<Work> {
         self.check_open()?;
         self.check_local(local)?;
@@ -862,6 +873,7 @@ impl Transport {
             local_offset: local.offset,
             len: local.len,
             remote: RemoteBuffer { length: local.len as u64, ..remote.clone() },
+            posted,
             work: state.clone(),
         };
         if let Err(e) = self.backend.submit(req) {
@@ -880,7 +892,20 @@ impl Transport {
 
     /// Starts writing `local` to the start of `remote`; returns its [`Work`].
     pub fn start_write(&self, local: &MemoryView, remote: &RemoteBuffer, timeout: Option<Duration>) -> Result<Work> {
-        self.submit(Direction::Write, local, remote, timeout)
+        self.submit(Direction::Write, local, remote, timeout, false)
+    }
+
+    /// Starts a posted write ([`Request::posted`]): its Work may complete once the bytes have
+    /// left this process rather than when they land; what this thread starts next on the
+    /// transport lands after them. For a peer that learns of the write from what follows it
+    /// (a signal), so waiting for its landing would only cost a round trip.
+    pub(crate) fn post_write(
+        &self,
+        local: &MemoryView,
+        remote: &RemoteBuffer,
+        timeout: Option<Duration>,
+    ) -> Result<Work> {
+        self.submit(Direction::Write, local, remote, timeout, true)
     }
 
     /// Starts reading the start of `remote` into `local`; returns its [`Work`].
@@ -890,13 +915,14 @@ impl Transport {
         remote: &RemoteBuffer,
         timeout: Option<Duration>,
     ) -> Result<Work> {
-        self.submit(Direction::Read, &local.0, remote, timeout)
+        self.submit(Direction::Read, &local.0, remote, timeout, false)
     }
 
     /// Starts a remote atomic `op` with `operand` on the word at the start of `remote`.
     /// `scratch` is any local view of the word's size (it carries no data; the bookkeeping of
     /// a transfer wants one). Fails with [`TransferKind::Busy`] when a slot put found
-    /// the previous signal unconsumed.
+    /// the previous signal unconsumed. `posted`: a store may complete once sent (see
+    /// [`Transport::post_write`]); a slot put is always answered.
     pub(crate) fn start_atomic(
         &self,
         scratch: &MemoryView,
@@ -904,6 +930,7 @@ impl Transport {
         op: Atomic,
         operand: u64,
         timeout: Option<Duration>,
+        posted: bool,
     ) -> Result<Work> {
         if !self.backend.caps().remote_atomics {
             return Err(Error::transfer(
@@ -914,7 +941,9 @@ impl Transport {
         if scratch.len as u64 != op.width() {
             return Err(Error::InvalidArgument(format!("a {op:?} acts on {} bytes", op.width())));
         }
-        self.submit(Direction::Atomic(op, operand), scratch, remote, timeout)
+        // A store needs no answer; a slot put does (it may find the slot busy).
+        let posted = posted && op != Atomic::SlotPut;
+        self.submit(Direction::Atomic(op, operand), scratch, remote, timeout, posted)
     }
 
     /// Writes `local` to the start of `remote` and waits until the bytes are in the peer's
@@ -971,7 +1000,7 @@ impl Transport {
             return done;
         }
         let direction = if write { Direction::Write } else { Direction::Read };
-        self.submit(direction, local, remote, timeout)?.wait(None)
+        self.submit(direction, local, remote, timeout, false)?.wait(None)
     }
 
     /// [`Transport::write`] for async callers: never blocks the executor.
@@ -1020,6 +1049,13 @@ impl Transport {
             if !w.wait_until(Some(deadline)) {
                 return Err(Error::timeout("transport close (resources remain live; retry close)", t));
             }
+        }
+        // Posted requests completed when sent: they land before the connection ends. A peer
+        // that is gone has nothing left to land them on.
+        if self.backend.connected()
+            && let Err(e) = self.backend.fence(deadline.saturating_duration_since(Instant::now()))
+        {
+            tracing::debug!("transport close: posted requests may not have landed: {e}");
         }
         self.state.store(CLOSED, Ordering::Release);
         let regs: Vec<Arc<Registration>> =

@@ -209,7 +209,7 @@ mod tests {
         let mine = a.register_memory(&x).unwrap();
         let theirs = b.register_memory(&y).unwrap().to_remote_buffer().unwrap();
         let view = mine.to_view(0, None).unwrap();
-        let err = a.start_atomic(&view, &theirs, super::super::Atomic::SlotPut, 1, None).unwrap_err();
+        let err = a.start_atomic(&view, &theirs, super::super::Atomic::SlotPut, 1, None, false).unwrap_err();
         assert_eq!(err.transfer_kind(), Some(crate::error::TransferKind::Unsupported), "{err}");
         assert!(err.to_string().contains("no remote atomics"), "{err}");
     }

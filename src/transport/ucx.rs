@@ -1051,21 +1051,21 @@ mod tests {
         let four = s.to_view(0, Some(4)).unwrap();
         let eight = s.to_view(0, Some(8)).unwrap();
         let slot = theirs.slice(0, 4).unwrap();
-        a.start_atomic(&four, &slot, Atomic::SlotPut, 1, None).unwrap().wait(None).unwrap();
+        a.start_atomic(&four, &slot, Atomic::SlotPut, 1, None, false).unwrap().wait(None).unwrap();
         assert_eq!(word.to_vec::<i64>().unwrap()[0], 1, "{backend}: the slot holds the signal");
-        let busy = a.start_atomic(&four, &slot, Atomic::SlotPut, 1, None).unwrap().wait(None).unwrap_err();
+        let busy = a.start_atomic(&four, &slot, Atomic::SlotPut, 1, None, false).unwrap().wait(None).unwrap_err();
         assert_eq!(busy.transfer_kind(), Some(TransferKind::Busy), "{backend}: {busy}");
         let high = theirs.slice(8, 8).unwrap();
-        a.start_atomic(&eight, &high, Atomic::Set64, 0x1234_5678_9abc_def0, None).unwrap().wait(None).unwrap();
+        a.start_atomic(&eight, &high, Atomic::Set64, 0x1234_5678_9abc_def0, None, false).unwrap().wait(None).unwrap();
         assert_eq!(word.to_vec::<i64>().unwrap()[1], 0x1234_5678_9abc_def0_u64 as i64, "{backend}");
         // A descriptor forged to say writable: the owner refuses anyway.
         let mut forged = theirs_ro.slice(0, 8).unwrap();
         forged.writable = true;
-        let refused = a.start_atomic(&eight, &forged, Atomic::Set64, 7, None).unwrap().wait(None).unwrap_err();
+        let refused = a.start_atomic(&eight, &forged, Atomic::Set64, 7, None, false).unwrap().wait(None).unwrap_err();
         assert_eq!(refused.transfer_kind(), Some(TransferKind::Refused), "{backend}: {refused}");
         assert!(refused.to_string().contains("read-only"), "{backend}: {refused}");
         assert_eq!(ro.to_vec::<i64>().unwrap()[0], 0, "{backend}: read-only memory untouched");
-        let misaligned = a.start_atomic(&four, &theirs.slice(2, 4).unwrap(), Atomic::Set32, 9, None).unwrap();
+        let misaligned = a.start_atomic(&four, &theirs.slice(2, 4).unwrap(), Atomic::Set32, 9, None, false).unwrap();
         let e = misaligned.wait(None).unwrap_err();
         assert_eq!(e.transfer_kind(), Some(TransferKind::Refused), "{backend}: {e}");
     }
@@ -1096,7 +1096,14 @@ mod tests {
             src.fill(round).unwrap();
             let w = a.start_write(&ms.to_view(0, None).unwrap(), &theirs, None).unwrap();
             let f = a
-                .start_atomic(&s8.to_view(0, Some(8)).unwrap(), &their_flag, Atomic::Set64, u64::from(round), None)
+                .start_atomic(
+                    &s8.to_view(0, Some(8)).unwrap(),
+                    &their_flag,
+                    Atomic::Set64,
+                    u64::from(round),
+                    None,
+                    false,
+                )
                 .unwrap();
             // Poll the flag as a peer would, then look at the bytes.
             let word = flag.data_ptr().cast::<std::sync::atomic::AtomicI64>();
@@ -1136,7 +1143,8 @@ mod tests {
             br#"{"version":1,"backend":"ucx","fields":{"buffer_id":7,"offset":0,"length":8,"access_key":"AAAAAAAAAAAAAAAAAAAAAA==","writable":1,"endpoint":0}}"#,
         )
         .unwrap();
-        let e = a.start_atomic(&s.to_view(0, Some(8)).unwrap(), &forged, Atomic::Set64, 1, None).unwrap().wait(None);
+        let e =
+            a.start_atomic(&s.to_view(0, Some(8)).unwrap(), &forged, Atomic::Set64, 1, None, false).unwrap().wait(None);
         assert_eq!(e.unwrap_err().transfer_kind(), Some(TransferKind::Refused));
         assert_eq!(remembered(), 1, "the owner keeps the order of a live peer endpoint");
         a.close(None).unwrap();

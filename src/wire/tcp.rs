@@ -2,7 +2,7 @@
 //! little-endian, followed by the payload the header announces.
 //!
 //! ```text
-//!   hello      client → server   magic "SYMTCP02" | server token (16) | client token (16)
+//!   hello      client → server   magic "SYMTCP03" | server token (16) | client token (16)
 //!                                | flow index u32 | flow count u32 | auth u8 | 0 (7)
 //!                                | client nonce (32)                          (88 bytes)
 //!   challenge  server → client   status u8 | auth u8 | 0 (6) | server nonce (32)
@@ -10,7 +10,7 @@
 //!   proof      client → server   client proof (32)                            (32 bytes)
 //!   verdict    server → client   status u8: 0 accepted, else refused         (1 byte)
 //!
-//!   header     op u8 | status u8 | 0 (6) | request u64 | cookie u64 | buffer u64
+//!   header     op u8 | status u8 | flags u8 | 0 (5) | request u64 | cookie u64 | buffer u64
 //!              | key (16) | remote offset u64 | length u64                    (64 bytes)
 //! ```
 //!
@@ -27,9 +27,16 @@
 //! operand and `length` the word's size. The target performs it with an atomic instruction and
 //! wakes whoever sleeps on the word, then answers ACK with status 0, or status 1 ("busy") when a
 //! signal-slot put finds the previous signal still unconsumed, so the initiator retries.
+//!
+//! A WRITE or a store ATOMIC (Set32, Set64) with [`POSTED`] in `flags` is answered only if it
+//! is refused: the initiator counted it done once sent (requests on a flow are served in
+//! order, so a later one lands after it), and a refusal, which it has nobody left to report
+//! to, ends the connection. FENCE (client → server, no payload) is answered with FENCE once
+//! everything sent before it on the flow has been served: an initiator fences before it
+//! closes, so its posted requests land before the connection ends.
 
 /// The handshake's magic.
-pub const MAGIC: [u8; 8] = *b"SYMTCP02";
+pub const MAGIC: [u8; 8] = *b"SYMTCP03";
 /// Hello length.
 pub const HELLO_LEN: usize = 88;
 /// Challenge length.
@@ -57,7 +64,13 @@ pub enum Op {
     Error = 5,
     /// Client → server: a remote atomic on one word (see [`Atomic`]); no payload.
     Atomic = 6,
+    /// Both ways: asks (client → server) and answers (server → client) that everything sent
+    /// before it on the flow has been served.
+    Fence = 7,
 }
+
+/// `flags` bit: the request is answered only if refused.
+pub const POSTED: u8 = 1;
 
 /// The remote atomics, carried in an ATOMIC frame's `status` byte.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -104,6 +117,7 @@ impl Op {
             4 => Op::Data,
             5 => Op::Error,
             6 => Op::Atomic,
+            7 => Op::Fence,
             _ => return None,
         })
     }
@@ -114,8 +128,10 @@ impl Op {
 pub struct Header {
     /// The frame's kind.
     pub op: Op,
-    /// Reserved for replies' detail; 0.
+    /// An ATOMIC's operation; in replies, their detail (an atomic's busy slot); else 0.
     pub status: u8,
+    /// [`POSTED`] or 0.
+    pub flags: u8,
     /// The client's request id.
     pub request: u64,
     /// Echoed unchanged: the client's offset in its local buffer.
@@ -150,6 +166,7 @@ impl Header {
         let mut b = [0u8; HEADER_LEN];
         b[0] = self.op as u8;
         b[1] = self.status;
+        b[2] = self.flags;
         b[8..16].copy_from_slice(&self.request.to_le_bytes());
         b[16..24].copy_from_slice(&self.cookie.to_le_bytes());
         b[24..32].copy_from_slice(&self.buffer.to_le_bytes());
@@ -162,7 +179,7 @@ impl Header {
     /// Parses 64 bytes.
     pub fn decode(b: &[u8; HEADER_LEN]) -> Result<Header, FrameError> {
         let op = Op::from_byte(b[0]).ok_or(FrameError::UnknownOp(b[0]))?;
-        if b[2..8].iter().any(|&x| x != 0) {
+        if b[2] & !POSTED != 0 || b[3..8].iter().any(|&x| x != 0) {
             return Err(FrameError::Reserved);
         }
         let u = |r: std::ops::Range<usize>| {
@@ -175,6 +192,7 @@ impl Header {
         Ok(Header {
             op,
             status: b[1],
+            flags: b[2],
             request: u(8..16),
             cookie: u(16..24),
             buffer: u(24..32),
@@ -338,7 +356,7 @@ impl Challenge {
 
     /// Parses the wire bytes.
     pub fn decode(b: &[u8; CHALLENGE_LEN]) -> Result<Challenge, FrameError> {
-        if b[2..8].iter().any(|&x| x != 0) {
+        if b[2] & !POSTED != 0 || b[3..8].iter().any(|&x| x != 0) {
             return Err(FrameError::Reserved);
         }
         Ok(Challenge {
@@ -373,6 +391,7 @@ mod tests {
         let h = Header {
             op: Op::Write,
             status: 0,
+            flags: POSTED,
             request: 7,
             cookie: 1 << 40,
             buffer: u64::MAX,
@@ -384,6 +403,9 @@ mod tests {
         let mut bad = h.encode();
         bad[0] = 9;
         assert_eq!(Header::decode(&bad), Err(FrameError::UnknownOp(9)));
+        let mut bad = h.encode();
+        bad[2] = 2;
+        assert_eq!(Header::decode(&bad), Err(FrameError::Reserved));
         let hello = Hello {
             server_token: [1; 16],
             client_token: [2; 16],

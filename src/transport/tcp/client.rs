@@ -30,7 +30,8 @@ use crate::error::{Error, Failed, Result, TransferKind};
 use crate::transport::work::Progress;
 use crate::transport::{Direction, Request};
 use crate::wire::tcp::{
-    ATOMIC_BUSY, Auth, CHALLENGE_LEN, Challenge, HEADER_LEN, Header, Hello, MAX_ERROR_LEN, Op, Refused, transcript,
+    ATOMIC_BUSY, Auth, CHALLENGE_LEN, Challenge, HEADER_LEN, Header, Hello, MAX_ERROR_LEN, Op, POSTED, Refused,
+    transcript,
 };
 
 /// One transfer in flight: its request and how many chunks remain.
@@ -54,7 +55,11 @@ impl Pending {
 /// (kept alive by the pending request).
 struct Frame {
     head: [u8; HEADER_LEN],
-    pending: Arc<Pending>,
+    /// The request (none for a fence).
+    pending: Option<Arc<Pending>>,
+    /// Its id, and whether it is posted: done once written.
+    id: u64,
+    posted: bool,
     /// The payload's offset in the request's local view, and its length (0: none).
     at: usize,
     len: usize,
@@ -64,14 +69,12 @@ struct Frame {
 
 impl Frame {
     fn payload(&self) -> &[u8] {
-        if self.len == 0 {
-            return &[];
-        }
+        let Some(p) = self.pending.as_ref().filter(|_| self.len > 0) else { return &[] };
         // SAFETY: [at, at+len) lies inside the local view (planned from its length), inside the
         // registration that the pending request, held by this frame, keeps alive; the bytes
         // are only read, and the caller promised not to change a write's source until it
-        // completes.
-        unsafe { std::slice::from_raw_parts(self.pending.req.local_ptr().add(self.at).cast_const(), self.len) }
+        // completes (a posted write completes only once this frame is written whole).
+        unsafe { std::slice::from_raw_parts(p.req.local_ptr().add(self.at).cast_const(), self.len) }
     }
 }
 
@@ -89,8 +92,8 @@ const GATHER: usize = 16;
 
 impl Queue {
     /// Writes the queued frames, several per system call, as far as the socket takes them
-    /// now; true once the queue is empty.
-    fn write_queued(&mut self) -> std::io::Result<bool> {
+    /// now, calling `sent` with each frame written whole; true once the queue is empty.
+    fn write_queued(&mut self, sent: &dyn Fn(&Frame)) -> std::io::Result<bool> {
         let mut s = &self.sock;
         loop {
             if self.frames.is_empty() {
@@ -122,11 +125,9 @@ impl Queue {
                             break;
                         }
                         n -= left;
-                        self.frames.pop_front();
-                    }
-                    // A frame without payload whose header went out whole is done too.
-                    while self.frames.front().is_some_and(|f| f.done >= HEADER_LEN + f.len) {
-                        self.frames.pop_front();
+                        if let Some(f) = self.frames.pop_front() {
+                            sent(&f);
+                        }
                     }
                 }
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return Ok(false),
@@ -226,6 +227,10 @@ pub(super) struct Client {
     /// How many holds are open ([`Client::hold`]): while any is, small requests wait in flow
     /// 0's queue for the last release (or for a waiter) instead of leaving one by one.
     held: AtomicUsize,
+    /// A posted request was sent since the last fence began.
+    unfenced: AtomicBool,
+    /// The highest fence the peer answered.
+    fenced: AtomicU64,
 }
 
 /// Waits until `s` is readable (`IN`) or writable (`OUT`), at most `within`.
@@ -369,6 +374,8 @@ impl Client {
                 why: OnceLock::new(),
                 chunk: opts.chunk,
                 held: AtomicUsize::new(0),
+                unfenced: AtomicBool::new(false),
+                fenced: AtomicU64::new(0),
                 // Weak: a Work outliving its transport must not keep the client alive.
                 progress: Arc::new(move || {
                     if let Some(c) = me.upgrade() {
@@ -446,6 +453,11 @@ impl Client {
         if one {
             req.work.set_progress(self.progress.clone());
         }
+        // Posted: answered only if refused, done once written (one frame, in flow 0's order).
+        let posted = req.posted && one && req.direction != Direction::Read;
+        if posted {
+            self.unfenced.store(true, Ordering::Relaxed);
+        }
         let (op, status, operand) = match req.direction {
             Direction::Write => (Op::Write, 0, None),
             Direction::Read => (Op::Read, 0, None),
@@ -467,6 +479,7 @@ impl Client {
             let header = Header {
                 op,
                 status,
+                flags: if posted { POSTED } else { 0 },
                 request: id,
                 // An atomic's operand travels in the cookie (it has no local bytes to place).
                 cookie: operand.unwrap_or(at as u64),
@@ -476,7 +489,7 @@ impl Client {
                 length: n as u64,
             };
             let len = if op == Op::Write { n } else { 0 };
-            let frame = Frame { head: header.encode(), pending: pending.clone(), at, len, done: 0 };
+            let frame = Frame { head: header.encode(), pending: Some(pending.clone()), id, posted, at, len, done: 0 };
             self.enqueue(flow, frame, inline, one);
         }
         Ok(())
@@ -497,7 +510,7 @@ impl Client {
             return;
         }
         if idle && now {
-            match q.write_queued() {
+            match q.write_queued(&|f| self.sent(f)) {
                 Ok(true) => return,
                 Ok(false) => {}
                 Err(e) => {
@@ -509,6 +522,50 @@ impl Client {
         }
         q.kicked = true;
         f.more.notify_one();
+    }
+
+    /// A frame was written whole: a posted request is done.
+    fn sent(&self, f: &Frame) {
+        if f.posted
+            && let Some(p) = lock(&self.pending).remove(&f.id)
+        {
+            p.req.complete(Ok(()));
+        }
+    }
+
+    /// Waits, at most `within`, until the peer has served every posted request sent before
+    /// this call (a FENCE, answered in order after them).
+    pub(super) fn fence(&self, within: Duration) -> Result<()> {
+        if !self.unfenced.swap(false, Ordering::Relaxed) {
+            return Ok(());
+        }
+        let deadline = std::time::Instant::now() + within;
+        let id = self.next.fetch_add(1, Ordering::Relaxed);
+        let head = Header {
+            op: Op::Fence,
+            status: 0,
+            flags: 0,
+            request: id,
+            cookie: 0,
+            buffer: 0,
+            key: [0; 16],
+            remote_offset: 0,
+            length: 0,
+        };
+        let frame = Frame { head: head.encode(), pending: None, id, posted: false, at: 0, len: 0, done: 0 };
+        self.enqueue(0, frame, true, false);
+        // Acquire: pairs with the Release store of the reader that saw the answer.
+        while self.fenced.load(Ordering::Acquire) < id {
+            if !self.alive() {
+                return Err(self.lost());
+            }
+            if std::time::Instant::now() >= deadline {
+                return Err(Error::timeout("tcp transport: the peer answering a fence", within));
+            }
+            self.progress(0);
+            std::thread::sleep(Duration::from_micros(20));
+        }
+        Ok(())
     }
 
     /// Opens (`true`) or closes (`false`) a hold; the last close sends what was held, in as
@@ -533,7 +590,7 @@ impl Client {
         if q.frames.is_empty() {
             return;
         }
-        match q.write_queued() {
+        match q.write_queued(&|f| self.sent(f)) {
             Ok(true) => {}
             Ok(false) => {
                 q.kicked = true;
@@ -560,7 +617,7 @@ impl Client {
             if !self.alive() {
                 return;
             }
-            let full = match q.write_queued() {
+            let full = match q.write_queued(&|f| self.sent(f)) {
                 Ok(done) => {
                     q.kicked = !done;
                     !done
@@ -654,10 +711,25 @@ impl Client {
     fn handle(&self, s: &mut Reader, hdr: &[u8; HEADER_LEN]) -> std::io::Result<()> {
         {
             let h = Header::decode(hdr).map_err(std::io::Error::other)?;
-            let p = lock(&self.pending)
-                .get(&h.request)
-                .cloned()
-                .ok_or_else(|| std::io::Error::other(format!("reply to unknown request {}", h.request)))?;
+            if h.op == Op::Fence {
+                // Release: pairs with the Acquire load in `fence`.
+                self.fenced.fetch_max(h.request, Ordering::Release);
+                return Ok(());
+            }
+            let found = lock(&self.pending).get(&h.request).cloned();
+            let p = match found {
+                Some(p) => p,
+                None if h.op == Op::Error && h.flags & POSTED != 0 && h.length <= MAX_ERROR_LEN => {
+                    // Its Work completed when sent: the connection carries the refusal.
+                    let mut msg = vec![0u8; h.length as usize];
+                    s.read_exact(&mut msg, &self.alive)?;
+                    return Err(std::io::Error::other(format!(
+                        "the peer refused a posted request: {}",
+                        String::from_utf8_lossy(&msg)
+                    )));
+                }
+                None => return Err(std::io::Error::other(format!("reply to unknown request {}", h.request))),
+            };
             let error = match h.op {
                 Op::Ack if h.status == ATOMIC_BUSY && matches!(p.req.direction, Direction::Atomic(..)) => {
                     Some(Failed::new(TransferKind::Busy, "the remote signal slot still holds an unconsumed signal"))

@@ -17,8 +17,8 @@ use rustix::event::{PollFd, PollFlags, poll};
 
 use super::{CLIENT_PROOF, Inner, MAX_CHUNK, MAX_FLOWS, SERVER_PROOF, lock, tune};
 use crate::wire::tcp::{
-    ATOMIC_BUSY, Atomic, Auth, Challenge, HEADER_LEN, HELLO_LEN, Header, Hello, MAX_ERROR_LEN, Op, PROOF_LEN, Refused,
-    transcript,
+    ATOMIC_BUSY, Atomic, Auth, Challenge, HEADER_LEN, HELLO_LEN, Header, Hello, MAX_ERROR_LEN, Op, POSTED, PROOF_LEN,
+    Refused, transcript,
 };
 
 /// The most connections in their handshake at once.
@@ -495,8 +495,16 @@ fn serve_some(inner: &Inner, c: &mut Conn) -> std::io::Result<bool> {
                 atomic(inner, c, &h)?;
                 continue;
             }
+            Op::Fence if h.length == 0 => {
+                // Everything before it on this flow has been served (in order, by this loop).
+                let answer = Header { flags: 0, ..h };
+                c.send(inner, &answer, &[])?;
+                continue;
+            }
             other => return Err(std::io::Error::other(format!("unexpected {other:?} frame from the initiator"))),
         };
+        // A posted read makes no sense: it is answered as any other.
+        let posted = write && h.flags & POSTED != 0;
         let reg = inner.table.read().unwrap_or_else(|p| p.into_inner()).get(&h.buffer).cloned();
         let access = match reg {
             Some(r) => r.check_access(&h.key, h.remote_offset, h.length, write).map(|()| r),
@@ -513,7 +521,9 @@ fn serve_some(inner: &Inner, c: &mut Conn) -> std::io::Result<bool> {
                     // thread has the bytes to itself.
                     let dst = unsafe { std::slice::from_raw_parts_mut(at, len) };
                     c.read_exact(inner, dst)?;
-                    c.reply(inner, &h, Op::Ack, &[])?;
+                    if !posted {
+                        c.reply(inner, &h, Op::Ack, &[])?;
+                    }
                 } else {
                     // SAFETY: as above; the bytes are only read.
                     let src = unsafe { std::slice::from_raw_parts(at.cast_const(), len) };
@@ -547,7 +557,12 @@ fn atomic(inner: &Inner, c: &mut Conn, h: &Header) -> std::io::Result<()> {
     }
     let reg = inner.table.read().unwrap_or_else(|p| p.into_inner()).get(&h.buffer).cloned();
     let Some(reg) = reg else { return refuse(c, "unknown remote buffer") };
+    if h.flags & POSTED != 0 && op == crate::transport::Atomic::SlotPut {
+        return refuse(c, "a slot put is always answered (it may find the slot busy); it cannot be posted");
+    }
     match crate::transport::target::apply_atomic(&reg, &h.key, h.remote_offset, op, h.cookie) {
+        // Posted: a store, answered only if refused.
+        Ok(_) if h.flags & POSTED != 0 => Ok(()),
         Ok(busy) => {
             let ack = Header { op: Op::Ack, status: if busy { ATOMIC_BUSY } else { 0 }, ..*h };
             c.send(inner, &ack, &[])

@@ -13,6 +13,11 @@
 //! - Small requests started in a `Transport::batch` (a write and the
 //!   signal after it) leave in one system call; the target reads what arrived together with
 //!   one read (8 KiB read ahead) and answers it with one write.
+//! - Posted requests (`Request::posted`: the symmetric-memory layer's writes and the store
+//!   that signals them) are answered only if refused: their Works complete once written, the
+//!   flow's order makes the signal land after the data, and no acknowledgement wakes the
+//!   initiator's receiver. A refused one ends the connection with the reason; closing fences
+//!   (waits for the peer to have served them).
 //! - A thread waiting for a word the peer sets serves the peer's flow 0 itself
 //!   (`Transport::serve_arrived`): whoever holds a served flow's state serves it, the flow's
 //!   thread waiting for requests without holding it.
@@ -317,6 +322,13 @@ impl Backend for TcpBackend {
         listen::serve_arrived(&self.inner);
     }
 
+    fn fence(&self, timeout: Duration) -> Result<()> {
+        match lock(&self.inner.client).clone() {
+            Some(c) => c.fence(timeout),
+            None => Ok(()),
+        }
+    }
+
     fn hold(&self, on: bool) {
         if let Some(c) = lock(&self.inner.client).clone() {
             c.hold(on);
@@ -399,7 +411,8 @@ mod tests {
         let works = a
             .batch(|| -> crate::error::Result<_> {
                 let w1 = a.start_write(&ms.to_view(0, None)?, &remote.slice(0, 8)?, LONG)?;
-                let w2 = a.start_atomic(&mw.to_view(0, Some(4))?, &remote.slice(32, 4)?, Atomic::Set32, 9, LONG)?;
+                let w2 =
+                    a.start_atomic(&mw.to_view(0, Some(4))?, &remote.slice(32, 4)?, Atomic::Set32, 9, LONG, false)?;
                 std::thread::sleep(Duration::from_millis(50));
                 // Held: nothing has left this process (the sender thread was not asked to).
                 assert!(dst.to_vec::<u8>().unwrap().iter().all(|&x| x == 0), "a held request landed");
@@ -423,8 +436,9 @@ mod tests {
         let ms = a.register_memory(&src).unwrap();
         a.batch(|| {
             let w = a.start_write(&ms.to_view(0, None).unwrap(), &remote, LONG).unwrap();
-            // Far shorter than the sender thread's periodic look: only the waiter sends it.
-            w.wait(Some(Duration::from_millis(500))).unwrap();
+            // Only the waiter can send it: the sender thread leaves held requests alone, and
+            // the hold ends only after this wait.
+            w.wait(LONG).unwrap();
         });
         assert_eq!(dst.to_vec::<u8>().unwrap(), vec![3u8; 8]);
     }
@@ -467,6 +481,7 @@ mod tests {
                         Atomic::Set32,
                         i as u64,
                         LONG,
+                        false,
                     )?);
                 }
                 // More than the target reads ahead, and a reply larger than it gathers.
@@ -526,6 +541,81 @@ mod tests {
         stop.store(true, Ordering::Relaxed);
         // Never waiting for what has not arrived, it looked many times.
         assert!(server.join().unwrap() > 1000);
+    }
+
+    #[test]
+    fn posted_requests_complete_once_sent_land_in_order_and_a_close_fences_them() {
+        let a = new_transport("tcp", None, &Options::new()).unwrap();
+        let backend = TcpBackend::new(&Options::new()).unwrap();
+        let b_inner = backend.inner.clone();
+        let b = Transport::new(Box::new(backend), None);
+        let (ua, ub) = (a.bind(None).unwrap(), b.bind(None).unwrap());
+        a.connect(&ub, None).unwrap();
+        b.connect(&ua, None).unwrap();
+        let dst = Tensor::zeros(&[64 + 8], DType::U8).unwrap();
+        let remote = b.register_memory(&dst).unwrap().to_remote_buffer().unwrap();
+        let src: Vec<u8> = (0..16 * 64).map(|i| (i / 64) as u8 + 1).collect();
+        let src = Tensor::from_slice(&[src.len()], &src).unwrap();
+        let ms = a.register_memory(&src).unwrap();
+        let word = Tensor::zeros(&[8], DType::U8).unwrap();
+        let mw = a.register_memory_read_only(&word).unwrap();
+        // A slot put is never posted: it is answered (the slot may be busy).
+        a.start_atomic(&mw.to_view(0, Some(4)).unwrap(), &remote.slice(68, 4).unwrap(), Atomic::SlotPut, 1, LONG, true)
+            .unwrap()
+            .wait(LONG)
+            .unwrap();
+        // The target cannot serve writes while its table is locked.
+        let table = b_inner.table.write().unwrap();
+        for i in 0..16 {
+            let w = a.post_write(&ms.to_view(i * 64, Some(64)).unwrap(), &remote.slice(0, 64).unwrap(), LONG);
+            // Done once written: no answer is awaited (the peer sends none).
+            w.unwrap().wait(LONG).unwrap();
+        }
+        let last = remote.slice(64, 4).unwrap();
+        a.start_atomic(&mw.to_view(0, Some(4)).unwrap(), &last, Atomic::Set32, 77, LONG, true)
+            .unwrap()
+            .wait(LONG)
+            .unwrap();
+        let closed = Arc::new(AtomicBool::new(false));
+        let closing = {
+            let closed = closed.clone();
+            std::thread::spawn(move || {
+                let r = a.close(LONG);
+                closed.store(true, Ordering::Release);
+                r
+            })
+        };
+        std::thread::sleep(Duration::from_millis(200));
+        // Closing fences: it waits for the target to serve what was posted.
+        assert!(!closed.load(Ordering::Acquire), "close returned before the posted requests landed");
+        drop(table);
+        closing.join().unwrap().unwrap();
+        let d = dst.to_vec::<u8>().unwrap();
+        assert!(d[..64].iter().all(|&x| x == 16), "in order, the last write lands last");
+        assert_eq!(u32_at(&dst, 64), 77);
+        assert_eq!(u32_at(&dst, 68), 1);
+    }
+
+    #[test]
+    fn a_refused_posted_write_ends_the_connection_with_the_reason() {
+        let (a, b) = pair();
+        let gone = Tensor::zeros(&[64], DType::U8).unwrap();
+        let m = b.register_memory(&gone).unwrap();
+        let stale = m.to_remote_buffer().unwrap();
+        b.unregister_memory(&m).unwrap();
+        let src = Tensor::zeros(&[8], DType::U8).unwrap();
+        let ms = a.register_memory(&src).unwrap();
+        // Completed when sent; the refusal has nobody to go to but the connection.
+        a.post_write(&ms.to_view(0, None).unwrap(), &stale.slice(0, 8).unwrap(), LONG).unwrap().wait(LONG).unwrap();
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while a.connected() && std::time::Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        assert!(!a.connected(), "a refused posted write left the connection up");
+        let why = a.disconnect_reason().unwrap_or_default();
+        assert!(why.contains("refused a posted request") && why.contains("unknown remote buffer"), "{why}");
+        let e = a.start_write(&ms.to_view(0, None).unwrap(), &stale, LONG).unwrap_err();
+        assert_eq!(e.transfer_kind(), Some(crate::error::TransferKind::PeerLost), "{e}");
     }
 
     #[test]

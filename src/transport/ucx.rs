@@ -22,6 +22,15 @@
 //! before it is still landing), so a signal started after a write lands after it, as over
 //! tcp. A peer can park at most 4096 requests ahead of its order.
 //!
+//! Posted requests (`Request::posted`: the symmetric-memory layer's cross-host writes and the
+//! stores that signal them) carry a flag in their id and are answered only if refused: their
+//! Works complete once UCX is done with their bytes, and the owner's order lands the signal
+//! after the data. A refusal, with no Work left to hear it, ends the connection with the
+//! reason. FENCE, answered in order after everything before it, lets a closing endpoint make
+//! sure its posted requests ran. A thread waiting for a word the peer sets progresses the
+//! worker itself (`serve_arrived`), so the owner's side of a small message needs no wake-up of
+//! the progress thread.
+//!
 //! Each endpoint has a UCX worker in serialized mode behind a mutex. A caller sends its own
 //! requests (no hand-off to another thread on the way out); a progress thread per endpoint
 //! progresses the worker whenever it is not idle, serving peers and completing Works, and
@@ -67,6 +76,8 @@ const AM_DONE: u32 = 5;
 const AM_READ_DATA: u32 = 6;
 /// The last request of an endpoint that closes: its order state goes once all before it ran.
 const AM_BYE: u32 = 7;
+/// Answered (DONE) once every request its endpoint sent before it has run.
+const AM_FENCE: u32 = 8;
 
 // Reply codes.
 const OK: u64 = 0;
@@ -75,6 +86,8 @@ const BUSY: u64 = 2;
 
 /// Tokens of the progress thread's own sends and receives: a request id, or a served one.
 const SERVED: u64 = 1 << 63;
+/// In a request's id: posted (`Request::posted`), answered only if refused.
+const POSTED: u64 = 1 << 62;
 
 /// Whether UCX can be used in this process, or why not.
 pub fn available() -> std::result::Result<(), String> {
@@ -273,6 +286,29 @@ impl Backend for UcxBackend {
         Ok(())
     }
 
+    fn serve_arrived(&self) {
+        if let Ok(mut c) = self.core.try_lock() {
+            c.worker.progress();
+            c.handle_events();
+        }
+    }
+
+    fn fence(&self, timeout: Duration) -> Result<()> {
+        let (tx, rx) = mpsc::channel();
+        if !self.with_core(|c| c.start_fence(tx)) {
+            return Ok(());
+        }
+        match rx.recv_timeout(timeout) {
+            Ok(r) => r,
+            Err(mpsc::RecvTimeoutError::Timeout) => {
+                Err(Error::timeout("ucx transport: the peer answering a fence", timeout))
+            }
+            Err(mpsc::RecvTimeoutError::Disconnected) => {
+                Err(Error::transfer(TransferKind::PeerLost, "ucx transport: closed while fencing"))
+            }
+        }
+    }
+
     fn shutdown(&self) {
         self.shared.stop.store(true, Ordering::Release);
         self.shared.poke();
@@ -414,6 +450,8 @@ struct Core {
     served: HashMap<u64, Served>,
     /// Per peer endpoint (its origin), the order its requests take effect in.
     orders: HashMap<u64, Order>,
+    /// A posted request was sent since the last fence.
+    unfenced: bool,
 }
 
 // SAFETY: the core's raw UCX handles (endpoints, reply endpoints, rendezvous descriptors) and
@@ -477,7 +515,7 @@ impl Core {
     /// A worker with its handlers, its address and its event descriptor.
     fn new(shared: Arc<Shared>) -> std::result::Result<(Core, Vec<u8>, i32), String> {
         let worker = Worker::new()?;
-        for id in [AM_PING, AM_WRITE, AM_READ, AM_ATOMIC, AM_DONE, AM_READ_DATA, AM_BYE] {
+        for id in [AM_PING, AM_WRITE, AM_READ, AM_ATOMIC, AM_DONE, AM_READ_DATA, AM_BYE, AM_FENCE] {
             // SAFETY: on_message only pushes onto the calling thread's event queue, which the
             // lock holder drains before letting go; the id rides in `arg` as an integer, never
             // dereferenced. Sound for the worker's life.
@@ -497,13 +535,14 @@ impl Core {
             pending: HashMap::new(),
             served: HashMap::new(),
             orders: HashMap::new(),
+            unfenced: false,
         };
         Ok((core, address, efd))
     }
 
     fn token(&mut self) -> u64 {
         self.next += 1;
-        self.next & !SERVED
+        self.next & !(SERVED | POSTED)
     }
 
     fn connect(&mut self, address: Vec<u8>, tx: mpsc::Sender<Result<()>>) {
@@ -569,11 +608,20 @@ impl Core {
         // delivers them in.
         self.seq += 1;
         let (origin, seq) = (self.origin, self.seq);
+        // Posted: answered only if refused, done once UCX is done with its bytes.
+        let posted = req.posted
+            && matches!(req.direction, Direction::Write | Direction::Atomic(Atomic::Set32 | Atomic::Set64, _));
+        let id_sent = if posted {
+            self.unfenced = true;
+            t | POSTED
+        } else {
+            t
+        };
         let r = &req.remote;
         let (id, h, data, len) = match req.direction {
             Direction::Write => (
                 AM_WRITE,
-                header(&[t, origin, seq, r.buffer_id, r.offset, req.len as u64], &r.access_key),
+                header(&[id_sent, origin, seq, r.buffer_id, r.offset, req.len as u64], &r.access_key),
                 req.local_ptr().cast_const(),
                 req.len,
             ),
@@ -589,13 +637,26 @@ impl Core {
                     Atomic::Set32 => 2,
                     Atomic::Set64 => 3,
                 };
-                let h = header(&[t, origin, seq, r.buffer_id, r.offset, code, operand], &r.access_key);
+                let h = header(&[id_sent, origin, seq, r.buffer_id, r.offset, code, operand], &r.access_key);
                 (AM_ATOMIC, h, std::ptr::null(), 0)
             }
         };
-        self.pending
-            .insert(t, Pending { kind: PendingKind::Transfer(req), _header: Vec::new(), sent: false, answer: None });
+        let answer = posted.then_some(Ok(()));
+        self.pending.insert(t, Pending { kind: PendingKind::Transfer(req), _header: Vec::new(), sent: false, answer });
         self.send(t, id, h, data, len);
+    }
+
+    /// Starts a fence if a posted request was sent since the last one: `tx` hears when every
+    /// request sent before it has run at the peer. Whether one was started.
+    fn start_fence(&mut self, tx: mpsc::Sender<Result<()>>) -> bool {
+        if !std::mem::take(&mut self.unfenced) || self.ep.is_none() {
+            return false;
+        }
+        self.seq += 1;
+        let t = self.token();
+        self.pending.insert(t, Pending { kind: PendingKind::Ping(tx), _header: Vec::new(), sent: false, answer: None });
+        self.send(t, AM_FENCE, header(&[t, self.origin, self.seq], &[]), std::ptr::null(), 0);
+        true
     }
 
     /// UCX is done with the buffers of send `token`.
@@ -701,16 +762,30 @@ impl Core {
             AM_DONE => {
                 let (Some(t), Some(code)) = (field(h, 0), field(h, 1)) else { return self.drop_data(data) };
                 let msg = String::from_utf8_lossy(h.get(16..).unwrap_or_default()).into_owned();
+                let t = t & !SERVED;
+                if t & POSTED != 0 && !self.pending.contains_key(&(t & !POSTED)) {
+                    // Its Work completed when sent: the connection carries the refusal.
+                    self.drop_data(data);
+                    return self.peer_lost(format!("the peer refused a posted request: {msg}"));
+                }
+                let posted = t & POSTED != 0;
+                let t = t & !POSTED;
                 let answer = match code {
                     OK => Ok(()),
                     BUSY => Err(Failed::new(TransferKind::Busy, "ucx transport: the signal slot is busy")),
                     _ => Err(Failed::new(TransferKind::Refused, msg)),
                 };
                 self.drop_data(data);
-                self.finish(t & !SERVED, Some(answer));
+                if posted && let Some(p) = self.pending.get_mut(&t) {
+                    // Refused before UCX was done sending it: its Work hears it (its answer
+                    // was presumed).
+                    p.answer = Some(answer);
+                    return self.try_finish(t);
+                }
+                self.finish(t, Some(answer));
             }
             AM_READ_DATA => self.read_data(h, data),
-            AM_PING | AM_WRITE | AM_READ | AM_ATOMIC | AM_BYE => {
+            AM_PING | AM_WRITE | AM_READ | AM_ATOMIC | AM_BYE | AM_FENCE => {
                 if reply_ep.is_null() {
                     // Every request of ours asks for a reply endpoint; anything else is not a peer.
                     return self.drop_data(data);
@@ -763,6 +838,13 @@ impl Core {
                     }
                     return;
                 }
+                AM_FENCE => {
+                    // Everything the endpoint sent before it ran.
+                    self.drop_data(p.data);
+                    let req = field(&p.header, 0).unwrap_or(0);
+                    self.answer(p.reply_ep, AM_DONE, req, OK, "");
+                    false
+                }
                 AM_WRITE => self.serve_write(&p.header, p.data, p.reply_ep, origin),
                 AM_READ => {
                     self.drop_data(p.data);
@@ -812,6 +894,10 @@ impl Core {
     }
 
     fn answer(&mut self, ep: Handle, id: u32, req: u64, code: u64, msg: &str) {
+        if code == OK && req & POSTED != 0 {
+            // A posted request is answered only if refused.
+            return;
+        }
         let msg = &msg.as_bytes()[..msg.len().min(MAX_MESSAGE)];
         self.reply(ep, id, header(&[req, code], msg), None, std::ptr::null(), 0, None);
     }
@@ -1234,6 +1320,98 @@ mod tests {
         // SAFETY: the stranger's endpoint, closed once, by force.
         let _ = unsafe { w.close(ep, true) };
         w.progress();
+    }
+
+    /// Posted requests are done once sent, land in order, and a close fences them: it
+    /// returns only once the owner (kept from serving by its locked core) has run them.
+    #[test]
+    fn posted_requests_complete_once_sent_land_in_order_and_a_close_fences_them() {
+        use std::sync::Arc;
+        use std::sync::atomic::{AtomicBool, Ordering};
+        use std::time::Duration;
+        let owner = match super::UcxBackend::new(&Options::new()) {
+            Ok(b) => b,
+            Err(e) => {
+                eprintln!("SKIPPED: {e}");
+                return;
+            }
+        };
+        let core = owner.core.clone();
+        let b = super::super::Transport::new(Box::new(owner), None);
+        let a = new_transport("ucx", None, &Options::new()).unwrap();
+        let (ua, ub) = (a.bind(None).unwrap(), b.bind(None).unwrap());
+        a.connect(&ub, None).unwrap();
+        b.connect(&ua, None).unwrap();
+        let dst = Tensor::zeros(&[64 + 8], DType::U8).unwrap();
+        let remote = b.register_memory(&dst).unwrap().to_remote_buffer().unwrap();
+        let src: Vec<u8> = (0..16 * 64).map(|i| (i / 64) as u8 + 1).collect();
+        let src = Tensor::from_slice(&[src.len()], &src).unwrap();
+        let ms = a.register_memory(&src).unwrap();
+        let word = Tensor::zeros(&[8], DType::U8).unwrap();
+        let mw = a.register_memory_read_only(&word).unwrap();
+        let long = Some(Duration::from_secs(30));
+        let held = core.lock().unwrap();
+        for i in 0..16 {
+            let w = a.post_write(&ms.to_view(i * 64, Some(64)).unwrap(), &remote.slice(0, 64).unwrap(), long);
+            // Done once sent: no answer is awaited (the owner, locked out, could give none).
+            w.unwrap().wait(long).unwrap();
+        }
+        let last = remote.slice(64, 4).unwrap();
+        a.start_atomic(&mw.to_view(0, Some(4)).unwrap(), &last, Atomic::Set32, 77, long, true)
+            .unwrap()
+            .wait(long)
+            .unwrap();
+        let closed = Arc::new(AtomicBool::new(false));
+        let closing = {
+            let closed = closed.clone();
+            std::thread::spawn(move || {
+                let r = a.close(long);
+                closed.store(true, Ordering::Release);
+                r
+            })
+        };
+        std::thread::sleep(Duration::from_millis(200));
+        assert!(!closed.load(Ordering::Acquire), "close returned before the posted requests landed");
+        drop(held);
+        closing.join().unwrap().unwrap();
+        let d = dst.to_vec::<u8>().unwrap();
+        assert!(d[..64].iter().all(|&x| x == 16), "in order, the last write lands last");
+        assert_eq!(u32::from_le_bytes(d[64..68].try_into().unwrap()), 77);
+    }
+
+    /// A refused posted write has no Work left to fail: the connection carries the refusal.
+    #[test]
+    fn a_refused_posted_write_ends_the_connection_with_the_reason() {
+        let (a, b) = match (new_transport("ucx", None, &Options::new()), new_transport("ucx", None, &Options::new())) {
+            (Ok(a), Ok(b)) => (a, b),
+            (Err(e), _) | (_, Err(e)) => {
+                eprintln!("SKIPPED: {e}");
+                return;
+            }
+        };
+        let (ua, ub) = (a.bind(None).unwrap(), b.bind(None).unwrap());
+        a.connect(&ub, None).unwrap();
+        b.connect(&ua, None).unwrap();
+        let gone = Tensor::zeros(&[64], DType::U8).unwrap();
+        let m = b.register_memory(&gone).unwrap();
+        let stale = m.to_remote_buffer().unwrap();
+        b.unregister_memory(&m).unwrap();
+        let src = Tensor::zeros(&[8], DType::U8).unwrap();
+        let ms = a.register_memory(&src).unwrap();
+        let sent = a.post_write(&ms.to_view(0, None).unwrap(), &stale.slice(0, 8).unwrap(), None).unwrap().wait(None);
+        let t = std::time::Instant::now();
+        while a.connected() && t.elapsed() < std::time::Duration::from_secs(10) {
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        match sent {
+            // Refused before UCX was done sending it: its own Work heard.
+            Err(e) => assert!(e.to_string().contains("unknown remote buffer"), "{e}"),
+            Ok(()) => {
+                assert!(!a.connected(), "a refused posted write left the connection up");
+                let why = a.disconnect_reason().unwrap_or_default();
+                assert!(why.contains("refused a posted request") && why.contains("unknown remote buffer"), "{why}");
+            }
+        }
     }
 
     #[test]

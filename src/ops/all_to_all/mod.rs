@@ -40,7 +40,7 @@ pub fn select(bytes: usize, hosts: usize) -> Algo {
 /// Across hosts, [`all_to_all`] inputs up to this size (per rank) go hierarchically, one
 /// message per pair of hosts through the hosts' leaders (`"host_push"`); larger ones are
 /// pulled by every rank (`"pull"`), which spreads the copying over every rank and flow.
-pub const ALL_TO_ALL_PUSH_MAX: usize = 512 << 10;
+pub const ALL_TO_ALL_PUSH_MAX: usize = 1 << 20;
 
 /// Equal-split all-to-all: `input` and `out` have the same shape, the first dimension divisible
 /// by the world size; block j of rank i's `out` is block i of rank j's `input`.

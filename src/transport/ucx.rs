@@ -31,6 +31,10 @@
 //! worker itself (`serve_arrived`), so the owner's side of a small message needs no wake-up of
 //! the progress thread.
 //!
+//! Small requests started in a `Transport::batch` (a write, its signature and the signal after
+//! them) travel as one active message (AM_BATCH, in its header, so eagerly on every
+//! transport), which the owner takes apart and serves request by request, in order.
+//!
 //! Each endpoint has a UCX worker in serialized mode behind a mutex. A caller sends its own
 //! requests (no hand-off to another thread on the way out); a progress thread per endpoint
 //! progresses the worker whenever it is not idle, serving peers and completing Works, and
@@ -78,6 +82,13 @@ const AM_READ_DATA: u32 = 6;
 const AM_BYE: u32 = 7;
 /// Answered (DONE) once every request its endpoint sent before it has run.
 const AM_FENCE: u32 = 8;
+/// Several small requests in one message (`Backend::hold`): in its header, each as
+/// `id u32 | header length u32 | data length u32 | 0 u32 | header | data`.
+const AM_BATCH: u32 = 9;
+/// The largest batch (its header, which UCX sends eagerly whatever the transport).
+const BATCH_MAX: usize = 1024;
+/// The largest request a batch takes (header and data).
+const BATCHED_MAX: usize = 512;
 
 // Reply codes.
 const OK: u64 = 0;
@@ -277,6 +288,8 @@ impl Backend for UcxBackend {
             if let Some(core) = core.upgrade()
                 && let Ok(mut c) = core.try_lock()
             {
+                // Held, it leaves now.
+                c.send_stash();
                 c.worker.progress();
                 c.handle_events();
             }
@@ -284,6 +297,10 @@ impl Backend for UcxBackend {
         // Sent from this thread: no hand-off to the progress thread on the way out.
         self.with_core(|c| c.start(req));
         Ok(())
+    }
+
+    fn hold(&self, on: bool) {
+        self.with_core(|c| c.hold(on));
     }
 
     fn serve_arrived(&self) {
@@ -422,6 +439,8 @@ struct Pending {
 enum PendingKind {
     Ping(mpsc::Sender<Result<()>>),
     Transfer(Request),
+    /// A batch of the requests with these tokens: they are sent when it is.
+    Batch(Vec<u64>),
     /// The goodbye of a closing endpoint (nobody waits for it).
     Bye,
 }
@@ -452,6 +471,18 @@ struct Core {
     orders: HashMap<u64, Order>,
     /// A posted request was sent since the last fence.
     unfenced: bool,
+    /// Open holds, and the small requests held for the last release (sent as one batch).
+    held: usize,
+    stash: Vec<Stashed>,
+}
+
+/// A request held for a batch: its message, as `Core::send` would send it.
+struct Stashed {
+    token: u64,
+    id: u32,
+    header: Vec<u8>,
+    data: *const u8,
+    len: usize,
 }
 
 // SAFETY: the core's raw UCX handles (endpoints, reply endpoints, rendezvous descriptors) and
@@ -515,7 +546,7 @@ impl Core {
     /// A worker with its handlers, its address and its event descriptor.
     fn new(shared: Arc<Shared>) -> std::result::Result<(Core, Vec<u8>, i32), String> {
         let worker = Worker::new()?;
-        for id in [AM_PING, AM_WRITE, AM_READ, AM_ATOMIC, AM_DONE, AM_READ_DATA, AM_BYE, AM_FENCE] {
+        for id in [AM_PING, AM_WRITE, AM_READ, AM_ATOMIC, AM_DONE, AM_READ_DATA, AM_BYE, AM_FENCE, AM_BATCH] {
             // SAFETY: on_message only pushes onto the calling thread's event queue, which the
             // lock holder drains before letting go; the id rides in `arg` as an integer, never
             // dereferenced. Sound for the worker's life.
@@ -536,6 +567,8 @@ impl Core {
             served: HashMap::new(),
             orders: HashMap::new(),
             unfenced: false,
+            held: 0,
+            stash: Vec::new(),
         };
         Ok((core, address, efd))
     }
@@ -643,12 +676,69 @@ impl Core {
         };
         let answer = posted.then_some(Ok(()));
         self.pending.insert(t, Pending { kind: PendingKind::Transfer(req), _header: Vec::new(), sent: false, answer });
+        if self.held > 0 && h.len() + len <= BATCHED_MAX {
+            self.stash.push(Stashed { token: t, id, header: h, data, len });
+            return;
+        }
+        // In the order started: what is held goes first.
+        self.send_stash();
         self.send(t, id, h, data, len);
+    }
+
+    /// Sends the held requests: one alone as itself, several as batches.
+    fn send_stash(&mut self) {
+        let mut rest = std::mem::take(&mut self.stash).into_iter().peekable();
+        while rest.peek().is_some() {
+            let mut buf = Vec::new();
+            let mut batch: Vec<Stashed> = Vec::new();
+            while let Some(next) = rest.peek() {
+                if !batch.is_empty() && buf.len() + 16 + next.header.len() + next.len > BATCH_MAX {
+                    break;
+                }
+                let Some(r) = rest.next() else { break };
+                buf.extend_from_slice(&r.id.to_le_bytes());
+                buf.extend_from_slice(&(r.header.len() as u32).to_le_bytes());
+                buf.extend_from_slice(&(r.len as u32).to_le_bytes());
+                buf.extend_from_slice(&0u32.to_le_bytes());
+                buf.extend_from_slice(&r.header);
+                if r.len > 0 {
+                    // SAFETY: the request's local range, which its pending entry (holding its
+                    // Registration) keeps alive until it completes, after this copy.
+                    buf.extend_from_slice(unsafe { std::slice::from_raw_parts(r.data, r.len) });
+                }
+                batch.push(r);
+            }
+            if batch.len() == 1 {
+                if let Some(r) = batch.pop() {
+                    self.send(r.token, r.id, r.header, r.data, r.len);
+                }
+                continue;
+            }
+            let b = self.token();
+            let subs = batch.iter().map(|r| r.token).collect();
+            self.pending
+                .insert(b, Pending { kind: PendingKind::Batch(subs), _header: Vec::new(), sent: false, answer: None });
+            // The batch carries copies: its requests' own bytes are free once it is sent.
+            self.send(b, AM_BATCH, buf, std::ptr::null(), 0);
+        }
+    }
+
+    /// Opens (`true`) or closes (`false`) a hold; the last close sends what was held.
+    fn hold(&mut self, on: bool) {
+        if on {
+            self.held += 1;
+        } else {
+            self.held = self.held.saturating_sub(1);
+            if self.held == 0 {
+                self.send_stash();
+            }
+        }
     }
 
     /// Starts a fence if a posted request was sent since the last one: `tx` hears when every
     /// request sent before it has run at the peer. Whether one was started.
     fn start_fence(&mut self, tx: mpsc::Sender<Result<()>>) -> bool {
+        self.send_stash();
         if !std::mem::take(&mut self.unfenced) || self.ep.is_none() {
             return false;
         }
@@ -665,6 +755,14 @@ impl Core {
             // An answer of ours went out (or failed: the peer is gone; it learns nothing more).
             if let Some(Served { order: Some(origin), .. }) = self.served.remove(&token) {
                 self.advance(origin);
+            }
+            return;
+        }
+        if let Some(Pending { kind: PendingKind::Batch(_), .. }) = self.pending.get(&token) {
+            if let Some(Pending { kind: PendingKind::Batch(subs), .. }) = self.pending.remove(&token) {
+                for t in subs {
+                    self.sent(t, status);
+                }
             }
             return;
         }
@@ -701,7 +799,7 @@ impl Core {
                 let _ = tx.send(answer.map_err(|f| Error::transfer(f.kind, f.message)));
             }
             PendingKind::Transfer(req) => req.complete(answer),
-            PendingKind::Bye => {}
+            PendingKind::Batch(_) | PendingKind::Bye => {}
         }
     }
 
@@ -724,6 +822,8 @@ impl Core {
 
     fn peer_lost(&mut self, why: String) {
         let _ = self.shared.lost.set(why.clone());
+        // Their pending entries fail below.
+        self.stash.clear();
         let tokens: Vec<u64> = self.pending.keys().copied().collect();
         for t in tokens {
             if let Some(p) = self.pending.remove(&t) {
@@ -733,7 +833,7 @@ impl Core {
                         let _ = tx.send(Err(Error::transfer(f.kind, f.message)));
                     }
                     PendingKind::Transfer(req) => req.complete(Err(f)),
-                    PendingKind::Bye => {}
+                    PendingKind::Batch(_) | PendingKind::Bye => {}
                 }
             }
         }
@@ -785,6 +885,7 @@ impl Core {
                 self.finish(t, Some(answer));
             }
             AM_READ_DATA => self.read_data(h, data),
+            AM_BATCH => self.batch(h, data, reply_ep),
             AM_PING | AM_WRITE | AM_READ | AM_ATOMIC | AM_BYE | AM_FENCE => {
                 if reply_ep.is_null() {
                     // Every request of ours asks for a reply endpoint; anything else is not a peer.
@@ -815,6 +916,34 @@ impl Core {
                 self.drain(origin);
             }
             _ => self.drop_data(data),
+        }
+    }
+
+    /// Takes a batch apart: each of its requests is handled as if it came alone. Only eager
+    /// (a batch travels in the header) and from a peer (with a reply endpoint); a malformed
+    /// entry drops it and the rest.
+    fn batch(&mut self, h: &[u8], data: Data, reply_ep: Handle) {
+        if reply_ep.is_null() || !matches!(&data, Data::Bytes(b) if b.is_empty()) {
+            return self.drop_data(data);
+        }
+        let mut at = 0usize;
+        while at < h.len() {
+            let word = |i: usize| {
+                let from = at.checked_add(4 * i)?;
+                h.get(from..from.checked_add(4)?).map(|b| u32::from_le_bytes(b.try_into().unwrap_or([0; 4])))
+            };
+            let (Some(id), Some(hl), Some(dl)) = (word(0), word(1), word(2)) else { return };
+            let (hl, dl) = (hl as usize, dl as usize);
+            let Some(end) = at.checked_add(16).and_then(|x| x.checked_add(hl)).and_then(|x| x.checked_add(dl)) else {
+                return;
+            };
+            if end > h.len() || !matches!(id, AM_WRITE | AM_READ | AM_ATOMIC) {
+                return;
+            }
+            let sub = h[at + 16..at + 16 + hl].to_vec();
+            let bytes = h[at + 16 + hl..end].to_vec();
+            self.message(id, &sub, Data::Bytes(bytes), reply_ep);
+            at = end;
         }
     }
 
@@ -1068,6 +1197,7 @@ impl Core {
     /// Closes the endpoint (flushing it for a moment, then by force), fails what is left, and
     /// lets the worker go.
     fn close(&mut self) {
+        self.send_stash();
         if self.ep.is_some() {
             // Goodbye, after everything this endpoint sent (the owner forgets its order).
             self.seq += 1;
@@ -1297,6 +1427,34 @@ mod tests {
             (super::AM_DONE, h(&[123_456, 0], &[]), 0, UCP_AM_SEND_FLAG_REPLY),
             (super::AM_READ_DATA, h(&[123_456, 0], &[]), 64, 0),
             (999, vec![0; 8], 0, 0),
+            // Batches: one whose entry overruns it, one with a ping and a nested batch inside,
+            // one with data beside it, one without a reply endpoint.
+            (
+                super::AM_BATCH,
+                [&2u32.to_le_bytes()[..], &[200, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0], &[1; 8]].concat(),
+                0,
+                UCP_AM_SEND_FLAG_REPLY,
+            ),
+            (
+                super::AM_BATCH,
+                [&1u32.to_le_bytes()[..], &[8, 0, 0, 0], &[0; 8], &[5; 8], &9u32.to_le_bytes(), &[0; 12]].concat(),
+                0,
+                UCP_AM_SEND_FLAG_REPLY,
+            ),
+            (super::AM_BATCH, vec![0; 16], 64, UCP_AM_SEND_FLAG_REPLY),
+            (
+                super::AM_BATCH,
+                [
+                    &2u32.to_le_bytes()[..],
+                    &[56, 0, 0, 0],
+                    &[64, 0, 0, 0],
+                    &[0; 4],
+                    &h(&[7, 80, 1, d.buffer_id, 0, 64], &d.access_key),
+                ]
+                .concat(),
+                0,
+                0,
+            ),
             (0, vec![0; 8], 8, UCP_AM_SEND_FLAG_REPLY),
         ];
         let keep: Vec<Vec<u8>> = attempts.iter().map(|a| a.1.clone()).collect();
@@ -1411,6 +1569,82 @@ mod tests {
                 let why = a.disconnect_reason().unwrap_or_default();
                 assert!(why.contains("refused a posted request") && why.contains("unknown remote buffer"), "{why}");
             }
+        }
+    }
+
+    /// Small requests started in a batch leave as one message; the owner takes it apart and
+    /// serves each in order, with its own outcome; a waiter inside the batch sends it.
+    #[test]
+    fn a_batch_of_mixed_requests_each_get_their_own_outcome() {
+        let (a, b) = match (new_transport("ucx", None, &Options::new()), new_transport("ucx", None, &Options::new())) {
+            (Ok(a), Ok(b)) => (a, b),
+            (Err(e), _) | (_, Err(e)) => {
+                eprintln!("SKIPPED: {e}");
+                return;
+            }
+        };
+        let (ua, ub) = (a.bind(None).unwrap(), b.bind(None).unwrap());
+        a.connect(&ub, None).unwrap();
+        b.connect(&ua, None).unwrap();
+        let dst = Tensor::zeros(&[64 * 64], DType::U8).unwrap();
+        let remote = b.register_memory(&dst).unwrap().to_remote_buffer().unwrap();
+        let gone = Tensor::zeros(&[64], DType::U8).unwrap();
+        let m = b.register_memory(&gone).unwrap();
+        let stale = m.to_remote_buffer().unwrap();
+        b.unregister_memory(&m).unwrap();
+        let src: Vec<u8> = (0..64 * 64).map(|i| (i * 7 + 1) as u8).collect();
+        let src = Tensor::from_slice(&[src.len()], &src).unwrap();
+        let ms = a.register_memory(&src).unwrap();
+        let back = Tensor::zeros(&[64 * 64], DType::U8).unwrap();
+        let mb = a.register_memory(&back).unwrap();
+        let word = Tensor::zeros(&[8], DType::U8).unwrap();
+        let mw = a.register_memory_read_only(&word).unwrap();
+        let long = Some(std::time::Duration::from_secs(30));
+        let (ok, refused) = a
+            .batch(|| -> crate::error::Result<_> {
+                let (mut ok, mut refused) = (Vec::new(), Vec::new());
+                for i in 0..64 {
+                    let at = i * 64;
+                    ok.push(a.start_write(&ms.to_view(at, Some(60))?, &remote.slice(at as u64, 60)?, long)?);
+                    if i % 16 == 5 {
+                        refused.push(a.start_write(&ms.to_view(0, Some(48))?, &stale.slice(0, 48)?, long)?);
+                    }
+                    // In order: the read sees the write before it.
+                    ok.push(a.start_read(&mb.to_mutable_view(at, Some(60))?, &remote.slice(at as u64, 60)?, long)?);
+                    let word_at = (at + 60) as u64;
+                    let w = a.start_atomic(
+                        &mw.to_view(0, Some(4))?,
+                        &remote.slice(word_at, 4)?,
+                        Atomic::Set32,
+                        i as u64,
+                        long,
+                        i % 2 == 0,
+                    )?;
+                    ok.push(w);
+                    if i == 0 {
+                        std::thread::sleep(std::time::Duration::from_millis(50));
+                        // Held: nothing has left this process.
+                        assert!(dst.to_vec::<u8>().unwrap().iter().all(|&x| x == 0), "a held request landed");
+                    }
+                }
+                // Waiting inside the batch sends what is held.
+                ok.pop().map(|w| w.wait(long)).transpose()?;
+                Ok((ok, refused))
+            })
+            .unwrap();
+        for w in ok {
+            w.wait(long).unwrap();
+        }
+        for w in refused {
+            let e = w.wait(long).unwrap_err();
+            assert!(e.to_string().contains("unknown remote buffer"), "{e}");
+        }
+        let (s, d, r) = (src.to_vec::<u8>().unwrap(), dst.to_vec::<u8>().unwrap(), back.to_vec::<u8>().unwrap());
+        for i in 0..64 {
+            let at = i * 64;
+            assert_eq!(&d[at..at + 60], &s[at..at + 60], "block {i}");
+            assert_eq!(&r[at..at + 60], &s[at..at + 60], "block {i} read back");
+            assert_eq!(u32::from_le_bytes(d[at + 60..at + 64].try_into().unwrap()), i as u32, "word {i}");
         }
     }
 

@@ -45,6 +45,8 @@ const UCP_OP_ATTR_FIELD_FLAGS: u32 = 16;
 const UCP_EP_CLOSE_FLAG_FORCE: u32 = 1;
 /// `ucp_am_send_nbx` flag: the receiver gets an endpoint to reply on.
 pub const UCP_AM_SEND_FLAG_REPLY: u32 = 1;
+/// `ucp_am_send_nbx` flag: eager protocols only (no rendezvous).
+pub const UCP_AM_SEND_FLAG_EAGER: u32 = 2;
 
 const UCP_AM_HANDLER_PARAM_FIELD_ID: u64 = 1;
 const UCP_AM_HANDLER_PARAM_FIELD_CB: u64 = 4;
@@ -548,7 +550,7 @@ int main(void){
 printf("%zu %zu %zu %zu %zu\n", sizeof(ucp_params_t), sizeof(ucp_worker_params_t), sizeof(ucp_ep_params_t), sizeof(ucp_request_param_t), sizeof(ucp_am_handler_param_t));
 printf("%zu %zu %zu %zu %zu %zu\n", offsetof(ucp_params_t,features), offsetof(ucp_worker_params_t,thread_mode), offsetof(ucp_ep_params_t,address), offsetof(ucp_ep_params_t,err_mode), offsetof(ucp_ep_params_t,err_handler), offsetof(ucp_request_param_t,cb));
 printf("%zu %zu %zu %zu %zu\n", offsetof(ucp_request_param_t,user_data), offsetof(ucp_request_param_t,flags), offsetof(ucp_am_handler_param_t,id), offsetof(ucp_am_handler_param_t,cb), offsetof(ucp_am_handler_param_t,arg));
-printf("%d %d %lu %lu %lu\n", UCP_API_MAJOR, UCP_API_MINOR, (unsigned long)UCP_AM_SEND_FLAG_REPLY, (unsigned long)UCP_AM_RECV_ATTR_FLAG_RNDV, (unsigned long)UCP_AM_RECV_ATTR_FIELD_REPLY_EP);
+printf("%d %d %lu %lu %lu %lu\n", UCP_API_MAJOR, UCP_API_MINOR, (unsigned long)UCP_AM_SEND_FLAG_REPLY, (unsigned long)UCP_AM_SEND_FLAG_EAGER, (unsigned long)UCP_AM_RECV_ATTR_FLAG_RNDV, (unsigned long)UCP_AM_RECV_ATTR_FIELD_REPLY_EP);
 printf("%zu %zu\n", sizeof(ucp_am_recv_param_t), offsetof(ucp_am_recv_param_t,reply_ep));
 return 0;}"#,
         )
@@ -563,7 +565,7 @@ return 0;}"#,
         let want = format!(
             "{PARAMS_SIZE} {WORKER_PARAMS_SIZE} {EP_PARAMS_SIZE} {REQUEST_PARAM_SIZE} {AM_HANDLER_PARAM_SIZE}\n\
              8 8 8 16 24 16\n32 4 8 16 24\n{UCP_API_MAJOR} {UCP_API_MINOR} {UCP_AM_SEND_FLAG_REPLY} \
-             {UCP_AM_RECV_ATTR_FLAG_RNDV} {UCP_AM_RECV_ATTR_FIELD_REPLY_EP}\n{} 8\n",
+             {UCP_AM_SEND_FLAG_EAGER} {UCP_AM_RECV_ATTR_FLAG_RNDV} {UCP_AM_RECV_ATTR_FIELD_REPLY_EP}\n{} 8\n",
             std::mem::size_of::<AmRecvParam>()
         );
         assert_eq!(out, want);

@@ -12,8 +12,10 @@
 //!                         protocol's put on the slot (and wakes a sleeping waiter)
 //! ```
 //!
-//! Ordering: a signal is sent only after every earlier write on the link has been acknowledged,
-//! so the peer sees the signal only after the data landed. Waiting for a remote peer's signal
+//! Ordering: a signal follows the writes before it on one link either in the link's own order
+//! (writes up to the backend's `in_order_up_to`, started by one thread: tcp's flow 0, ucx's
+//! ordered requests; the operators' posted writes are then not even acknowledged) or after
+//! they were acknowledged, so the peer sees the signal only after the data landed. Waiting for a remote peer's signal
 //! watches its link: a peer whose link breaks is named in the error at once, not at the timeout.
 
 use std::collections::HashMap;

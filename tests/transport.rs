@@ -624,6 +624,20 @@ fn a_synchronous_small_write_whose_peer_is_killed_fails_promptly() {
     a.write(&src.to_view(0, None).unwrap(), &remote, None).unwrap();
     let pid = child.id().to_string();
     assert!(Command::new("kill").args(["-STOP", &pid]).status().unwrap().success());
+    // kill(2) returns before the peer's threads have stopped (each stops when it next runs):
+    // wait until every one has.
+    let all_stopped = || {
+        std::fs::read_dir(format!("/proc/{pid}/task")).unwrap().all(|t| {
+            let stat = std::fs::read_to_string(t.unwrap().path().join("stat")).unwrap_or_default();
+            // The state follows the command's closing parenthesis.
+            stat.rsplit_once(") ").is_some_and(|(_, rest)| rest.starts_with(['T', 't']))
+        })
+    };
+    let t = Instant::now();
+    while !all_stopped() {
+        assert!(t.elapsed() < Duration::from_secs(10), "the peer never stopped");
+        std::thread::sleep(Duration::from_millis(1));
+    }
     let writer = {
         let (a, view, remote) = (a.clone(), src.to_view(0, None).unwrap(), remote.clone());
         std::thread::spawn(move || {

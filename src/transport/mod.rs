@@ -19,6 +19,8 @@
 
 mod registry;
 mod target;
+#[cfg(test)]
+pub(crate) mod testkit;
 mod work;
 
 pub mod auto;

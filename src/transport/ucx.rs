@@ -1259,7 +1259,7 @@ impl Core {
 
 #[cfg(test)]
 mod tests {
-    use super::super::{Atomic, Options, new_transport};
+    use super::super::{Atomic, Options, new_transport, testkit};
     use crate::error::TransferKind;
     use crate::tensor::{DType, Tensor};
 
@@ -1501,13 +1501,10 @@ mod tests {
         w.progress();
     }
 
-    /// Posted requests are done once sent, land in order, and a close fences them: it
-    /// returns only once the owner (kept from serving by its locked core) has run them.
+    /// Posted requests are done once sent, land in order, and a close fences them (the owner
+    /// kept from serving by its locked worker).
     #[test]
     fn posted_requests_complete_once_sent_land_in_order_and_a_close_fences_them() {
-        use std::sync::Arc;
-        use std::sync::atomic::{AtomicBool, Ordering};
-        use std::time::Duration;
         let owner = match super::UcxBackend::new(&Options::new()) {
             Ok(b) => b,
             Err(e) => {
@@ -1516,156 +1513,24 @@ mod tests {
             }
         };
         let core = owner.core.clone();
-        let b = super::super::Transport::new(Box::new(owner), None);
         let a = new_transport("ucx", None, &Options::new()).unwrap();
-        let (ua, ub) = (a.bind(None).unwrap(), b.bind(None).unwrap());
-        a.connect(&ub, None).unwrap();
-        b.connect(&ua, None).unwrap();
-        let dst = Tensor::zeros(&[64 + 8], DType::U8).unwrap();
-        let remote = b.register_memory(&dst).unwrap().to_remote_buffer().unwrap();
-        let src: Vec<u8> = (0..16 * 64).map(|i| (i / 64) as u8 + 1).collect();
-        let src = Tensor::from_slice(&[src.len()], &src).unwrap();
-        let ms = a.register_memory(&src).unwrap();
-        let word = Tensor::zeros(&[8], DType::U8).unwrap();
-        let mw = a.register_memory_read_only(&word).unwrap();
-        let long = Some(Duration::from_secs(30));
-        let held = core.lock().unwrap();
-        for i in 0..16 {
-            let w = a.post_write(&ms.to_view(i * 64, Some(64)).unwrap(), &remote.slice(0, 64).unwrap(), long);
-            // Done once sent: no answer is awaited (the owner, locked out, could give none).
-            w.unwrap().wait(long).unwrap();
-        }
-        let last = remote.slice(64, 4).unwrap();
-        a.start_atomic(&mw.to_view(0, Some(4)).unwrap(), &last, Atomic::Set32, 77, long, true)
-            .unwrap()
-            .wait(long)
-            .unwrap();
-        let closed = Arc::new(AtomicBool::new(false));
-        let closing = {
-            let closed = closed.clone();
-            std::thread::spawn(move || {
-                let r = a.close(long);
-                closed.store(true, Ordering::Release);
-                r
-            })
-        };
-        std::thread::sleep(Duration::from_millis(200));
-        assert!(!closed.load(Ordering::Acquire), "close returned before the posted requests landed");
-        drop(held);
-        closing.join().unwrap().unwrap();
-        let d = dst.to_vec::<u8>().unwrap();
-        assert!(d[..64].iter().all(|&x| x == 16), "in order, the last write lands last");
-        assert_eq!(u32::from_le_bytes(d[64..68].try_into().unwrap()), 77);
+        let (a, b) = testkit::connect(a, super::super::Transport::new(Box::new(owner), None));
+        testkit::posted_requests_land_in_order_and_a_close_fences_them(a, &b, || core.lock().unwrap());
     }
 
-    /// A refused posted write has no Work left to fail: the connection carries the refusal.
     #[test]
     fn a_refused_posted_write_ends_the_connection_with_the_reason() {
-        let (a, b) = match (new_transport("ucx", None, &Options::new()), new_transport("ucx", None, &Options::new())) {
-            (Ok(a), Ok(b)) => (a, b),
-            (Err(e), _) | (_, Err(e)) => {
-                eprintln!("SKIPPED: {e}");
-                return;
-            }
-        };
-        let (ua, ub) = (a.bind(None).unwrap(), b.bind(None).unwrap());
-        a.connect(&ub, None).unwrap();
-        b.connect(&ua, None).unwrap();
-        let gone = Tensor::zeros(&[64], DType::U8).unwrap();
-        let m = b.register_memory(&gone).unwrap();
-        let stale = m.to_remote_buffer().unwrap();
-        b.unregister_memory(&m).unwrap();
-        let src = Tensor::zeros(&[8], DType::U8).unwrap();
-        let ms = a.register_memory(&src).unwrap();
-        let sent = a.post_write(&ms.to_view(0, None).unwrap(), &stale.slice(0, 8).unwrap(), None).unwrap().wait(None);
-        let t = std::time::Instant::now();
-        while a.connected() && t.elapsed() < std::time::Duration::from_secs(10) {
-            std::thread::sleep(std::time::Duration::from_millis(5));
-        }
-        match sent {
-            // Refused before UCX was done sending it: its own Work heard.
-            Err(e) => assert!(e.to_string().contains("unknown remote buffer"), "{e}"),
-            Ok(()) => {
-                assert!(!a.connected(), "a refused posted write left the connection up");
-                let why = a.disconnect_reason().unwrap_or_default();
-                assert!(why.contains("refused a posted request") && why.contains("unknown remote buffer"), "{why}");
-            }
+        if let Some((a, b)) = testkit::pair("ucx") {
+            testkit::a_refused_posted_write_ends_the_connection_with_the_reason(&a, &b);
         }
     }
 
     /// Small requests started in a batch leave as one message; the owner takes it apart and
-    /// serves each in order, with its own outcome; a waiter inside the batch sends it.
+    /// serves each in order, with its own outcome.
     #[test]
     fn a_batch_of_mixed_requests_each_get_their_own_outcome() {
-        let (a, b) = match (new_transport("ucx", None, &Options::new()), new_transport("ucx", None, &Options::new())) {
-            (Ok(a), Ok(b)) => (a, b),
-            (Err(e), _) | (_, Err(e)) => {
-                eprintln!("SKIPPED: {e}");
-                return;
-            }
-        };
-        let (ua, ub) = (a.bind(None).unwrap(), b.bind(None).unwrap());
-        a.connect(&ub, None).unwrap();
-        b.connect(&ua, None).unwrap();
-        let dst = Tensor::zeros(&[64 * 64], DType::U8).unwrap();
-        let remote = b.register_memory(&dst).unwrap().to_remote_buffer().unwrap();
-        let gone = Tensor::zeros(&[64], DType::U8).unwrap();
-        let m = b.register_memory(&gone).unwrap();
-        let stale = m.to_remote_buffer().unwrap();
-        b.unregister_memory(&m).unwrap();
-        let src: Vec<u8> = (0..64 * 64).map(|i| (i * 7 + 1) as u8).collect();
-        let src = Tensor::from_slice(&[src.len()], &src).unwrap();
-        let ms = a.register_memory(&src).unwrap();
-        let back = Tensor::zeros(&[64 * 64], DType::U8).unwrap();
-        let mb = a.register_memory(&back).unwrap();
-        let word = Tensor::zeros(&[8], DType::U8).unwrap();
-        let mw = a.register_memory_read_only(&word).unwrap();
-        let long = Some(std::time::Duration::from_secs(30));
-        let (ok, refused) = a
-            .batch(|| -> crate::error::Result<_> {
-                let (mut ok, mut refused) = (Vec::new(), Vec::new());
-                for i in 0..64 {
-                    let at = i * 64;
-                    ok.push(a.start_write(&ms.to_view(at, Some(60))?, &remote.slice(at as u64, 60)?, long)?);
-                    if i % 16 == 5 {
-                        refused.push(a.start_write(&ms.to_view(0, Some(48))?, &stale.slice(0, 48)?, long)?);
-                    }
-                    // In order: the read sees the write before it.
-                    ok.push(a.start_read(&mb.to_mutable_view(at, Some(60))?, &remote.slice(at as u64, 60)?, long)?);
-                    let word_at = (at + 60) as u64;
-                    let w = a.start_atomic(
-                        &mw.to_view(0, Some(4))?,
-                        &remote.slice(word_at, 4)?,
-                        Atomic::Set32,
-                        i as u64,
-                        long,
-                        i % 2 == 0,
-                    )?;
-                    ok.push(w);
-                    if i == 0 {
-                        std::thread::sleep(std::time::Duration::from_millis(50));
-                        // Held: nothing has left this process.
-                        assert!(dst.to_vec::<u8>().unwrap().iter().all(|&x| x == 0), "a held request landed");
-                    }
-                }
-                // Waiting inside the batch sends what is held.
-                ok.pop().map(|w| w.wait(long)).transpose()?;
-                Ok((ok, refused))
-            })
-            .unwrap();
-        for w in ok {
-            w.wait(long).unwrap();
-        }
-        for w in refused {
-            let e = w.wait(long).unwrap_err();
-            assert!(e.to_string().contains("unknown remote buffer"), "{e}");
-        }
-        let (s, d, r) = (src.to_vec::<u8>().unwrap(), dst.to_vec::<u8>().unwrap(), back.to_vec::<u8>().unwrap());
-        for i in 0..64 {
-            let at = i * 64;
-            assert_eq!(&d[at..at + 60], &s[at..at + 60], "block {i}");
-            assert_eq!(&r[at..at + 60], &s[at..at + 60], "block {i} read back");
-            assert_eq!(u32::from_le_bytes(d[at + 60..at + 64].try_into().unwrap()), i as u32, "word {i}");
+        if let Some((a, b)) = testkit::pair("ucx") {
+            testkit::a_batch_of_mixed_requests_each_get_their_own_outcome(&a, &b);
         }
     }
 

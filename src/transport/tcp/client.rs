@@ -25,7 +25,7 @@ use std::time::Duration;
 
 use rustix::event::{PollFd, PollFlags, poll};
 
-use super::{CLIENT_PROOF, INLINE, SERVER_PROOF, STRIPE_MIN, TcpOptions, Url, lock, tune};
+use super::{CLIENT_PROOF, INLINE, ReadAhead, SERVER_PROOF, STRIPE_MIN, TcpOptions, Url, lock, tune};
 use crate::error::{Error, Failed, Result, TransferKind};
 use crate::transport::work::Progress;
 use crate::transport::{Direction, Request};
@@ -156,43 +156,22 @@ const READ_AHEAD: usize = 4096;
 /// A flow's socket for replies, read ahead.
 struct Reader {
     sock: TcpStream,
-    buf: Box<[u8; READ_AHEAD]>,
-    at: usize,
-    end: usize,
+    ahead: ReadAhead,
 }
 
 impl Reader {
     fn buffered(&self) -> usize {
-        self.end - self.at
+        self.ahead.buffered()
     }
 
-    /// Reads what has arrived after the bytes still buffered, without waiting: `Ok(None)` at
-    /// the end of the stream, `Ok(Some(0))` when nothing has arrived.
     fn fill(&mut self) -> std::io::Result<Option<usize>> {
-        self.buf.copy_within(self.at..self.end, 0);
-        self.end -= self.at;
-        self.at = 0;
-        let mut s = &self.sock;
-        loop {
-            match s.read(&mut self.buf[self.end..]) {
-                Ok(0) => return Ok(None),
-                Ok(n) => {
-                    self.end += n;
-                    return Ok(Some(n));
-                }
-                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return Ok(Some(0)),
-                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-                Err(e) => return Err(e),
-            }
-        }
+        self.ahead.fill(&self.sock)
     }
 
     /// Fills `dst` with the stream's next bytes: those read ahead, then the rest from the
     /// socket, waiting for them; false at a clean end of the stream before the first byte.
     fn read_exact(&mut self, dst: &mut [u8], alive: &AtomicBool) -> std::io::Result<bool> {
-        let n = dst.len().min(self.buffered());
-        dst[..n].copy_from_slice(&self.buf[self.at..self.at + n]);
-        self.at += n;
+        let n = self.ahead.take(dst);
         if n == dst.len() {
             return Ok(true);
         }
@@ -352,9 +331,7 @@ impl Client {
             let poller = s.try_clone().map_err(|e| Error::io("clone a socket", e))?;
             let reader = Mutex::new(Reader {
                 sock: s.try_clone().map_err(|e| Error::io("clone a socket", e))?,
-                buf: Box::new([0; READ_AHEAD]),
-                at: 0,
-                end: 0,
+                ahead: ReadAhead::new(READ_AHEAD),
             });
             flows.push(Flow {
                 queue: Mutex::new(Queue { sock: s, frames: VecDeque::new(), kicked: false }),

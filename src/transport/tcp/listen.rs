@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use rustix::event::{PollFd, PollFlags, poll};
 
-use super::{CLIENT_PROOF, Inner, MAX_CHUNK, MAX_FLOWS, SERVER_PROOF, lock, tune};
+use super::{CLIENT_PROOF, Inner, MAX_CHUNK, MAX_FLOWS, ReadAhead, SERVER_PROOF, lock, tune};
 use crate::wire::tcp::{
     ATOMIC_BUSY, Atomic, Auth, Challenge, HEADER_LEN, HELLO_LEN, Header, Hello, MAX_ERROR_LEN, Op, POSTED, PROOF_LEN,
     Refused, transcript,
@@ -263,9 +263,7 @@ const GATHER_MAX: usize = 16 * 1024;
 /// every wait for more, so the peer never waits for an answer this side holds.
 struct Conn {
     s: TcpStream,
-    buf: Box<[u8; READ_AHEAD]>,
-    at: usize,
-    end: usize,
+    ahead: ReadAhead,
     out: Vec<u8>,
 }
 
@@ -280,11 +278,11 @@ enum Arrived {
 
 impl Conn {
     fn new(s: TcpStream) -> Conn {
-        Conn { s, buf: Box::new([0; READ_AHEAD]), at: 0, end: 0, out: Vec::with_capacity(1024) }
+        Conn { s, ahead: ReadAhead::new(READ_AHEAD), out: Vec::with_capacity(1024) }
     }
 
     fn buffered(&self) -> usize {
-        self.end - self.at
+        self.ahead.buffered()
     }
 
     /// Waits until the socket is readable (`IN`) or writable (`OUT`), at most a second; an
@@ -315,24 +313,8 @@ impl Conn {
         Ok(())
     }
 
-    /// Reads what has arrived after the bytes still buffered, without waiting: `None` at the
-    /// end of the stream, `Some(0)` when nothing has arrived.
     fn fill(&mut self) -> std::io::Result<Option<usize>> {
-        self.buf.copy_within(self.at..self.end, 0);
-        self.end -= self.at;
-        self.at = 0;
-        loop {
-            match (&self.s).read(&mut self.buf[self.end..]) {
-                Ok(0) => return Ok(None),
-                Ok(n) => {
-                    self.end += n;
-                    return Ok(Some(n));
-                }
-                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return Ok(Some(0)),
-                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-                Err(e) => return Err(e),
-            }
-        }
+        self.ahead.fill(&self.s)
     }
 
     /// The next request's header if one has begun to arrive (read whole, waiting for the
@@ -354,18 +336,14 @@ impl Conn {
             }
         }
         let mut h = [0u8; HEADER_LEN];
-        h.copy_from_slice(&self.buf[self.at..self.at + HEADER_LEN]);
-        self.at += HEADER_LEN;
+        self.ahead.take(&mut h);
         Ok(Arrived::Header(h))
     }
 
     /// Fills `dst` with the stream's next bytes: those read ahead, then the rest straight from
     /// the socket, waiting for them.
     fn read_exact(&mut self, inner: &Inner, dst: &mut [u8]) -> std::io::Result<()> {
-        let n = dst.len().min(self.buffered());
-        dst[..n].copy_from_slice(&self.buf[self.at..self.at + n]);
-        self.at += n;
-        let mut at = n;
+        let mut at = self.ahead.take(dst);
         if at < dst.len() {
             self.flush(inner)?;
         }
@@ -383,9 +361,7 @@ impl Conn {
 
     /// Skips the stream's next `n` bytes.
     fn skip(&mut self, inner: &Inner, mut n: u64) -> std::io::Result<()> {
-        let k = n.min(self.buffered() as u64) as usize;
-        self.at += k;
-        n -= k as u64;
+        n -= self.ahead.skip(n);
         let mut sink = [0u8; 4096];
         while n > 0 {
             let k = (n as usize).min(sink.len());

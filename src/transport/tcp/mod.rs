@@ -51,6 +51,7 @@ mod client;
 mod listen;
 
 use std::collections::HashMap;
+use std::io::Read;
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
@@ -249,6 +250,60 @@ fn parse_url(url: &[u8]) -> Result<Url> {
     Ok(Url { addr: addr.to_string(), token: token.ok_or_else(bad)? })
 }
 
+/// Bytes read from a non-blocking socket ahead of their parsing, so that what arrived together
+/// (a batch of requests, or of their answers) is read with one system call.
+struct ReadAhead {
+    buf: Box<[u8]>,
+    at: usize,
+    end: usize,
+}
+
+impl ReadAhead {
+    fn new(capacity: usize) -> ReadAhead {
+        ReadAhead { buf: vec![0; capacity].into_boxed_slice(), at: 0, end: 0 }
+    }
+
+    /// Bytes read and not yet taken.
+    fn buffered(&self) -> usize {
+        self.end - self.at
+    }
+
+    /// Reads what has arrived on `s` after the bytes still buffered, without waiting: `None`
+    /// at the end of the stream, `Some(0)` when nothing has arrived.
+    fn fill(&mut self, mut s: &TcpStream) -> std::io::Result<Option<usize>> {
+        self.buf.copy_within(self.at..self.end, 0);
+        self.end -= self.at;
+        self.at = 0;
+        loop {
+            match s.read(&mut self.buf[self.end..]) {
+                Ok(0) => return Ok(None),
+                Ok(n) => {
+                    self.end += n;
+                    return Ok(Some(n));
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return Ok(Some(0)),
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    /// Moves the first buffered bytes into `dst`, as many as fit; how many.
+    fn take(&mut self, dst: &mut [u8]) -> usize {
+        let n = dst.len().min(self.buffered());
+        dst[..n].copy_from_slice(&self.buf[self.at..self.at + n]);
+        self.at += n;
+        n
+    }
+
+    /// Drops up to `n` buffered bytes; how many.
+    fn skip(&mut self, n: u64) -> u64 {
+        let k = n.min(self.buffered() as u64);
+        self.at += k as usize;
+        k
+    }
+}
+
 fn tune(s: &TcpStream, timeout: Duration) {
     use rustix::net::sockopt;
     let _ = s.set_nodelay(true);
@@ -381,22 +436,12 @@ mod tests {
     }
 
     use crate::tensor::{DType, Tensor};
-    use crate::transport::{Atomic, Transport, new_transport};
+    use crate::transport::{Atomic, Transport, new_transport, testkit};
 
-    const LONG: Option<Duration> = Some(Duration::from_secs(30));
+    use testkit::{LONG, u32_at};
 
     fn pair() -> (Transport, Transport) {
-        let a = new_transport("tcp", None, &Options::new()).unwrap();
-        let b = new_transport("tcp", None, &Options::new()).unwrap();
-        let (ua, ub) = (a.bind(None).unwrap(), b.bind(None).unwrap());
-        a.connect(&ub, None).unwrap();
-        b.connect(&ua, None).unwrap();
-        (a, b)
-    }
-
-    fn u32_at(t: &Tensor, at: usize) -> u32 {
-        let v = t.to_vec::<u8>().unwrap();
-        u32::from_le_bytes(v[at..at + 4].try_into().unwrap())
+        testkit::pair("tcp").unwrap()
     }
 
     #[test]
@@ -446,67 +491,7 @@ mod tests {
     #[test]
     fn a_batch_of_mixed_requests_read_ahead_by_the_target_each_get_their_own_outcome() {
         let (a, b) = pair();
-        let big = 20 * 1024;
-        let dst = Tensor::zeros(&[4096 + big], DType::U8).unwrap();
-        let remote = b.register_memory(&dst).unwrap().to_remote_buffer().unwrap();
-        let ro = Tensor::zeros(&[64], DType::U8).unwrap();
-        // Withdrawn after its descriptor was handed out: only the target can refuse it.
-        let withdrawn = b.register_memory(&ro).unwrap();
-        let gone = withdrawn.to_remote_buffer().unwrap();
-        b.unregister_memory(&withdrawn).unwrap();
-        let src: Vec<u8> = (0..4096 + big).map(|i| (i * 7 + 1) as u8).collect();
-        let src = Tensor::from_slice(&[src.len()], &src).unwrap();
-        let ms = a.register_memory(&src).unwrap();
-        let back = Tensor::zeros(&[4096 + big], DType::U8).unwrap();
-        let mb = a.register_memory(&back).unwrap();
-        let word = Tensor::zeros(&[8], DType::U8).unwrap();
-        let mw = a.register_memory_read_only(&word).unwrap();
-        let works = a
-            .batch(|| -> crate::error::Result<_> {
-                let mut ok = Vec::new();
-                let mut refused = Vec::new();
-                for i in 0..64 {
-                    let at = i * 64;
-                    ok.push(a.start_write(&ms.to_view(at, Some(60))?, &remote.slice(at as u64, 60)?, LONG)?);
-                    if i % 16 == 5 {
-                        // Refused mid-batch: its payload is skipped, the rest served.
-                        refused.push(a.start_write(&ms.to_view(0, Some(48))?, &gone.slice(0, 48)?, LONG)?);
-                    }
-                    // In order: the read sees the write before it.
-                    ok.push(a.start_read(&mb.to_mutable_view(at, Some(60))?, &remote.slice(at as u64, 60)?, LONG)?);
-                    let word_at = (at + 60) as u64;
-                    ok.push(a.start_atomic(
-                        &mw.to_view(0, Some(4))?,
-                        &remote.slice(word_at, 4)?,
-                        Atomic::Set32,
-                        i as u64,
-                        LONG,
-                        false,
-                    )?);
-                }
-                // More than the target reads ahead, and a reply larger than it gathers.
-                ok.push(a.start_write(&ms.to_view(4096, Some(big))?, &remote.slice(4096, big as u64)?, LONG)?);
-                ok.push(a.start_read(&mb.to_mutable_view(4096, Some(big))?, &remote.slice(4096, big as u64)?, LONG)?);
-                Ok((ok, refused))
-            })
-            .unwrap();
-        for w in works.0 {
-            w.wait(LONG).unwrap();
-        }
-        for w in works.1 {
-            let e = w.wait(LONG).unwrap_err();
-            assert!(e.to_string().contains("unknown remote buffer"), "{e}");
-        }
-        let (s, d, r) = (src.to_vec::<u8>().unwrap(), dst.to_vec::<u8>().unwrap(), back.to_vec::<u8>().unwrap());
-        for i in 0..64 {
-            let at = i * 64;
-            assert_eq!(&d[at..at + 60], &s[at..at + 60], "block {i}");
-            assert_eq!(&r[at..at + 60], &s[at..at + 60], "block {i} read back");
-            assert_eq!(u32_at(&dst, at + 60), i as u32, "word {i}");
-        }
-        assert_eq!(&d[4096..], &s[4096..]);
-        assert_eq!(&r[4096..], &s[4096..]);
-        assert!(ro.to_vec::<u8>().unwrap().iter().all(|&x| x == 0));
+        testkit::a_batch_of_mixed_requests_each_get_their_own_outcome(&a, &b);
     }
 
     #[test]
@@ -545,77 +530,18 @@ mod tests {
 
     #[test]
     fn posted_requests_complete_once_sent_land_in_order_and_a_close_fences_them() {
-        let a = new_transport("tcp", None, &Options::new()).unwrap();
         let backend = TcpBackend::new(&Options::new()).unwrap();
-        let b_inner = backend.inner.clone();
-        let b = Transport::new(Box::new(backend), None);
-        let (ua, ub) = (a.bind(None).unwrap(), b.bind(None).unwrap());
-        a.connect(&ub, None).unwrap();
-        b.connect(&ua, None).unwrap();
-        let dst = Tensor::zeros(&[64 + 8], DType::U8).unwrap();
-        let remote = b.register_memory(&dst).unwrap().to_remote_buffer().unwrap();
-        let src: Vec<u8> = (0..16 * 64).map(|i| (i / 64) as u8 + 1).collect();
-        let src = Tensor::from_slice(&[src.len()], &src).unwrap();
-        let ms = a.register_memory(&src).unwrap();
-        let word = Tensor::zeros(&[8], DType::U8).unwrap();
-        let mw = a.register_memory_read_only(&word).unwrap();
-        // A slot put is never posted: it is answered (the slot may be busy).
-        a.start_atomic(&mw.to_view(0, Some(4)).unwrap(), &remote.slice(68, 4).unwrap(), Atomic::SlotPut, 1, LONG, true)
-            .unwrap()
-            .wait(LONG)
-            .unwrap();
-        // The target cannot serve writes while its table is locked.
-        let table = b_inner.table.write().unwrap();
-        for i in 0..16 {
-            let w = a.post_write(&ms.to_view(i * 64, Some(64)).unwrap(), &remote.slice(0, 64).unwrap(), LONG);
-            // Done once written: no answer is awaited (the peer sends none).
-            w.unwrap().wait(LONG).unwrap();
-        }
-        let last = remote.slice(64, 4).unwrap();
-        a.start_atomic(&mw.to_view(0, Some(4)).unwrap(), &last, Atomic::Set32, 77, LONG, true)
-            .unwrap()
-            .wait(LONG)
-            .unwrap();
-        let closed = Arc::new(AtomicBool::new(false));
-        let closing = {
-            let closed = closed.clone();
-            std::thread::spawn(move || {
-                let r = a.close(LONG);
-                closed.store(true, Ordering::Release);
-                r
-            })
-        };
-        std::thread::sleep(Duration::from_millis(200));
-        // Closing fences: it waits for the target to serve what was posted.
-        assert!(!closed.load(Ordering::Acquire), "close returned before the posted requests landed");
-        drop(table);
-        closing.join().unwrap().unwrap();
-        let d = dst.to_vec::<u8>().unwrap();
-        assert!(d[..64].iter().all(|&x| x == 16), "in order, the last write lands last");
-        assert_eq!(u32_at(&dst, 64), 77);
-        assert_eq!(u32_at(&dst, 68), 1);
+        let owner = backend.inner.clone();
+        let a = new_transport("tcp", None, &Options::new()).unwrap();
+        let (a, b) = testkit::connect(a, Transport::new(Box::new(backend), None));
+        // The owner cannot serve writes while its table is locked.
+        testkit::posted_requests_land_in_order_and_a_close_fences_them(a, &b, || owner.table.write().unwrap());
     }
 
     #[test]
     fn a_refused_posted_write_ends_the_connection_with_the_reason() {
         let (a, b) = pair();
-        let gone = Tensor::zeros(&[64], DType::U8).unwrap();
-        let m = b.register_memory(&gone).unwrap();
-        let stale = m.to_remote_buffer().unwrap();
-        b.unregister_memory(&m).unwrap();
-        let src = Tensor::zeros(&[8], DType::U8).unwrap();
-        let ms = a.register_memory(&src).unwrap();
-        // Completed when sent; the refusal has nobody to go to but the connection.
-        a.post_write(&ms.to_view(0, None).unwrap(), &stale.slice(0, 8).unwrap(), LONG).unwrap().wait(LONG).unwrap();
-        let deadline = std::time::Instant::now() + Duration::from_secs(10);
-        while a.connected() && std::time::Instant::now() < deadline {
-            std::thread::sleep(Duration::from_millis(5));
-        }
-        assert!(!a.connected(), "a refused posted write left the connection up");
-        let why = a.disconnect_reason().unwrap_or_default();
-        assert!(why.contains("refused a posted request") && why.contains("unknown remote buffer"), "{why}");
-        let e = a.start_write(&ms.to_view(0, None).unwrap(), &stale, LONG).unwrap_err();
-        assert_eq!(e.transfer_kind(), Some(crate::error::TransferKind::PeerLost), "{e}");
+        testkit::a_refused_posted_write_ends_the_connection_with_the_reason(&a, &b);
     }
 
     #[test]

@@ -217,7 +217,12 @@ fn send(s: &TcpStream, bytes: &[u8]) -> bool {
 fn start_serving(inner: &Arc<Inner>, stream: TcpStream, flow: u32) {
     tune(&stream, inner.opts.timeout);
     let Ok(poller) = stream.try_clone() else { return };
-    let served = Arc::new(Served { flow, poller, conn: Mutex::new(Conn::new(stream)) });
+    let Ok(kick) =
+        rustix::event::eventfd(0, rustix::event::EventfdFlags::CLOEXEC | rustix::event::EventfdFlags::NONBLOCK)
+    else {
+        return;
+    };
+    let served = Arc::new(Served { flow, poller, kick, conn: Mutex::new(Conn::new(stream)) });
     inner.serving.fetch_add(1, Ordering::Relaxed);
     let inner2 = inner.clone();
     let spawned = std::thread::Builder::new().name("symmem-tcp-serve".into()).spawn(move || {
@@ -243,12 +248,17 @@ fn start_serving(inner: &Arc<Inner>, stream: TcpStream, flow: u32) {
 
 /// A flow being served. Whoever holds `conn` serves it: the flow's thread, which waits for
 /// requests without holding it, or a caller waiting for a signal from the peer
-/// ([`serve_arrived`]), which then needs no other thread to apply it.
+/// ([`serve_arrived`]), which then needs no other thread to apply it. A caller serves only
+/// what has arrived whole and never waits for the peer; what it leaves (a request still
+/// arriving, a read, answers the socket had no room for) it hands to the thread through
+/// `kick`.
 pub(super) struct Served {
     /// The flow's index among its client's flows (flow 0 carries the small requests).
     flow: u32,
     /// The same socket, to wait for requests without holding `conn`, and to shut it down.
     pub(super) poller: TcpStream,
+    /// An eventfd that wakes the flow's thread for what a caller left.
+    kick: std::os::fd::OwnedFd,
     conn: Mutex<Conn>,
 }
 
@@ -258,6 +268,13 @@ const READ_AHEAD: usize = 8 * 1024;
 /// Replies with more payload than this are written at once rather than gathered.
 const GATHER_MAX: usize = 16 * 1024;
 
+/// Who is serving: the flow's thread, which may wait for the peer, or a caller that must not.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Who {
+    Thread,
+    Caller,
+}
+
 /// A served flow's socket (non-blocking), read ahead and answered in batches. Gathered
 /// replies are written whenever the requests that have arrived are all handled, and before
 /// every wait for more, so the peer never waits for an answer this side holds.
@@ -265,83 +282,112 @@ struct Conn {
     s: TcpStream,
     ahead: ReadAhead,
     out: Vec<u8>,
+    /// Who is serving it now.
+    who: Who,
 }
 
 /// What looking for the next request found.
 enum Arrived {
-    Header([u8; HEADER_LEN]),
-    /// Nothing has arrived (at a request boundary).
+    /// A request's header (its payload follows, read whole by the thread, or already buffered
+    /// for a caller).
+    Request(Header),
+    /// Nothing more to serve now (at a request boundary, or for a caller, what is left is for
+    /// the thread).
     Empty,
     /// The peer closed the flow (at a request boundary).
     End,
 }
 
+/// Waits until `s` is readable (`IN`) or writable (`OUT`), at most a second; an error once the
+/// transport is closed.
+fn wait(inner: &Inner, s: &TcpStream, flags: PollFlags) -> std::io::Result<()> {
+    if inner.closed.load(Ordering::Acquire) {
+        return Err(std::io::Error::other("the transport was closed"));
+    }
+    let mut fds = [PollFd::new(s, flags)];
+    let t = rustix::time::Timespec { tv_sec: 1, tv_nsec: 0 };
+    let _ = poll(&mut fds, Some(&t));
+    Ok(())
+}
+
+/// Writes what `s` takes of `bytes` now, and with `who` the thread the rest, waiting for room;
+/// how much was written.
+fn write_some(inner: &Inner, mut s: &TcpStream, bytes: &[u8], who: Who) -> std::io::Result<usize> {
+    let mut done = 0;
+    while done < bytes.len() {
+        match s.write(&bytes[done..]) {
+            Ok(0) => return Err(std::io::ErrorKind::WriteZero.into()),
+            Ok(n) => done += n,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock && who == Who::Caller => break,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => wait(inner, s, PollFlags::OUT)?,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(done)
+}
+
 impl Conn {
     fn new(s: TcpStream) -> Conn {
-        Conn { s, ahead: ReadAhead::new(READ_AHEAD), out: Vec::with_capacity(1024) }
+        Conn { s, ahead: ReadAhead::new(READ_AHEAD), out: Vec::with_capacity(1024), who: Who::Thread }
     }
 
-    fn buffered(&self) -> usize {
-        self.ahead.buffered()
-    }
-
-    /// Waits until the socket is readable (`IN`) or writable (`OUT`), at most a second; an
-    /// error once the transport is closed.
-    fn wait(&self, inner: &Inner, flags: PollFlags) -> std::io::Result<()> {
-        if inner.closed.load(Ordering::Acquire) {
-            return Err(std::io::Error::other("the transport was closed"));
-        }
-        let mut fds = [PollFd::new(&self.s, flags)];
-        let t = rustix::time::Timespec { tv_sec: 1, tv_nsec: 0 };
-        let _ = poll(&mut fds, Some(&t));
-        Ok(())
-    }
-
-    /// Writes the gathered replies, waiting for room as needed.
+    /// Writes the gathered replies (a caller: what the socket takes now; the rest stays).
     fn flush(&mut self, inner: &Inner) -> std::io::Result<()> {
-        let mut done = 0;
-        while done < self.out.len() {
-            match (&self.s).write(&self.out[done..]) {
-                Ok(0) => return Err(std::io::ErrorKind::WriteZero.into()),
-                Ok(n) => done += n,
-                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => self.wait(inner, PollFlags::OUT)?,
-                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-                Err(e) => return Err(e),
-            }
-        }
-        self.out.clear();
+        let n = write_some(inner, &self.s, &self.out, self.who)?;
+        self.out.drain(..n);
         Ok(())
     }
 
-    fn fill(&mut self) -> std::io::Result<Option<usize>> {
-        self.ahead.fill(&self.s)
-    }
-
-    /// The next request's header if one has begun to arrive (read whole, waiting for the
-    /// rest); otherwise, with the gathered replies written, `Empty` or `End`.
-    fn header(&mut self, inner: &Inner) -> std::io::Result<Arrived> {
-        while self.buffered() < HEADER_LEN {
-            match self.fill()? {
-                None if self.buffered() == 0 => return Ok(Arrived::End),
+    /// The next request's header if one has begun to arrive: the thread reads it whole,
+    /// waiting for the rest; a caller takes it only if it arrived whole, with a write's
+    /// payload, and is not a read (whose answer may not fit the socket). Otherwise, with the
+    /// gathered replies written, `Empty` or `End`.
+    fn next(&mut self, inner: &Inner) -> std::io::Result<Arrived> {
+        let who = self.who;
+        loop {
+            let buffered = self.ahead.buffered();
+            if buffered >= HEADER_LEN {
+                let mut hdr = [0u8; HEADER_LEN];
+                hdr.copy_from_slice(&self.ahead.peek()[..HEADER_LEN]);
+                let h = Header::decode(&hdr).map_err(std::io::Error::other)?;
+                if h.length > MAX_CHUNK {
+                    return Err(std::io::Error::other(format!("frame of {} bytes exceeds {MAX_CHUNK}", h.length)));
+                }
+                // The thread reads a payload straight into memory; a caller only from the
+                // read-ahead (MAX_CHUNK bounds the sum).
+                let need = HEADER_LEN + if h.op == Op::Write { h.length as usize } else { 0 };
+                if who == Who::Thread || buffered >= need {
+                    if who == Who::Caller && h.op == Op::Read {
+                        self.flush(inner)?;
+                        return Ok(Arrived::Empty);
+                    }
+                    self.ahead.skip(HEADER_LEN as u64);
+                    return Ok(Arrived::Request(h));
+                }
+                if need > READ_AHEAD {
+                    self.flush(inner)?;
+                    return Ok(Arrived::Empty);
+                }
+            }
+            match self.ahead.fill(&self.s)? {
+                None if self.ahead.buffered() == 0 => return Ok(Arrived::End),
                 None => return Err(std::io::ErrorKind::UnexpectedEof.into()),
-                Some(0) if self.buffered() == 0 => {
+                Some(0) if self.ahead.buffered() == 0 || who == Who::Caller => {
                     self.flush(inner)?;
                     return Ok(Arrived::Empty);
                 }
                 Some(0) => {
                     self.flush(inner)?;
-                    self.wait(inner, PollFlags::IN)?;
+                    wait(inner, &self.s, PollFlags::IN)?;
                 }
                 Some(_) => {}
             }
         }
-        let mut h = [0u8; HEADER_LEN];
-        self.ahead.take(&mut h);
-        Ok(Arrived::Header(h))
     }
 
-    /// Fills `dst` with the stream's next bytes: those read ahead, then the rest straight from
-    /// the socket, waiting for them.
+    /// Fills `dst` with the stream's next bytes: those read ahead (all of them for a caller,
+    /// see `next`), then the rest straight from the socket, waiting for them.
     fn read_exact(&mut self, inner: &Inner, dst: &mut [u8]) -> std::io::Result<()> {
         let mut at = self.ahead.take(dst);
         if at < dst.len() {
@@ -351,7 +397,7 @@ impl Conn {
             match (&self.s).read(&mut dst[at..]) {
                 Ok(0) => return Err(std::io::ErrorKind::UnexpectedEof.into()),
                 Ok(k) => at += k,
-                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => self.wait(inner, PollFlags::IN)?,
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => wait(inner, &self.s, PollFlags::IN)?,
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
                 Err(e) => return Err(e),
             }
@@ -372,15 +418,15 @@ impl Conn {
     }
 
     /// Answers a request: gathered while more requests are buffered, written before the next
-    /// wait (and at once when it carries much).
+    /// wait (and at once when it carries much: only the thread serves reads).
     fn send(&mut self, inner: &Inner, h: &Header, payload: &[u8]) -> std::io::Result<()> {
-        if payload.len() > GATHER_MAX {
-            self.flush(inner)?;
-            self.out.extend_from_slice(&h.encode());
-            self.flush(inner)?;
-            return write_all(inner, self, payload);
-        }
         self.out.extend_from_slice(&h.encode());
+        if payload.len() > GATHER_MAX {
+            // Only the thread serves reads (see `next`).
+            self.flush(inner)?;
+            write_some(inner, &self.s, payload, Who::Thread)?;
+            return Ok(());
+        }
         self.out.extend_from_slice(payload);
         if self.out.len() >= READ_AHEAD {
             self.flush(inner)?;
@@ -394,37 +440,23 @@ impl Conn {
     }
 }
 
-/// Writes `bytes` (a large reply's payload, straight from registered memory) on `c`'s socket,
-/// waiting for room as needed.
-fn write_all(inner: &Inner, c: &Conn, bytes: &[u8]) -> std::io::Result<()> {
-    let mut done = 0;
-    while done < bytes.len() {
-        match (&c.s).write(&bytes[done..]) {
-            Ok(0) => return Err(std::io::ErrorKind::WriteZero.into()),
-            Ok(n) => done += n,
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => c.wait(inner, PollFlags::OUT)?,
-            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(e),
-        }
-    }
-    Ok(())
-}
-
 /// Serves one flow that passed its handshake: requests in, replies out, until the peer closes
-/// or breaks the protocol. Waits for requests without holding the flow, so a waiter may serve
-/// them first.
+/// or breaks the protocol. Waits for requests (or a caller's kick) without holding the flow,
+/// so a waiter may serve them first.
 fn serve(inner: &Inner, served: &Served) -> std::io::Result<()> {
     loop {
         if inner.closed.load(Ordering::Acquire) {
             return Ok(());
         }
         {
-            let mut fds = [PollFd::new(&served.poller, PollFlags::IN)];
+            let mut fds = [PollFd::new(&served.poller, PollFlags::IN), PollFd::new(&served.kick, PollFlags::IN)];
             let t = rustix::time::Timespec { tv_sec: 1, tv_nsec: 0 };
             let _ = poll(&mut fds, Some(&t));
+            let mut b = [0u8; 8];
+            let _ = rustix::io::read(&served.kick, &mut b);
         }
         let mut c = lock(&served.conn);
-        match serve_some(inner, &mut c) {
+        match serve_some(inner, &mut c, Who::Thread) {
             Ok(true) => {}
             Ok(false) => return Ok(()),
             Err(e) => {
@@ -436,34 +468,38 @@ fn serve(inner: &Inner, served: &Served) -> std::io::Result<()> {
     }
 }
 
-/// Serves, on the calling thread, the requests that have already arrived on the flows that
-/// carry small ones (flow 0 of each client), unless their threads are at it; never waits for a
-/// request that has not begun to arrive.
+/// Serves, on the calling thread, the requests that have arrived whole on the flows that
+/// carry small ones (flow 0 of each client), unless their threads are at it. Never waits for
+/// the peer (a request still arriving, room for an answer): what it leaves, the flow's thread
+/// is woken for.
 pub(super) fn serve_arrived(inner: &Inner) {
     let served = inner.served.read().unwrap_or_else(|p| p.into_inner());
     for s in served.values().filter(|s| s.flow == 0) {
         let Ok(mut c) = s.conn.try_lock() else { continue };
-        if let Err(e) = serve_some(inner, &mut c) {
-            tracing::debug!("tcp transport: closing a served connection: {e}");
-            // Its thread sees the end and cleans up.
-            let _ = c.s.shutdown(std::net::Shutdown::Both);
+        match serve_some(inner, &mut c, Who::Caller) {
+            Ok(_) if c.ahead.buffered() == 0 && c.out.is_empty() => {}
+            Ok(_) => {
+                let _ = rustix::io::write(&s.kick, &1u64.to_ne_bytes());
+            }
+            Err(e) => {
+                tracing::debug!("tcp transport: closing a served connection: {e}");
+                // Its thread sees the end and cleans up.
+                let _ = c.s.shutdown(std::net::Shutdown::Both);
+            }
         }
     }
 }
 
-/// Handles the requests that have arrived on a flow, and writes their replies; false at the
-/// end of the stream.
-fn serve_some(inner: &Inner, c: &mut Conn) -> std::io::Result<bool> {
+/// Handles the requests that have arrived on a flow (see `Conn::next` for what a caller
+/// takes), and writes their replies; false at the end of the stream.
+fn serve_some(inner: &Inner, c: &mut Conn, who: Who) -> std::io::Result<bool> {
+    c.who = who;
     loop {
-        let hdr = match c.header(inner)? {
-            Arrived::Header(h) => h,
+        let h = match c.next(inner)? {
+            Arrived::Request(h) => h,
             Arrived::Empty => return Ok(true),
             Arrived::End => return Ok(false),
         };
-        let h = Header::decode(&hdr).map_err(std::io::Error::other)?;
-        if h.length > MAX_CHUNK {
-            return Err(std::io::Error::other(format!("frame of {} bytes exceeds {MAX_CHUNK}", h.length)));
-        }
         let write = match h.op {
             Op::Write => true,
             Op::Read => false,

@@ -288,6 +288,11 @@ impl ReadAhead {
         }
     }
 
+    /// The buffered bytes, not taken.
+    fn peek(&self) -> &[u8] {
+        &self.buf[self.at..self.end]
+    }
+
     /// Moves the first buffered bytes into `dst`, as many as fit; how many.
     fn take(&mut self, dst: &mut [u8]) -> usize {
         let n = dst.len().min(self.buffered());
@@ -497,7 +502,7 @@ mod tests {
     #[test]
     fn a_target_thread_serving_what_arrived_alternates_safely_with_the_flows_thread() {
         let (a, b) = pair();
-        let dst = Tensor::zeros(&[256], DType::U8).unwrap();
+        let dst = Tensor::zeros(&[64 * 1024], DType::U8).unwrap();
         let remote = b.register_memory(&dst).unwrap().to_remote_buffer().unwrap();
         let stop = Arc::new(AtomicBool::new(false));
         let b = Arc::new(b);
@@ -512,13 +517,15 @@ mod tests {
                 calls
             })
         };
-        let src = Tensor::zeros(&[256], DType::U8).unwrap();
-        let back = Tensor::zeros(&[256], DType::U8).unwrap();
+        let src = Tensor::zeros(&[64 * 1024], DType::U8).unwrap();
+        let back = Tensor::zeros(&[64 * 1024], DType::U8).unwrap();
         let (ms, mb) = (a.register_memory(&src).unwrap(), a.register_memory(&back).unwrap());
         for i in 0..1000u32 {
             let v = (i as u8).wrapping_mul(13).wrapping_add(1);
             src.fill(v).unwrap();
-            let n = 1 + (i as usize * 37) % 256;
+            // Mostly small (served by whoever looks first), some larger than the target reads
+            // ahead (left by the serving caller to the flow's thread).
+            let n = if i % 50 == 7 { 64 * 1024 } else { 1 + (i as usize * 37) % 256 };
             a.write(&ms.to_view(0, Some(n)).unwrap(), &remote.slice(0, n as u64).unwrap(), LONG).unwrap();
             a.read(&mb.to_mutable_view(0, Some(n)).unwrap(), &remote.slice(0, n as u64).unwrap(), LONG).unwrap();
             assert!(back.to_vec::<u8>().unwrap()[..n].iter().all(|&x| x == v), "round {i}");

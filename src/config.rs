@@ -87,8 +87,8 @@ knobs! {
     TCP_HOST = "SYMMEM_TRANSPORT_TCP_HOST", "the route to MASTER_ADDR",
         "the address a tcp transport endpoint listens on and publishes to its peers; by default, in a job, the local address of the route to its store (loopback on one host), else 127.0.0.1";
     /// The backend of symmetric memory's links between hosts.
-    XHOST_BACKEND = "SYMMEM_XHOST_BACKEND", "tcp",
-        "the transport symmetric memory's links between hosts use: `tcp`, or `ucx` (opt-in: UCX does not authenticate its peers); every rank must say the same";
+    XHOST_BACKEND = "SYMMEM_XHOST_BACKEND", "ucx over RDMA, else tcp",
+        "the transport symmetric memory's links between hosts use: by default ucx where UCX reaches other hosts without its tcp transport (an RDMA fabric), else tcp; `ucx` forces UCX on whatever UCX_TLS allows (UCX's tcp does not authenticate its peers), `tcp` forces tcp; set, every rank must say the same";
     /// The tcp transport's chunk size.
     TCP_CHUNK_SIZE = "SYMMEM_TRANSPORT_TCP_CHUNK_SIZE", "1048576", "the largest chunk of a striped tcp transfer, in bytes";
     /// The store the `symmem store` client commands talk to.

@@ -891,6 +891,12 @@ fn auto_composes_its_members_and_reports_the_chosen_paths_caps() {
     a.connect(url.as_bytes(), None).unwrap();
     assert!(a.describe().starts_with("auto via tcp"), "{}", a.describe());
     assert_eq!(a.caps(), transport::tcp::CAPS);
+    // ucx ranks before tcp, but only over a fabric other than UCX's own tcp, which a machine
+    // without RDMA lacks: auto says why it took tcp instead.
+    if transport::ucx::available().is_ok() && transport::ucx::fabric().is_err() {
+        let d = a.describe();
+        assert!(d.contains("ucx: ") && d.contains("an RDMA fabric") && d.contains("but tcp"), "{d}");
+    }
 
     // Only unknown members, or a duplicated one: a clear error.
     let a = new_transport("auto", None, &Options::new()).unwrap();

@@ -1130,20 +1130,36 @@ fn info() {
     say!(
         "             shm: same host, one copy (memcpy through mappings, or process_vm_writev/readv); needs the same user and no ptrace restriction"
     );
-    match symmem::transport::ucx::version() {
-        Ok(v) => say!(
-            "             ucx: any two hosts over UCX {v} (UCX_TLS, UCX_NET_DEVICES pass through); opt-in: UCX does not authenticate peers"
-        ),
+    let ucx = symmem::transport::ucx::version();
+    match &ucx {
+        Ok(v) => {
+            say!("             ucx: any two hosts over UCX {v} (UCX_TLS, UCX_NET_DEVICES pass through), through:");
+            match symmem::transport::ucx::resources() {
+                Ok(all) => {
+                    for r in all {
+                        say!("                  {}/{} ({})", r.tl, r.device, r.kind);
+                    }
+                }
+                Err(why) => say!("                  (its transports cannot be listed: {why})"),
+            }
+        }
         Err(why) => say!("             ucx: unavailable ({why})"),
     }
-    say!(
-        "             auto: shm for a peer on this host when the kernel allows it, else {}tcp",
-        if symmem::config::xhost_backend().as_deref() == Some("ucx") {
-            "ucx (SYMMEM_XHOST_BACKEND=ucx), else "
-        } else {
-            ""
+    let fabric = symmem::transport::ucx::fabric();
+    let network = if symmem::config::xhost_backend().as_deref() == Some("ucx") {
+        "ucx (SYMMEM_XHOST_BACKEND=ucx, on any UCX transport), else tcp".to_string()
+    } else {
+        match &fabric {
+            Ok(net) => {
+                let names: Vec<String> = net.iter().map(|r| format!("{}/{}", r.tl, r.device)).collect();
+                format!("ucx over {} (never UCX's tcp), else tcp", names.join(", "))
+            }
+            Err(why) if ucx.is_ok() => format!("tcp (not ucx: {why})"),
+            Err(_) => "tcp".to_string(),
         }
-    );
+    };
+    say!("             auto: shm for a peer on this host when the kernel allows it, else {network}");
+    say!("             links of symmetric memory between hosts: the same network choice");
     say!("  symmetric  CPU: shared memory (memfd) between ranks of one host; needs /proc/<pid>/fd access to peers");
     say!();
     say!("this machine");

@@ -377,6 +377,63 @@ fn info_lists_every_knob() {
     assert!(s.contains("/dev/shm"), "{s}");
 }
 
+/// `symmem info` lists every transport and device UCX offers here, as UCX's own `ucx_info -d`
+/// does, and says whether `auto` would take UCX (never through UCX's tcp); with `UCX_TLS` set,
+/// only what it allows.
+#[test]
+fn info_lists_the_ucx_transports_ucx_info_reports() {
+    if let Err(why) = symmem::transport::ucx::available() {
+        eprintln!("SKIPPED: no ucx here ({why})");
+        return;
+    }
+    let Ok(ui) = Command::new("ucx_info").arg("-d").env_remove("UCX_TLS").output() else {
+        eprintln!("SKIPPED: no ucx_info (Debian: ucx-utils)");
+        return;
+    };
+    let (mut want, mut tl, mut dev) = (Vec::new(), String::new(), String::new());
+    for line in text(&ui.stdout).lines() {
+        let line = line.trim_start_matches('#').trim();
+        if let Some(v) = line.strip_prefix("Transport: ") {
+            tl = v.to_string();
+        } else if let Some(v) = line.strip_prefix("Device: ") {
+            dev = v.to_string();
+        } else if let Some(v) = line.strip_prefix("Type: ") {
+            let kind = match v {
+                "network" => "network",
+                "intra-node" => "shared memory",
+                "loopback" => "loopback",
+                "accelerator" => "accelerator",
+                other => panic!("ucx_info reports a device type this test does not know: {other}"),
+            };
+            want.push((tl.clone(), format!("{tl}/{dev} ({kind})")));
+        }
+    }
+    assert!(want.iter().any(|(tl, _)| tl == "tcp"), "ucx_info -d lists no tcp: {}", text(&ui.stdout));
+    let info = |tls: Option<&str>| {
+        let mut c = Command::new(BIN);
+        c.arg("info").env_remove("SYMMEM_XHOST_BACKEND");
+        match tls {
+            Some(t) => c.env("UCX_TLS", t),
+            None => c.env_remove("UCX_TLS"),
+        };
+        let out = c.output().unwrap();
+        assert!(out.status.success());
+        text(&out.stdout)
+    };
+    let s = info(None);
+    for (_, line) in &want {
+        assert!(s.contains(line), "info does not list {line}: {s}");
+    }
+    let fabric = want.iter().any(|(tl, line)| tl != "tcp" && line.ends_with("(network)"));
+    if !fabric {
+        assert!(s.contains("else tcp (not ucx: UCX has no network transport here but tcp"), "{s}");
+    }
+    let s = info(Some("tcp"));
+    for (tl, line) in &want {
+        assert_eq!(s.contains(line), tl == "tcp", "UCX_TLS=tcp, {line}: {s}");
+    }
+}
+
 #[test]
 fn bench_signal_emits_the_baselines_pinned_and_unpinned_and_every_rank_count() {
     let out = symmem(&["bench", "signal", "--json", "--ranks", "2,3", "--iters", "200"]);

@@ -92,34 +92,77 @@ fn link_timeout() -> Duration {
     crate::config::op_timeout()
 }
 
-/// The backend of links between hosts: `SYMMEM_XHOST_BACKEND` if set, else the first
-/// built-in that `auto` composes with what links need (remote atomics, any host).
-fn link_backend() -> Result<String> {
+/// The backend of links between hosts, and whether the user chose it: `SYMMEM_XHOST_BACKEND`
+/// if set, else the first built-in that symmem may pick by itself here with what links need
+/// (remote atomics, any host): ucx over an RDMA fabric, tcp otherwise.
+fn link_backend() -> Result<(String, bool)> {
     // Links signal peers with remote atomics, and cross hosts.
     let fits = |c: &transport::Caps| c.remote_atomics && c.reach == Reach::AnyHost;
     match crate::config::xhost_backend() {
         Some(name) => match transport::caps_of(&name) {
-            Some(c) if fits(&c) => Ok(name),
+            Some(c) if fits(&c) => Ok((name, true)),
             _ => Err(Error::InvalidArgument(format!(
                 "SYMMEM_XHOST_BACKEND={name:?} is not a backend that links hosts (tcp, ucx)"
             ))),
         },
-        None => transport::pick(fits).map(str::to_string).ok_or_else(|| Error::Unsupported {
+        None => transport::pick(fits).map(|n| (n.to_string(), false)).ok_or_else(|| Error::Unsupported {
             what: "links between hosts".into(),
             needs: "a transport with remote atomics".into(),
         }),
     }
 }
 
+/// The backend every host can link with when two hosts picked differently by themselves (one
+/// has a fabric the other lacks).
+const COMMON: &str = "tcp";
+
+/// The backend a link URL is for (`tcp://...` → `tcp`).
+fn scheme(url: &str) -> &str {
+    url.split_once("://").map_or("", |(s, _)| s)
+}
+
+/// What a rank does with a peer's link URL for `theirs`, having bound `mine` (`chosen`: by
+/// `SYMMEM_XHOST_BACKEND`).
+#[derive(Debug, PartialEq, Eq)]
+enum Meet {
+    /// Connect to it.
+    Same,
+    /// This rank cannot meet the peer: `SYMMEM_XHOST_BACKEND` chose this rank's backend, or
+    /// neither is tcp.
+    Refuse,
+    /// Read the tcp endpoint the peer publishes besides, and connect to it.
+    ReadCommon,
+    /// Bind a tcp transport, publish it besides, and connect it to the peer's (tcp) URL.
+    BindCommon,
+}
+
+fn meet(mine: &str, chosen: bool, theirs: &str) -> Meet {
+    if mine == theirs {
+        Meet::Same
+    } else if mine == COMMON {
+        Meet::ReadCommon
+    } else if !chosen && theirs == COMMON {
+        Meet::BindCommon
+    } else {
+        Meet::Refuse
+    }
+}
+
 /// Connects this rank to each of `remote` (ranks of `group` on other hosts; `hosts[r]` names
 /// rank r's host). Collective over the ranks of the group that have remote peers.
+///
+/// Each rank binds one transport per peer on its link backend and publishes its URL. Where a
+/// host picked ucx by itself (it has a fabric) and its peer's host tcp (it has none, or
+/// `SYMMEM_XHOST_BACKEND=tcp` there), the pair meets on tcp: the ucx side binds a tcp
+/// transport too and publishes it under `.../tcp`, which the tcp side reads (only that side
+/// waits, and only for a key the other publishes without waiting).
 pub(crate) fn connect(group: &Group, step: u64, remote: &[usize], hosts: &[String]) -> Result<Links> {
     let me = group.rank();
     let timeout = link_timeout();
     let mut options = Options::new();
     options.insert("timeout".into(), format!("{}", timeout.as_secs_f64()));
     let store = group.store();
-    let backend = link_backend()?;
+    let (backend, chosen) = link_backend()?;
     let mut bound = Vec::with_capacity(remote.len());
     for &peer in remote {
         let t = new_transport(&backend, None, &options)?;
@@ -128,10 +171,35 @@ pub(crate) fn connect(group: &Group, step: u64, remote: &[usize], hosts: &[Strin
         bound.push((peer, t));
     }
     let mut links = Links::new();
-    for (peer, transport) in bound {
+    for (peer, mut transport) in bound {
         let url = store.get_timeout(&format!("symm-net/{step}/{peer}/{me}"), timeout).map_err(|e| {
             Error::Rendezvous(format!("rank {peer} on host {} did not publish its link: {e}", hosts[peer]))
         })?;
+        let theirs = scheme(&String::from_utf8_lossy(&url)).to_string();
+        let url = match meet(&backend, chosen, &theirs) {
+            Meet::Same => url,
+            Meet::Refuse => {
+                return Err(Error::Rendezvous(format!(
+                    "rank {peer} on host {} links hosts over {theirs:?}, this rank over {backend:?} \
+                     (SYMMEM_XHOST_BACKEND must be the same on every host)",
+                    hosts[peer]
+                )));
+            }
+            // The peer picked a fabric this host lacks; it publishes a tcp endpoint too.
+            Meet::ReadCommon => {
+                store.get_timeout(&format!("symm-net/{step}/{peer}/{me}/{COMMON}"), timeout).map_err(|e| {
+                    Error::Rendezvous(format!("rank {peer} on host {} did not publish its tcp link: {e}", hosts[peer]))
+                })?
+            }
+            // This host picked a fabric the peer lacks: meet it on tcp.
+            Meet::BindCommon => {
+                let t = new_transport(COMMON, None, &options)?;
+                let mine = t.bind(Some(timeout))?;
+                store.set(&format!("symm-net/{step}/{me}/{peer}/{COMMON}"), &mine)?;
+                transport = t;
+                url
+            }
+        };
         transport.connect(&url, Some(timeout)).map_err(|e| {
             Error::Rendezvous(format!("rank {me} could not connect to rank {peer} on host {}: {e}", hosts[peer]))
         })?;
@@ -148,6 +216,7 @@ pub(crate) fn forget(group: &Group, step: u64, remote: &[usize]) -> Result<()> {
     let me = group.rank();
     for &peer in remote {
         group.store().delete(&format!("symm-net/{step}/{me}/{peer}"))?;
+        group.store().delete(&format!("symm-net/{step}/{me}/{peer}/{COMMON}"))?;
     }
     Ok(())
 }
@@ -379,4 +448,25 @@ pub(crate) fn wait_all(works: Vec<(&Remote, Result<Work>)>, what: &str) -> Resul
         }
     }
     first.map_or(Ok(()), Err)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hosts_that_picked_differently_meet_on_tcp_unless_told_otherwise() {
+        assert_eq!(meet("tcp", false, "tcp"), Meet::Same);
+        assert_eq!(meet("ucx", true, "ucx"), Meet::Same);
+        // A host with a fabric and one without: the fabric side offers tcp besides.
+        assert_eq!(meet("ucx", false, "tcp"), Meet::BindCommon);
+        assert_eq!(meet("tcp", false, "ucx"), Meet::ReadCommon);
+        assert_eq!(meet("tcp", true, "ucx"), Meet::ReadCommon);
+        // SYMMEM_XHOST_BACKEND=ucx on one host only, or two backends neither of which is tcp.
+        assert_eq!(meet("ucx", true, "tcp"), Meet::Refuse);
+        assert_eq!(meet("ucx", false, "other"), Meet::Refuse);
+        assert_eq!(scheme("ucx://AAAA"), "ucx");
+        assert_eq!(scheme("tcp://127.0.0.1:1?flows=4"), "tcp");
+        assert_eq!(scheme("garbage"), "");
+    }
 }

@@ -92,4 +92,5 @@ pub(crate) mod cma;
 pub(crate) mod futex;
 pub(crate) mod peercred;
 pub(crate) mod shm;
+pub(crate) mod uct;
 pub(crate) mod ucx;

@@ -26,8 +26,9 @@ const UCP_API_MINOR: c_uint = 13;
 const UCP_PARAM_FIELD_FEATURES: u64 = 1;
 /// Active messages.
 pub const UCP_FEATURE_AM: u64 = 64;
-/// Remote memory access (AM rendezvous uses it where the fabric has it).
-pub const UCP_FEATURE_RMA: u64 = 2;
+// Not UCP_FEATURE_RMA: it installs UCP's software RMA handlers, which write wherever a
+// connected peer's PUT names, and active-message rendezvous does not need it (UCP selects
+// its zero-copy lanes for UCP_FEATURE_AM alone).
 /// Wake-up through a file descriptor.
 pub const UCP_FEATURE_WAKEUP: u64 = 16;
 
@@ -98,7 +99,9 @@ type StatusPtr = *mut c_void;
 /// The entry points, resolved once.
 struct Api {
     config_read: unsafe extern "C" fn(*const c_char, *const c_char, *mut Handle) -> Status,
+    config_modify: unsafe extern "C" fn(Handle, *const c_char, *const c_char) -> Status,
     config_release: unsafe extern "C" fn(Handle),
+    context_print_info: unsafe extern "C" fn(Handle, *mut libc::FILE),
     init_version: unsafe extern "C" fn(c_uint, c_uint, *const u8, Handle, *mut Handle) -> Status,
     worker_create: unsafe extern "C" fn(Handle, *const u8, *mut Handle) -> Status,
     worker_destroy: unsafe extern "C" fn(Handle),
@@ -145,7 +148,9 @@ fn load() -> Result<Api, String> {
     }
     Ok(Api {
         config_read: sym!(ucp, "ucp_config_read"),
+        config_modify: sym!(ucp, "ucp_config_modify"),
         config_release: sym!(ucp, "ucp_config_release"),
+        context_print_info: sym!(ucp, "ucp_context_print_info"),
         init_version: sym!(ucp, "ucp_init_version"),
         worker_create: sym!(ucp, "ucp_worker_create"),
         worker_destroy: sym!(ucp, "ucp_worker_destroy"),
@@ -170,9 +175,9 @@ fn load() -> Result<Api, String> {
     })
 }
 
-/// Whether UCX can be used here, or why not.
+/// Whether UCX can be used here (with the transports the environment names), or why not.
 pub fn available() -> Result<(), String> {
-    context().map(|_| ())
+    context(Tls::Configured).map(|_| ())
 }
 
 /// The loaded UCX's version (e.g. "1.13.1"), or why UCX cannot be used.
@@ -257,8 +262,45 @@ fn started(p: StatusPtr) -> Started {
     }
 }
 
-/// The process's UCX context (features: active messages, RMA, wake-up), made once; `UCX_*`
-/// environment variables (e.g. `UCX_TLS`, `UCX_NET_DEVICES`) configure it.
+/// Which of UCX's transports a context may use.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Tls {
+    /// Those the `UCX_*` environment names (`UCX_TLS`, `UCX_NET_DEVICES`): the user's choice,
+    /// taken when they ask for `ucx` by name.
+    Configured,
+    /// The same without UCX's `tcp` transport, whose zero-copy PUT lets any peer that connects
+    /// to the worker's port write to any address it names (`uct_tcp_ep_handle_put_req`): what
+    /// symmem uses when it picks UCX by itself.
+    NoTcp,
+}
+
+/// `UCX_TLS`'s value for [`Tls::NoTcp`], given the user's `UCX_TLS` (unset: every transport);
+/// `None` when the user named nothing but tcp.
+pub fn tls_without_tcp(configured: Option<&str>) -> Option<String> {
+    let v = configured.map(str::trim).unwrap_or("");
+    let is_tcp = |t: &str| t.split(':').next().is_some_and(|n| n.trim().eq_ignore_ascii_case("tcp"));
+    if v.is_empty() {
+        return Some("^tcp".into());
+    }
+    if let Some(excluded) = v.strip_prefix('^') {
+        let mut list: Vec<&str> = excluded.split(',').map(str::trim).filter(|t| !t.is_empty()).collect();
+        if !list.iter().any(|t| is_tcp(t)) {
+            list.push("tcp");
+        }
+        return Some(format!("^{}", list.join(",")));
+    }
+    let list: Vec<&str> = v.split(',').map(str::trim).filter(|t| !t.is_empty() && !is_tcp(t)).collect();
+    if list.iter().any(|t| t.eq_ignore_ascii_case("all")) {
+        Some("^tcp".into())
+    } else if list.is_empty() {
+        None
+    } else {
+        Some(list.join(","))
+    }
+}
+
+/// A UCX context (features: active messages and wake-up), one per [`Tls`] for the life of the
+/// process; `UCX_*` environment variables configure it.
 pub struct Context(Handle);
 
 // SAFETY: a UCP context is thread-safe for the calls made on it here (worker creation is
@@ -267,32 +309,145 @@ unsafe impl Send for Context {}
 // SAFETY: as above.
 unsafe impl Sync for Context {}
 
-fn context() -> Result<&'static Context, String> {
-    static CTX: OnceLock<Result<Context, String>> = OnceLock::new();
-    CTX.get_or_init(|| {
-        let a = api()?;
-        let mut config: Handle = std::ptr::null_mut();
-        // SAFETY: null prefix and file mean the defaults and UCX_* variables; `config` is an
-        // out-pointer.
-        let s = unsafe { (a.config_read)(std::ptr::null(), std::ptr::null(), &mut config) };
-        if s != UCS_OK {
-            return Err(format!("reading UCX's configuration: {}", status_string(s)));
+fn context(tls: Tls) -> Result<&'static Context, String> {
+    static CONFIGURED: OnceLock<Result<Context, String>> = OnceLock::new();
+    static NO_TCP: OnceLock<Result<Context, String>> = OnceLock::new();
+    let cell = match tls {
+        Tls::Configured => &CONFIGURED,
+        Tls::NoTcp => &NO_TCP,
+    };
+    cell.get_or_init(|| new_context(tls)).as_ref().map_err(Clone::clone)
+}
+
+fn new_context(tls: Tls) -> Result<Context, String> {
+    let a = api()?;
+    let mut config: Handle = std::ptr::null_mut();
+    // SAFETY: null prefix and file mean the defaults and UCX_* variables; `config` is an
+    // out-pointer.
+    let s = unsafe { (a.config_read)(std::ptr::null(), std::ptr::null(), &mut config) };
+    if s != UCS_OK {
+        return Err(format!("reading UCX's configuration: {}", status_string(s)));
+    }
+    let modified = match tls {
+        Tls::Configured => Ok(()),
+        Tls::NoTcp => match tls_without_tcp(std::env::var("UCX_TLS").ok().as_deref()) {
+            None => Err("UCX_TLS names no transport but tcp".to_string()),
+            Some(v) => {
+                let v = std::ffi::CString::new(v).map_err(|_| "UCX_TLS holds a NUL byte".to_string())?;
+                // SAFETY: `config` came from ucp_config_read; both strings are NUL-terminated
+                // and UCX copies them.
+                match unsafe { (a.config_modify)(config, c"TLS".as_ptr(), v.as_ptr()) } {
+                    UCS_OK => Ok(()),
+                    s => Err(format!("setting UCX_TLS={v:?}: {}", status_string(s))),
+                }
+            }
+        },
+    };
+    let mut ctx: Handle = std::ptr::null_mut();
+    let s = match modified {
+        Ok(()) => {
+            let mut p = Params::<{ PARAMS_SIZE / 8 }>::new();
+            p.set64(0, UCP_PARAM_FIELD_FEATURES).set64(8, UCP_FEATURE_AM | UCP_FEATURE_WAKEUP);
+            // SAFETY: `p` is a ucp_params_t of UCX 1.13's size naming only `features`;
+            // `config` came from ucp_config_read; `ctx` is an out-pointer.
+            unsafe { (a.init_version)(UCP_API_MAJOR, UCP_API_MINOR, p.ptr(), config, &mut ctx) }
         }
-        let mut p = Params::<{ PARAMS_SIZE / 8 }>::new();
-        p.set64(0, UCP_PARAM_FIELD_FEATURES).set64(8, UCP_FEATURE_AM | UCP_FEATURE_RMA | UCP_FEATURE_WAKEUP);
-        let mut ctx: Handle = std::ptr::null_mut();
-        // SAFETY: `p` is a ucp_params_t of UCX 1.13's size naming only `features`; `config`
-        // came from ucp_config_read; `ctx` is an out-pointer.
-        let s = unsafe { (a.init_version)(UCP_API_MAJOR, UCP_API_MINOR, p.ptr(), config, &mut ctx) };
-        // SAFETY: `config` is no longer needed once the context exists (or failed).
-        unsafe { (a.config_release)(config) };
-        if s != UCS_OK {
-            return Err(format!("initializing UCX: {}", status_string(s)));
-        }
-        Ok(Context(ctx))
-    })
-    .as_ref()
-    .map_err(Clone::clone)
+        Err(_) => UCS_OK,
+    };
+    // SAFETY: `config` is no longer needed once the context exists (or failed).
+    unsafe { (a.config_release)(config) };
+    modified?;
+    if s != UCS_OK {
+        return Err(format!("initializing UCX: {}", status_string(s)));
+    }
+    Ok(Context(ctx))
+}
+
+/// One of UCX's transport resources: a transport on a device.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Resource {
+    /// The transport (`tcp`, `rc_mlx5`, `posix`, ...).
+    pub tl: String,
+    /// The device (`eth0`, `mlx5_0:1`, `memory`, ...).
+    pub device: String,
+    /// What kind of device, as UCX's transport layer reports it.
+    pub kind: DeviceKind,
+}
+
+/// `uct_device_type_t`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DeviceKind {
+    /// A network device: reaches other hosts.
+    Network,
+    /// Shared memory: this host only.
+    SharedMemory,
+    /// An accelerator (GPU memory).
+    Accelerator,
+    /// The process itself.
+    Loopback,
+    /// Not reported (UCX's transport layer could not be queried).
+    Unknown,
+}
+
+impl std::fmt::Display for DeviceKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            DeviceKind::Network => "network",
+            DeviceKind::SharedMemory => "shared memory",
+            DeviceKind::Accelerator => "accelerator",
+            DeviceKind::Loopback => "loopback",
+            DeviceKind::Unknown => "unknown",
+        })
+    }
+}
+
+/// The transports a context of `tls` uses here (after `UCX_TLS` and `UCX_NET_DEVICES`), each
+/// with its device's kind.
+pub fn resources(tls: Tls) -> Result<Vec<Resource>, String> {
+    let ctx = context(tls)?;
+    let kinds = super::uct::device_kinds().unwrap_or_default();
+    Ok(print_info(ctx)?
+        .lines()
+        .filter_map(parse_resource)
+        .map(|(tl, device)| {
+            let kind = kinds.get(&(tl.clone(), device.clone())).copied().unwrap_or(DeviceKind::Unknown);
+            Resource { tl, device, kind }
+        })
+        .collect())
+}
+
+/// What `ucp_context_print_info` writes for `ctx`.
+fn print_info(ctx: &Context) -> Result<String, String> {
+    let a = api()?;
+    let (mut buf, mut len): (*mut c_char, libc::size_t) = (std::ptr::null_mut(), 0);
+    // SAFETY: out-pointers that open_memstream fills when the stream is flushed or closed.
+    let f = unsafe { libc::open_memstream(&mut buf, &mut len) };
+    if f.is_null() {
+        return Err(format!("open_memstream: {}", std::io::Error::last_os_error()));
+    }
+    // SAFETY: the context is live for the process; `f` is a stream open for writing.
+    unsafe { (a.context_print_info)(ctx.0, f) };
+    // SAFETY: `f` came from open_memstream; closing it sets `buf` and `len` for the last time.
+    unsafe { libc::fclose(f) };
+    if buf.is_null() {
+        return Ok(String::new());
+    }
+    // SAFETY: open_memstream's buffer holds `len` bytes; it is ours to free with free(3).
+    let text = String::from_utf8_lossy(unsafe { std::slice::from_raw_parts(buf.cast::<u8>(), len) }).into_owned();
+    // SAFETY: as above, freed once.
+    unsafe { libc::free(buf.cast()) };
+    Ok(text)
+}
+
+/// `(transport, device)` of a line `#      resource 1  :  md 1  dev 1  flags -- tcp/eth0` of
+/// `ucp_context_print_info`'s output.
+fn parse_resource(line: &str) -> Option<(String, String)> {
+    let (head, tail) = line.split_once(" -- ")?;
+    if !head.trim_start_matches('#').trim_start().starts_with("resource") {
+        return None;
+    }
+    let (tl, device) = tail.trim().split_once('/')?;
+    Some((tl.to_string(), device.to_string()))
 }
 
 /// A UCP worker in serialized mode: any thread may call it, one at a time (the `ucx` transport
@@ -307,9 +462,9 @@ pub struct Worker {
 unsafe impl Send for Worker {}
 
 impl Worker {
-    /// A new worker on the process's context.
-    pub fn new() -> Result<Worker, String> {
-        let ctx = context()?;
+    /// A new worker on the process's context for `tls`.
+    pub fn new(tls: Tls) -> Result<Worker, String> {
+        let ctx = context(tls)?;
         let api = api()?;
         let mut p = Params::<{ WORKER_PARAMS_SIZE / 8 }>::new();
         p.set64(0, UCP_WORKER_PARAM_FIELD_THREAD_MODE).set32(8, UCS_THREAD_MODE_SERIALIZED);
@@ -569,6 +724,92 @@ return 0;}"#,
             std::mem::size_of::<AmRecvParam>()
         );
         assert_eq!(out, want);
+    }
+
+    #[test]
+    fn ucx_tls_without_tcp_keeps_the_rest_of_the_users_choice() {
+        assert_eq!(tls_without_tcp(None).as_deref(), Some("^tcp"));
+        assert_eq!(tls_without_tcp(Some(" ")).as_deref(), Some("^tcp"));
+        assert_eq!(tls_without_tcp(Some("all")).as_deref(), Some("^tcp"));
+        assert_eq!(tls_without_tcp(Some("rc,tcp,sm")).as_deref(), Some("rc,sm"));
+        assert_eq!(tls_without_tcp(Some("rc_x, TCP:aux")).as_deref(), Some("rc_x"));
+        assert_eq!(tls_without_tcp(Some("^ud")).as_deref(), Some("^ud,tcp"));
+        assert_eq!(tls_without_tcp(Some("^tcp,ud")).as_deref(), Some("^tcp,ud"));
+        assert_eq!(tls_without_tcp(Some("tcp")), None);
+    }
+
+    #[test]
+    fn context_resources_are_read_from_ucps_own_listing() {
+        let line = "#      resource 1  :  md 1  dev 1  flags -- tcp/eth0";
+        assert_eq!(parse_resource(line), Some(("tcp".into(), "eth0".into())));
+        assert_eq!(parse_resource("#            md 0  :  component 0  self "), None);
+        assert_eq!(parse_resource("# something -- else"), None);
+        if available().is_err() {
+            eprintln!("SKIPPED: UCX unavailable");
+            return;
+        }
+        // UCX_TLS is not set under `cargo test`: every transport, tcp among them (a network
+        // device), and none of tcp without it.
+        let all = resources(Tls::Configured).unwrap();
+        assert!(all.iter().any(|r| r.tl == "tcp" && r.kind == DeviceKind::Network), "{all:?}");
+        assert!(all.iter().any(|r| r.tl == "self" && r.kind == DeviceKind::Loopback), "{all:?}");
+        let no_tcp = resources(Tls::NoTcp).unwrap();
+        assert!(!no_tcp.is_empty() && no_tcp.iter().all(|r| r.tl != "tcp"), "{no_tcp:?}");
+    }
+
+    /// TCP sockets in LISTEN state that this process holds.
+    fn tcp_listeners() -> usize {
+        let inodes: std::collections::HashSet<String> = std::fs::read_dir("/proc/self/fd")
+            .unwrap()
+            .filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
+            .filter_map(|l| l.to_str()?.strip_prefix("socket:[")?.strip_suffix(']').map(str::to_string))
+            .collect();
+        ["/proc/self/net/tcp", "/proc/self/net/tcp6"]
+            .iter()
+            .filter_map(|f| std::fs::read_to_string(f).ok())
+            .flat_map(|t| t.lines().skip(1).map(str::to_string).collect::<Vec<_>>())
+            .filter(|l| {
+                let f: Vec<&str> = l.split_whitespace().collect();
+                f.len() > 9 && f[3] == "0A" && inodes.contains(f[9])
+            })
+            .count()
+    }
+
+    /// What symmem picks by itself never opens UCX's tcp door: its worker listens on no TCP
+    /// port, so no peer can connect over UCX's tcp at all. Run in a child process of its own
+    /// (no other test's workers or listeners); a worker as configured (tcp included) is the
+    /// control, which does listen.
+    #[test]
+    #[allow(clippy::print_stdout, reason = "the child reports to the parent test on stdout")]
+    fn a_worker_symmem_picks_by_itself_listens_on_no_tcp_port() {
+        if available().is_err() {
+            eprintln!("SKIPPED: UCX unavailable");
+            return;
+        }
+        if std::env::var_os("SYMMEM_TEST_UCX_LISTENERS").is_some() {
+            let before = tcp_listeners();
+            let no_tcp = Worker::new(Tls::NoTcp).unwrap();
+            let after_no_tcp = tcp_listeners();
+            let configured = Worker::new(Tls::Configured).unwrap();
+            println!("LISTENERS {} {}", after_no_tcp - before, tcp_listeners() - after_no_tcp);
+            drop((no_tcp, configured));
+            return;
+        }
+        let out = std::process::Command::new(std::env::current_exe().unwrap())
+            .args(["--exact", "sys::ucx::tests::a_worker_symmem_picks_by_itself_listens_on_no_tcp_port"])
+            .args(["--nocapture", "--test-threads=1"])
+            .env("SYMMEM_TEST_UCX_LISTENERS", "1")
+            .env_remove("UCX_TLS")
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        let line = stdout
+            .lines()
+            .find_map(|l| l.split_once("LISTENERS ").map(|(_, v)| v.trim()))
+            .unwrap_or_else(|| panic!("no LISTENERS line: {stdout}\n{}", String::from_utf8_lossy(&out.stderr)));
+        let n: Vec<usize> = line.split(' ').map(|v| v.parse().unwrap()).collect();
+        assert_eq!(n[0], 0, "a worker without UCX's tcp listens on a TCP port");
+        assert!(n[1] > 0, "the control (UCX's tcp included) opened no listener: the check sees nothing");
     }
 
     #[test]

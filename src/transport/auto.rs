@@ -1,6 +1,7 @@
-//! The `auto` backend: composes the registry's member backends (`shm` and `tcp` today) and
-//! connects through the first that reaches the peer: same-host backends first, when both ends
-//! share a host and the kernel lets them share memory, a network backend otherwise.
+//! The `auto` backend: composes the registry's member backends (`shm`, `ucx` where UCX has a
+//! fabric other than its tcp transport, and `tcp`) and connects through the first that reaches
+//! the peer: same-host backends first, when both ends share a host and the kernel lets them
+//! share memory, a network backend otherwise (ucx when both ends have the fabric).
 //!
 //! `bind` binds every member and returns `auto://?shm=<url>&tcp=<url>` (each base64url, keyed by
 //! member name); `connect` asks each member the peer offered whether it reaches the peer
@@ -26,6 +27,8 @@ const NONE: usize = usize::MAX;
 
 struct Member {
     name: &'static str,
+    /// Its place in the registry's order of preference.
+    rank: usize,
     backend: Box<dyn Backend>,
 }
 
@@ -39,8 +42,9 @@ pub struct AutoBackend {
     /// The index of the member connected through, or [`NONE`]: read on every transfer, so an
     /// atomic rather than a lock.
     chosen: AtomicUsize,
-    /// Why members were passed over: at construction (unsupported here) or at connect.
-    passed_over: Mutex<Vec<String>>,
+    /// Why members were passed over, with their place in the order of preference: at
+    /// construction (unsupported here) or at connect.
+    passed_over: Mutex<Vec<(usize, String)>>,
 }
 
 impl AutoBackend {
@@ -53,35 +57,35 @@ impl AutoBackend {
     /// [`AutoBackend::new`], registered as `name` (its descriptors say so).
     pub fn named(name: &'static str, options: &Options) -> Result<AutoBackend> {
         let all: Vec<_> = registry::auto_members().collect();
-        if let Some(k) = options.keys().find(|k| !all.iter().any(|m| m.options.contains(&k.as_str()))) {
-            let known: Vec<_> = all.iter().flat_map(|m| m.options.iter().copied()).collect();
+        if let Some(k) = options.keys().find(|k| !all.iter().any(|(m, _)| m.options.contains(&k.as_str()))) {
+            let known: Vec<_> = all.iter().flat_map(|(m, _)| m.options.iter().copied()).collect();
             return Err(Error::InvalidArgument(format!(
                 "unknown auto transport option {k:?} (known: {})",
                 dedup(known).join(", ")
             )));
         }
         let (mut members, mut passed_over) = (Vec::new(), Vec::new());
-        for m in all {
+        for (rank, (m, build)) in all.into_iter().enumerate() {
             let own: Options = options
                 .iter()
                 .filter(|(k, _)| m.options.contains(&k.as_str()))
                 .map(|(k, v)| (k.clone(), v.clone()))
                 .collect();
-            match (m.build)(&own) {
-                Ok(backend) if backend.supported() => members.push(Member { name: m.name, backend }),
+            match build(&own) {
+                Ok(backend) if backend.supported() => members.push(Member { name: m.name, rank, backend }),
                 Ok(backend) => {
                     backend.shutdown();
-                    passed_over.push(format!("{}: unsupported in this process", m.name));
+                    passed_over.push((rank, format!("{}: unsupported in this process", m.name)));
                 }
                 // A bad option value is the caller's to fix, not a reason to fall back.
                 Err(e @ Error::InvalidArgument(_)) => return Err(e),
-                Err(e) => passed_over.push(format!("{}: {e}", m.name)),
+                Err(e) => passed_over.push((rank, format!("{}: {e}", m.name))),
             }
         }
         if members.is_empty() {
             return Err(Error::Unsupported {
                 what: "the auto transport".into(),
-                needs: format!("one working member backend ({})", passed_over.join("; ")),
+                needs: format!("one working member backend ({})", reasons(&passed_over, usize::MAX)),
             });
         }
         Ok(AutoBackend { name, members, chosen: AtomicUsize::new(NONE), passed_over: Mutex::new(passed_over) })
@@ -92,9 +96,14 @@ impl AutoBackend {
         self.members.get(self.chosen.load(Ordering::Acquire))
     }
 
-    fn pass_over(&self, why: String) {
-        self.passed_over.lock().unwrap_or_else(|p| p.into_inner()).push(why);
+    fn pass_over(&self, m: &Member, why: String) {
+        self.passed_over.lock().unwrap_or_else(|p| p.into_inner()).push((m.rank, format!("{}: {why}", m.name)));
     }
+}
+
+/// The reasons of the members passed over that rank before `before`, joined.
+fn reasons(passed_over: &[(usize, String)], before: usize) -> String {
+    passed_over.iter().filter(|(r, _)| *r < before).map(|(_, why)| why.as_str()).collect::<Vec<_>>().join("; ")
 }
 
 fn dedup(mut v: Vec<&str>) -> Vec<&str> {
@@ -145,7 +154,7 @@ impl Backend for AutoBackend {
         for (i, m) in self.members.iter().enumerate() {
             let Some((_, peer)) = offered.iter().find(|(n, _)| *n == m.name) else { continue };
             if let Err(why) = m.backend.reaches(peer) {
-                self.pass_over(format!("{}: {why}", m.name));
+                self.pass_over(m, why.to_string());
                 continue;
             }
             match m.backend.connect(peer, timeout) {
@@ -155,14 +164,14 @@ impl Backend for AutoBackend {
                 }
                 Err(e) => {
                     tracing::info!("auto transport: {} refused: {e}", m.name);
-                    self.pass_over(format!("{}: {e}", m.name));
+                    self.pass_over(m, e.to_string());
                     last = Some(e);
                 }
             }
         }
         // The last member's own error when one was tried (it says most), else why none could be.
         Err(last.unwrap_or_else(|| {
-            let why = self.passed_over.lock().unwrap_or_else(|p| p.into_inner()).join("; ");
+            let why = reasons(&self.passed_over.lock().unwrap_or_else(|p| p.into_inner()), usize::MAX);
             if offered.iter().any(|(n, _)| self.members.iter().any(|m| m.name == *n)) {
                 Error::InvalidArgument(format!("no transport reaches the peer: {why}"))
             } else {
@@ -224,12 +233,13 @@ impl Backend for AutoBackend {
 
     fn describe(&self) -> String {
         match self.chosen() {
+            // Only the members it preferred to the one it took, and why not.
             Some(m) => {
-                let passed = self.passed_over.lock().unwrap_or_else(|p| p.into_inner());
+                let passed = reasons(&self.passed_over.lock().unwrap_or_else(|p| p.into_inner()), m.rank);
                 if passed.is_empty() {
                     format!("{} via {}", self.name, m.name)
                 } else {
-                    format!("{} via {} ({})", self.name, m.name, passed.join("; "))
+                    format!("{} via {} ({passed})", self.name, m.name)
                 }
             }
             None => format!("{} (not connected)", self.name),

@@ -46,6 +46,9 @@ impl Caps {
     pub const NONE: Caps = Caps { remote_atomics: false, in_order_up_to: 0, reach: Reach::AnyHost };
 }
 
+/// How a backend is built.
+pub(crate) type Build = fn(&Options) -> Result<Box<dyn Backend>>;
+
 /// A backend that ships with symmem.
 pub(crate) struct BuiltIn {
     /// Its name (lower case).
@@ -54,14 +57,25 @@ pub(crate) struct BuiltIn {
     pub(crate) caps: Caps,
     /// The options it takes (`auto` hands each member the ones it takes).
     pub(crate) options: &'static [&'static str],
-    /// Whether `auto` composes it; `auto` prefers same-host members, then this order.
-    pub(crate) auto_member: bool,
-    /// Whether it joins `auto` (first among network members) when `SYMMEM_XHOST_BACKEND`
-    /// names it.
+    /// Builds one, as its name asks.
+    pub(crate) build: Build,
+    /// Whether symmem picks it by itself (as a member of `auto`, and for symmetric memory's
+    /// links between hosts), and how; `auto` prefers same-host members, then this order.
+    pub(crate) by_itself: Option<ByItself>,
+    /// Whether `SYMMEM_XHOST_BACKEND` naming it puts it, built as named, first among `auto`'s
+    /// network members.
     pub(crate) opt_in: bool,
-    /// Builds one.
-    pub(crate) build: fn(&Options) -> Result<Box<dyn Backend>>,
 }
+
+/// How symmem uses a backend it picks by itself.
+pub(crate) struct ByItself {
+    /// Whether it may here, or why not (ucx: only over a fabric other than UCX's tcp).
+    pub(crate) usable: fn() -> std::result::Result<(), String>,
+    /// Builds one for that use.
+    pub(crate) build: Build,
+}
+
+const ALWAYS: fn() -> std::result::Result<(), String> = || Ok(());
 
 /// Every built-in backend. `auto` (and its alias `symmem`, the name PyTorch knows symmem by)
 /// composes the members; it declares nothing of its own, since what it can do is its chosen
@@ -71,34 +85,39 @@ pub(crate) const BUILT_IN: &[BuiltIn] = &[
         name: "shm",
         caps: shm::CAPS,
         options: shm::OPTIONS,
-        auto_member: true,
-        opt_in: false,
         build: |o| Ok(Box::new(shm::ShmBackend::new(o)?)),
+        by_itself: Some(ByItself { usable: ALWAYS, build: |o| Ok(Box::new(shm::ShmBackend::new(o)?)) }),
+        opt_in: false,
+    },
+    // Before tcp: where the fabric has RDMA, it is the better engine. Picked by itself only
+    // without UCX's tcp transport, whose PUT writes wherever a connected peer names (UCX does
+    // not authenticate who connects); named, it runs on whatever UCX_TLS allows.
+    BuiltIn {
+        name: "ucx",
+        caps: ucx::CAPS,
+        options: ucx::OPTIONS,
+        build: |o| Ok(Box::new(ucx::UcxBackend::new(o)?)),
+        by_itself: Some(ByItself {
+            usable: || ucx::fabric().map(drop),
+            build: |o| Ok(Box::new(ucx::UcxBackend::fabric_only(o)?)),
+        }),
+        opt_in: true,
     },
     BuiltIn {
         name: "tcp",
         caps: tcp::CAPS,
         options: tcp::OPTIONS,
-        auto_member: true,
-        opt_in: false,
         build: |o| Ok(Box::new(tcp::TcpBackend::new(o)?)),
-    },
-    // Opt-in: UCX does not authenticate who connects to a worker (see `ucx`'s docs).
-    BuiltIn {
-        name: "ucx",
-        caps: ucx::CAPS,
-        options: ucx::OPTIONS,
-        auto_member: false,
-        opt_in: true,
-        build: |o| Ok(Box::new(ucx::UcxBackend::new(o)?)),
+        by_itself: Some(ByItself { usable: ALWAYS, build: |o| Ok(Box::new(tcp::TcpBackend::new(o)?)) }),
+        opt_in: false,
     },
     BuiltIn {
         name: "auto",
         caps: Caps::NONE,
         options: &[],
-        auto_member: false,
-        opt_in: false,
         build: |o| Ok(Box::new(auto::AutoBackend::new(o)?)),
+        by_itself: None,
+        opt_in: false,
     },
     // The name PyTorch knows symmem by (its transport entry point): `auto` underneath, so a
     // Rust process and a PyTorch process pairing through `new_transport_rank("symmem")` meet
@@ -107,30 +126,45 @@ pub(crate) const BUILT_IN: &[BuiltIn] = &[
         name: "symmem",
         caps: Caps::NONE,
         options: &[],
-        auto_member: false,
-        opt_in: false,
         build: |o| Ok(Box::new(auto::AutoBackend::named("symmem", o)?)),
+        by_itself: None,
+        opt_in: false,
     },
 ];
 
-/// The members `auto` composes, in its order of preference: same-host backends first (they are
-/// the specialists), then the others in [`BUILT_IN`]'s order.
+/// The members `auto` composes, each with how to build it, in its order of preference:
+/// same-host backends first (they are the specialists), then the others in [`BUILT_IN`]'s
+/// order.
 ///
-/// A backend that is not a member by default (`ucx`) joins, first among the network members,
-/// when `SYMMEM_XHOST_BACKEND` names it.
-pub(crate) fn auto_members() -> impl Iterator<Item = &'static BuiltIn> {
+/// A backend opted into by `SYMMEM_XHOST_BACKEND` (`ucx`) goes first among the network
+/// members, built as its name asks (on whatever `UCX_TLS` allows).
+pub(crate) fn auto_members() -> impl Iterator<Item = (&'static BuiltIn, Build)> {
     let opted = crate::config::xhost_backend();
-    let chosen = move |b: &&BuiltIn| b.opt_in && opted.as_deref() == Some(b.name);
-    let same = BUILT_IN.iter().filter(|b| b.auto_member && b.caps.reach == Reach::SameHost);
-    let opted_in = BUILT_IN.iter().filter(chosen.clone());
-    let rest = BUILT_IN.iter().filter(move |b| b.auto_member && b.caps.reach != Reach::SameHost && !chosen(b));
+    let chosen = move |b: &BuiltIn| b.opt_in && opted.as_deref() == Some(b.name);
+    let same = BUILT_IN.iter().filter_map(|b| match &b.by_itself {
+        Some(x) if b.caps.reach == Reach::SameHost => Some((b, x.build)),
+        _ => None,
+    });
+    let opted_in = BUILT_IN.iter().filter({
+        let chosen = chosen.clone();
+        move |b| chosen(b)
+    });
+    let opted_in = opted_in.map(|b| (b, b.build));
+    let rest = BUILT_IN.iter().filter_map(move |b| match &b.by_itself {
+        Some(x) if b.caps.reach != Reach::SameHost && !chosen(b) => Some((b, x.build)),
+        _ => None,
+    });
     same.chain(opted_in).chain(rest)
 }
 
-/// The first built-in backend, in [`BUILT_IN`]'s order, whose declared capabilities satisfy
-/// `need`: how symmetric memory chooses its links to other hosts.
+/// The first built-in backend, in [`BUILT_IN`]'s order, that symmem may pick by itself here
+/// and whose declared capabilities satisfy `need`: how symmetric memory chooses its links to
+/// other hosts.
 pub(crate) fn pick(need: impl Fn(&Caps) -> bool) -> Option<&'static str> {
-    BUILT_IN.iter().find(|b| b.auto_member && need(&b.caps)).map(|b| b.name)
+    BUILT_IN
+        .iter()
+        .find(|b| b.by_itself.as_ref().is_some_and(|x| (x.usable)().is_ok()) && need(&b.caps))
+        .map(|b| b.name)
 }
 
 /// The declared capabilities of the built-in backend `name`.
@@ -179,7 +213,7 @@ mod tests {
 
     #[test]
     fn built_in_backends_declare_what_their_instances_report() {
-        for b in BUILT_IN.iter().filter(|b| b.auto_member) {
+        for b in BUILT_IN.iter().filter(|b| b.by_itself.is_some()) {
             let backend = (b.build)(&Options::new()).unwrap();
             assert_eq!(backend.name(), b.name);
             assert_eq!(backend.caps(), b.caps, "{}", b.name);
@@ -189,9 +223,12 @@ mod tests {
 
     #[test]
     fn auto_prefers_same_host_members_and_links_need_atomics() {
-        let order: Vec<_> = auto_members().map(|b| b.name).collect();
-        assert_eq!(order, ["shm", "tcp"]);
-        assert_eq!(pick(|c| c.remote_atomics && c.reach == Reach::AnyHost), Some("tcp"));
+        let order: Vec<_> = auto_members().map(|(b, _)| b.name).collect();
+        assert_eq!(order, ["shm", "ucx", "tcp"]);
+        // ucx only where UCX reaches other hosts without its tcp transport (not on a machine
+        // without an RDMA fabric).
+        let network = if ucx::fabric().is_ok() { "ucx" } else { "tcp" };
+        assert_eq!(pick(|c| c.remote_atomics && c.reach == Reach::AnyHost), Some(network));
         assert_eq!(pick(|c| c.remote_atomics && c.reach == Reach::SameHost), None);
     }
 

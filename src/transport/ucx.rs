@@ -12,10 +12,14 @@
 //! cannot revoke a key safely on its emulated transports, nor refuse a write to read-only
 //! memory; descriptors stay the same as every backend's.
 //!
-//! **Trust.** UCX does not authenticate the processes that connect to a worker, and its own
-//! protocols act on raw addresses: anyone who can reach a worker's network ports and speaks
-//! UCX can write into its process, as with NIXL. symmem never picks `ucx` by itself; use it
-//! on a private fabric.
+//! **Trust.** UCX does not authenticate the processes that connect to a worker, and some of
+//! its protocols act on raw addresses: UCX 1.13's tcp transport writes a connected peer's PUT
+//! wherever it names, and so do UCP's software RMA handlers. symmem's contexts leave out the
+//! RMA feature (active-message rendezvous does not need it), and symmem picks `ucx` by itself
+//! ([`UcxBackend::fabric_only`], for `auto` and the links between hosts) only on UCX's other
+//! transports ([`fabric`]: a network other than tcp, an RDMA fabric), where its worker listens
+//! on no TCP port. Named by the user, it runs on whatever `UCX_TLS` allows; over UCX's tcp
+//! that is for private networks only.
 //!
 //! UCX promises no order between active messages; symmem's requests carry their endpoint's
 //! sequence number and the owner applies them in that order (a request waits while the one
@@ -110,6 +114,35 @@ pub fn version() -> std::result::Result<String, String> {
     ucx::available().and_then(|()| ucx::version())
 }
 
+pub use crate::sys::ucx::{DeviceKind, Resource};
+
+/// The transports and devices UCX uses here, after `UCX_TLS` and `UCX_NET_DEVICES` (what
+/// `ucx` named by the user runs on), or why UCX cannot be used.
+pub fn resources() -> std::result::Result<Vec<Resource>, String> {
+    ucx::resources(ucx::Tls::Configured)
+}
+
+/// The UCX transports that reach other hosts without UCX's own tcp transport (an RDMA fabric:
+/// InfiniBand, RoCE, ...), which is when symmem picks UCX by itself (`auto`, and the links of
+/// symmetric memory between hosts); otherwise why not.
+///
+/// UCX's tcp transport is never picked by itself: its zero-copy PUT writes to whatever
+/// address a connected peer names, and UCX does not authenticate who connects.
+pub fn fabric() -> std::result::Result<Vec<Resource>, String> {
+    static FABRIC: OnceLock<std::result::Result<Vec<Resource>, String>> = OnceLock::new();
+    FABRIC
+        .get_or_init(|| {
+            let all = ucx::resources(ucx::Tls::NoTcp)?;
+            let net: Vec<Resource> = all.into_iter().filter(|r| r.kind == DeviceKind::Network).collect();
+            if net.is_empty() {
+                Err("UCX has no network transport here but tcp, which symmem does not pick by itself".into())
+            } else {
+                Ok(net)
+            }
+        })
+        .clone()
+}
+
 /// A `ucx` transport endpoint.
 pub struct UcxBackend {
     shared: Arc<Shared>,
@@ -148,6 +181,20 @@ impl Shared {
 impl UcxBackend {
     /// A new endpoint with its worker and progress thread, or why UCX is unavailable.
     pub fn new(o: &Options) -> Result<UcxBackend> {
+        UcxBackend::with(o, ucx::Tls::Configured)
+    }
+
+    /// An endpoint that uses only UCX transports that reach other hosts without UCX's tcp
+    /// (see [`fabric`]): what `auto` composes. Unsupported where there are none.
+    pub fn fabric_only(o: &Options) -> Result<UcxBackend> {
+        fabric().map_err(|why| Error::Unsupported {
+            what: "ucx picked by itself".into(),
+            needs: format!("an RDMA fabric; {why}"),
+        })?;
+        UcxBackend::with(o, ucx::Tls::NoTcp)
+    }
+
+    fn with(o: &Options, tls: ucx::Tls) -> Result<UcxBackend> {
         let timeout = super::timeout_option("ucx", o)?;
         let unavailable = |why: String| Error::Unsupported {
             what: "the ucx transport".into(),
@@ -163,7 +210,7 @@ impl UcxBackend {
             lost: OnceLock::new(),
             stop: AtomicBool::new(false),
         });
-        let (core, address, efd) = Core::new(shared.clone()).map_err(unavailable)?;
+        let (core, address, efd) = Core::new(shared.clone(), tls).map_err(unavailable)?;
         let core = Arc::new(Mutex::new(core));
         let (c, s) = (core.clone(), shared.clone());
         let thread = std::thread::Builder::new()
@@ -555,8 +602,8 @@ fn lost_status(what: &str, s: Status) -> Failed {
 
 impl Core {
     /// A worker with its handlers, its address and its event descriptor.
-    fn new(shared: Arc<Shared>) -> std::result::Result<(Core, Vec<u8>, i32), String> {
-        let worker = Worker::new()?;
+    fn new(shared: Arc<Shared>, tls: ucx::Tls) -> std::result::Result<(Core, Vec<u8>, i32), String> {
+        let worker = Worker::new(tls)?;
         for id in [AM_PING, AM_WRITE, AM_READ, AM_ATOMIC, AM_DONE, AM_READ_DATA, AM_BYE, AM_FENCE, AM_BATCH] {
             // SAFETY: on_message only pushes onto the calling thread's event queue, which the
             // lock holder drains before letting go; the id rides in `arg` as an integer, never
@@ -1411,7 +1458,7 @@ mod tests {
         let md = b.register_memory(&dst).unwrap();
         let d = md.to_remote_buffer().unwrap();
         // The stranger: a raw worker of its own, no handlers.
-        let w = Worker::new().unwrap();
+        let w = Worker::new(crate::sys::ucx::Tls::Configured).unwrap();
         let address = super::parse_url(super::super::split_endpoint(&ub).unwrap().0).unwrap();
         unsafe extern "C" fn nothing(_: *mut std::ffi::c_void, _: crate::sys::ucx::Handle, _: i32) {}
         unsafe extern "C" fn sent(r: *mut std::ffi::c_void, _: i32, _: *mut std::ffi::c_void) {

@@ -97,6 +97,9 @@ knobs! {
     BENCH_OUT = "SYMMEM_BENCH_OUT", "(set by `symmem bench`)", "the file a launched benchmark rank appends its result rows to";
     /// The log filter.
     LOG = "SYMMEM_LOG", "warn", "log filter (tracing-subscriber EnvFilter syntax), e.g. `symmem=debug`";
+    /// UCX's transports, read by UCX itself.
+    UCX_TLS = "UCX_TLS", "(UCX's: all)",
+        "the transports UCX may use (read by UCX); where symmem picks ucx by itself it leaves UCX's tcp out of them";
     /// Where this user's configuration lives.
     XDG_CONFIG_HOME = "XDG_CONFIG_HOME", "~/.config", "where this user's key is kept (`symmem/secret` under it)";
     /// The user's home.
@@ -233,6 +236,11 @@ pub fn hosts() -> usize {
 /// `SYMMEM_LOG`, if set.
 pub fn log_filter() -> Option<&'static str> {
     value(env::LOG)
+}
+
+/// `UCX_TLS`, if set: the transports UCX may use.
+pub fn ucx_tls() -> Option<&'static str> {
+    value(env::UCX_TLS)
 }
 
 /// Where this user's configuration lives: `$XDG_CONFIG_HOME`, else `$HOME/.config`.

@@ -268,35 +268,9 @@ pub enum Tls {
     /// Those the `UCX_*` environment names (`UCX_TLS`, `UCX_NET_DEVICES`): the user's choice,
     /// taken when they ask for `ucx` by name.
     Configured,
-    /// The same without UCX's `tcp` transport, whose zero-copy PUT lets any peer that connects
-    /// to the worker's port write to any address it names (`uct_tcp_ep_handle_put_req`): what
-    /// symmem uses when it picks UCX by itself.
-    NoTcp,
-}
-
-/// `UCX_TLS`'s value for [`Tls::NoTcp`], given the user's `UCX_TLS` (unset: every transport);
-/// `None` when the user named nothing but tcp.
-pub fn tls_without_tcp(configured: Option<&str>) -> Option<String> {
-    let v = configured.map(str::trim).unwrap_or("");
-    let is_tcp = |t: &str| t.split(':').next().is_some_and(|n| n.trim().eq_ignore_ascii_case("tcp"));
-    if v.is_empty() {
-        return Some("^tcp".into());
-    }
-    if let Some(excluded) = v.strip_prefix('^') {
-        let mut list: Vec<&str> = excluded.split(',').map(str::trim).filter(|t| !t.is_empty()).collect();
-        if !list.iter().any(|t| is_tcp(t)) {
-            list.push("tcp");
-        }
-        return Some(format!("^{}", list.join(",")));
-    }
-    let list: Vec<&str> = v.split(',').map(str::trim).filter(|t| !t.is_empty() && !is_tcp(t)).collect();
-    if list.iter().any(|t| t.eq_ignore_ascii_case("all")) {
-        Some("^tcp".into())
-    } else if list.is_empty() {
-        None
-    } else {
-        Some(list.join(","))
-    }
+    /// `UCX_TLS` set to this value instead (the caller's policy: symmem leaves UCX's tcp out
+    /// where it picks UCX by itself).
+    Set(&'static str),
 }
 
 /// A UCX context (features: active messages and wake-up), one per [`Tls`] for the life of the
@@ -311,12 +285,24 @@ unsafe impl Sync for Context {}
 
 fn context(tls: Tls) -> Result<&'static Context, String> {
     static CONFIGURED: OnceLock<Result<Context, String>> = OnceLock::new();
-    static NO_TCP: OnceLock<Result<Context, String>> = OnceLock::new();
-    let cell = match tls {
-        Tls::Configured => &CONFIGURED,
-        Tls::NoTcp => &NO_TCP,
-    };
-    cell.get_or_init(|| new_context(tls)).as_ref().map_err(Clone::clone)
+    // One per value asked for (a process asks for one), kept for the life of the process.
+    static SET: std::sync::Mutex<Vec<(&'static str, &'static Result<Context, String>)>> =
+        std::sync::Mutex::new(Vec::new());
+    match tls {
+        Tls::Configured => CONFIGURED.get_or_init(|| new_context(tls)).as_ref().map_err(Clone::clone),
+        Tls::Set(v) => {
+            let mut set = SET.lock().unwrap_or_else(|p| p.into_inner());
+            let made = match set.iter().find(|(k, _)| *k == v) {
+                Some((_, made)) => *made,
+                None => {
+                    let made: &'static Result<Context, String> = Box::leak(Box::new(new_context(tls)));
+                    set.push((v, made));
+                    made
+                }
+            };
+            made.as_ref().map_err(Clone::clone)
+        }
+    }
 }
 
 fn new_context(tls: Tls) -> Result<Context, String> {
@@ -330,17 +316,14 @@ fn new_context(tls: Tls) -> Result<Context, String> {
     }
     let modified = match tls {
         Tls::Configured => Ok(()),
-        Tls::NoTcp => match tls_without_tcp(std::env::var("UCX_TLS").ok().as_deref()) {
-            None => Err("UCX_TLS names no transport but tcp".to_string()),
-            Some(v) => {
-                let v = std::ffi::CString::new(v).map_err(|_| "UCX_TLS holds a NUL byte".to_string())?;
-                // SAFETY: `config` came from ucp_config_read; both strings are NUL-terminated
-                // and UCX copies them.
-                match unsafe { (a.config_modify)(config, c"TLS".as_ptr(), v.as_ptr()) } {
-                    UCS_OK => Ok(()),
-                    s => Err(format!("setting UCX_TLS={v:?}: {}", status_string(s))),
-                }
-            }
+        Tls::Set(v) => match std::ffi::CString::new(v) {
+            Err(_) => Err("UCX_TLS holds a NUL byte".to_string()),
+            // SAFETY: `config` came from ucp_config_read; both strings are NUL-terminated and
+            // UCX copies them.
+            Ok(c) => match unsafe { (a.config_modify)(config, c"TLS".as_ptr(), c.as_ptr()) } {
+                UCS_OK => Ok(()),
+                s => Err(format!("setting UCX_TLS={v:?}: {}", status_string(s))),
+            },
         },
     };
     let mut ctx: Handle = std::ptr::null_mut();
@@ -727,18 +710,6 @@ return 0;}"#,
     }
 
     #[test]
-    fn ucx_tls_without_tcp_keeps_the_rest_of_the_users_choice() {
-        assert_eq!(tls_without_tcp(None).as_deref(), Some("^tcp"));
-        assert_eq!(tls_without_tcp(Some(" ")).as_deref(), Some("^tcp"));
-        assert_eq!(tls_without_tcp(Some("all")).as_deref(), Some("^tcp"));
-        assert_eq!(tls_without_tcp(Some("rc,tcp,sm")).as_deref(), Some("rc,sm"));
-        assert_eq!(tls_without_tcp(Some("rc_x, TCP:aux")).as_deref(), Some("rc_x"));
-        assert_eq!(tls_without_tcp(Some("^ud")).as_deref(), Some("^ud,tcp"));
-        assert_eq!(tls_without_tcp(Some("^tcp,ud")).as_deref(), Some("^tcp,ud"));
-        assert_eq!(tls_without_tcp(Some("tcp")), None);
-    }
-
-    #[test]
     fn context_resources_are_read_from_ucps_own_listing() {
         let line = "#      resource 1  :  md 1  dev 1  flags -- tcp/eth0";
         assert_eq!(parse_resource(line), Some(("tcp".into(), "eth0".into())));
@@ -753,7 +724,7 @@ return 0;}"#,
         let all = resources(Tls::Configured).unwrap();
         assert!(all.iter().any(|r| r.tl == "tcp" && r.kind == DeviceKind::Network), "{all:?}");
         assert!(all.iter().any(|r| r.tl == "self" && r.kind == DeviceKind::Loopback), "{all:?}");
-        let no_tcp = resources(Tls::NoTcp).unwrap();
+        let no_tcp = resources(Tls::Set("^tcp")).unwrap();
         assert!(!no_tcp.is_empty() && no_tcp.iter().all(|r| r.tl != "tcp"), "{no_tcp:?}");
     }
 
@@ -775,30 +746,34 @@ return 0;}"#,
             .count()
     }
 
+    /// The child of `a_worker_symmem_picks_by_itself_listens_on_no_tcp_port`, in a process
+    /// of its own: how many TCP listeners a worker without UCX's tcp opens, then one as
+    /// configured.
+    #[test]
+    #[ignore = "run by a_worker_symmem_picks_by_itself_listens_on_no_tcp_port"]
+    #[allow(clippy::print_stdout, reason = "the child reports to the parent test on stdout")]
+    fn ucx_listeners_child() {
+        let before = tcp_listeners();
+        let no_tcp = Worker::new(Tls::Set("^tcp")).unwrap();
+        let after_no_tcp = tcp_listeners();
+        let configured = Worker::new(Tls::Configured).unwrap();
+        println!("LISTENERS {} {}", after_no_tcp - before, tcp_listeners() - after_no_tcp);
+        drop((no_tcp, configured));
+    }
+
     /// What symmem picks by itself never opens UCX's tcp door: its worker listens on no TCP
     /// port, so no peer can connect over UCX's tcp at all. Run in a child process of its own
     /// (no other test's workers or listeners); a worker as configured (tcp included) is the
     /// control, which does listen.
     #[test]
-    #[allow(clippy::print_stdout, reason = "the child reports to the parent test on stdout")]
     fn a_worker_symmem_picks_by_itself_listens_on_no_tcp_port() {
         if available().is_err() {
             eprintln!("SKIPPED: UCX unavailable");
             return;
         }
-        if std::env::var_os("SYMMEM_TEST_UCX_LISTENERS").is_some() {
-            let before = tcp_listeners();
-            let no_tcp = Worker::new(Tls::NoTcp).unwrap();
-            let after_no_tcp = tcp_listeners();
-            let configured = Worker::new(Tls::Configured).unwrap();
-            println!("LISTENERS {} {}", after_no_tcp - before, tcp_listeners() - after_no_tcp);
-            drop((no_tcp, configured));
-            return;
-        }
         let out = std::process::Command::new(std::env::current_exe().unwrap())
-            .args(["--exact", "sys::ucx::tests::a_worker_symmem_picks_by_itself_listens_on_no_tcp_port"])
+            .args(["--exact", "sys::ucx::tests::ucx_listeners_child", "--include-ignored"])
             .args(["--nocapture", "--test-threads=1"])
-            .env("SYMMEM_TEST_UCX_LISTENERS", "1")
             .env_remove("UCX_TLS")
             .output()
             .unwrap();

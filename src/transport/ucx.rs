@@ -116,6 +116,42 @@ pub fn version() -> std::result::Result<String, String> {
 
 pub use crate::sys::ucx::{DeviceKind, Resource};
 
+/// `UCX_TLS`'s value for UCX picked by itself: the user's `UCX_TLS` (unset: every transport)
+/// without tcp, whose zero-copy PUT lets any peer that connects to the worker's port write to
+/// any address it names (`uct_tcp_ep_handle_put_req`); `None` when the user named nothing
+/// but tcp.
+fn tls_without_tcp(configured: Option<&str>) -> Option<String> {
+    let v = configured.map(str::trim).unwrap_or("");
+    let is_tcp = |t: &str| t.split(':').next().is_some_and(|n| n.trim().eq_ignore_ascii_case("tcp"));
+    if v.is_empty() {
+        return Some("^tcp".into());
+    }
+    if let Some(excluded) = v.strip_prefix('^') {
+        let mut list: Vec<&str> = excluded.split(',').map(str::trim).filter(|t| !t.is_empty()).collect();
+        if !list.iter().any(|t| is_tcp(t)) {
+            list.push("tcp");
+        }
+        return Some(format!("^{}", list.join(",")));
+    }
+    let list: Vec<&str> = v.split(',').map(str::trim).filter(|t| !t.is_empty() && !is_tcp(t)).collect();
+    if list.iter().any(|t| t.eq_ignore_ascii_case("all")) {
+        Some("^tcp".into())
+    } else if list.is_empty() {
+        None
+    } else {
+        Some(list.join(","))
+    }
+}
+
+/// UCX's transports as symmem uses them when it picks UCX by itself: tcp left out.
+fn no_tcp() -> std::result::Result<ucx::Tls, String> {
+    static TLS: OnceLock<Option<String>> = OnceLock::new();
+    match TLS.get_or_init(|| tls_without_tcp(crate::config::ucx_tls())) {
+        Some(v) => Ok(ucx::Tls::Set(v)),
+        None => Err("UCX_TLS names no transport but tcp".into()),
+    }
+}
+
 /// The transports and devices UCX uses here, after `UCX_TLS` and `UCX_NET_DEVICES` (what
 /// `ucx` named by the user runs on), or why UCX cannot be used.
 pub fn resources() -> std::result::Result<Vec<Resource>, String> {
@@ -132,7 +168,7 @@ pub fn fabric() -> std::result::Result<Vec<Resource>, String> {
     static FABRIC: OnceLock<std::result::Result<Vec<Resource>, String>> = OnceLock::new();
     FABRIC
         .get_or_init(|| {
-            let all = ucx::resources(ucx::Tls::NoTcp)?;
+            let all = ucx::resources(no_tcp()?)?;
             let net: Vec<Resource> = all.into_iter().filter(|r| r.kind == DeviceKind::Network).collect();
             if net.is_empty() {
                 Err("UCX has no network transport here but tcp, which symmem does not pick by itself".into())
@@ -191,7 +227,8 @@ impl UcxBackend {
             what: "ucx picked by itself".into(),
             needs: format!("an RDMA fabric; {why}"),
         })?;
-        UcxBackend::with(o, ucx::Tls::NoTcp)
+        let tls = no_tcp().map_err(|why| Error::Unsupported { what: "ucx picked by itself".into(), needs: why })?;
+        UcxBackend::with(o, tls)
     }
 
     fn with(o: &Options, tls: ucx::Tls) -> Result<UcxBackend> {
@@ -1308,6 +1345,18 @@ impl Core {
 mod tests {
     use super::super::{Atomic, Options, new_transport, testkit};
     use crate::error::TransferKind;
+
+    #[test]
+    fn ucx_tls_without_tcp_keeps_the_rest_of_the_users_choice() {
+        assert_eq!(super::tls_without_tcp(None).as_deref(), Some("^tcp"));
+        assert_eq!(super::tls_without_tcp(Some(" ")).as_deref(), Some("^tcp"));
+        assert_eq!(super::tls_without_tcp(Some("all")).as_deref(), Some("^tcp"));
+        assert_eq!(super::tls_without_tcp(Some("rc,tcp,sm")).as_deref(), Some("rc,sm"));
+        assert_eq!(super::tls_without_tcp(Some("rc_x, TCP:aux")).as_deref(), Some("rc_x"));
+        assert_eq!(super::tls_without_tcp(Some("^ud")).as_deref(), Some("^ud,tcp"));
+        assert_eq!(super::tls_without_tcp(Some("^tcp,ud")).as_deref(), Some("^tcp,ud"));
+        assert_eq!(super::tls_without_tcp(Some("tcp")), None);
+    }
     use crate::tensor::{DType, Tensor};
 
     /// Remote atomics behave the same over every backend that serves them: a slot put raises

@@ -94,3 +94,28 @@ pub(crate) mod peercred;
 pub(crate) mod shm;
 pub(crate) mod uct;
 pub(crate) mod ucx;
+
+/// For the tests that check a binding's hand-written layouts: the output of a C program
+/// `body` (the statements of `main`, after `#include <stdio.h>`, `<stddef.h>` and `header`),
+/// compiled against the installed headers; `None`, having said SKIPPED, where `header` or a
+/// C compiler is absent.
+#[cfg(test)]
+pub(crate) fn c_program_output(header: &str, body: &str) -> Option<String> {
+    if !std::path::Path::new("/usr/include").join(header).exists() {
+        eprintln!("SKIPPED: no {header} (Debian: libucx-dev)");
+        return None;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let src = dir.path().join("l.c");
+    let program = format!(
+        "#include <stdio.h>\n#include <stddef.h>\n#include <{header}>\nint main(void){{\n{body}\nreturn 0;}}\n"
+    );
+    std::fs::write(&src, program).unwrap();
+    let exe = dir.path().join("l");
+    let Ok(cc) = std::process::Command::new("cc").arg(&src).arg("-o").arg(&exe).output() else {
+        eprintln!("SKIPPED: no C compiler");
+        return None;
+    };
+    assert!(cc.status.success(), "{}", String::from_utf8_lossy(&cc.stderr));
+    Some(String::from_utf8(std::process::Command::new(&exe).output().unwrap().stdout).unwrap())
+}

@@ -214,7 +214,15 @@ mod tests {
     #[test]
     fn built_in_backends_declare_what_their_instances_report() {
         for b in BUILT_IN.iter().filter(|b| b.by_itself.is_some()) {
-            let backend = (b.build)(&Options::new()).unwrap();
+            let backend = match (b.build)(&Options::new()) {
+                Ok(backend) => backend,
+                // ucx on a machine without UCX.
+                Err(e @ Error::Unsupported { .. }) => {
+                    eprintln!("SKIPPED: {}: {e}", b.name);
+                    continue;
+                }
+                Err(e) => panic!("{}: {e}", b.name),
+            };
             assert_eq!(backend.name(), b.name);
             assert_eq!(backend.caps(), b.caps, "{}", b.name);
             backend.shutdown();

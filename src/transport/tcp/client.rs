@@ -243,7 +243,7 @@ fn read_full(mut s: &TcpStream, buf: &mut [u8], alive: &AtomicBool) -> std::io::
 }
 
 /// Runs one flow's handshake on a blocking socket; the error says why the peer refused.
-fn handshake(s: &mut TcpStream, url: &Url, opts: &TcpOptions, token: &[u8; 16], flow: usize) -> Result<()> {
+pub(super) fn handshake(s: &mut TcpStream, url: &Url, opts: &TcpOptions, token: &[u8; 16], flow: usize) -> Result<()> {
     let addr = &url.addr;
     let mut nonce = [0u8; 32];
     getrandom::fill(&mut nonce).map_err(|e| Error::io("draw a nonce", std::io::Error::other(e)))?;

@@ -535,6 +535,82 @@ mod tests {
         assert!(server.join().unwrap() > 1000);
     }
 
+    /// A caller serving its link while it waits takes only requests that arrived whole: a peer
+    /// that sent half a write and stopped (a process stopped mid-frame) cannot hold it; the
+    /// rest, when it comes, is served. (Before c48652b the caller read a begun request whole:
+    /// this fails there at its second round.)
+    #[test]
+    fn a_serving_caller_never_waits_for_a_frame_a_peer_left_half_sent() {
+        use std::io::Write;
+        use std::time::Instant;
+
+        use crate::wire::tcp::{Header, Op};
+        let backend = TcpBackend::new(&Options::new()).unwrap();
+        let inner = backend.inner.clone();
+        let b = Transport::new(Box::new(backend), None);
+        let bound = b.bind(None).unwrap();
+        // The backend's URL, without the transport's endpoint suffix.
+        let url = parse_url(bound.split(|&c| c == b'#').next().unwrap()).unwrap();
+        let dst = Tensor::zeros(&[64], DType::U8).unwrap();
+        let d = b.register_memory(&dst).unwrap().to_remote_buffer().unwrap();
+
+        // A raw client of the job (the handshake is the real one), on flow 0, which a waiting
+        // caller serves.
+        let opts = TcpOptions::from(&[("flows".to_string(), "1".to_string())].into_iter().collect()).unwrap();
+        let mut s = TcpStream::connect(&url.addr).unwrap();
+        let mut token = [0u8; 16];
+        getrandom::fill(&mut token).unwrap();
+        client::handshake(&mut s, &url, &opts, &token, 0).unwrap();
+        let start = Instant::now();
+        while inner.served.read().unwrap().is_empty() {
+            assert!(start.elapsed() < Duration::from_secs(10), "the flow is never served");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        // A caller serving continuously, as a rank waiting for this peer's signal does.
+        let b = Arc::new(b);
+        let (stop, calls) = (Arc::new(AtomicBool::new(false)), Arc::new(AtomicU64::new(0)));
+        let server = {
+            let (b, stop, calls) = (b.clone(), stop.clone(), calls.clone());
+            std::thread::spawn(move || {
+                while !stop.load(Ordering::Relaxed) {
+                    b.serve_arrived();
+                    calls.fetch_add(1, Ordering::Relaxed);
+                }
+            })
+        };
+        for round in 1..=10u8 {
+            let h = Header {
+                op: Op::Write,
+                status: 0,
+                flags: 0,
+                request: u64::from(round),
+                cookie: 0,
+                buffer: d.buffer_id,
+                key: d.access_key,
+                remote_offset: 0,
+                length: 64,
+            };
+            let mut frame = h.encode().to_vec();
+            frame.extend_from_slice(&[round; 64]);
+            // The header and 10 of its 64 bytes, then nothing for a while.
+            s.write_all(&frame[..64 + 10]).unwrap();
+            std::thread::sleep(Duration::from_millis(20));
+            let before = calls.load(Ordering::Relaxed);
+            // Generous for a loaded machine: the caller looks about every microsecond.
+            std::thread::sleep(Duration::from_millis(150));
+            assert!(calls.load(Ordering::Relaxed) > before, "round {round}: the serving caller waits for the peer");
+            // The rest arrives and lands (served by the flow's thread or the caller).
+            s.write_all(&frame[64 + 10..]).unwrap();
+            let start = Instant::now();
+            while !dst.to_vec::<u8>().unwrap().iter().all(|&x| x == round) {
+                assert!(start.elapsed() < Duration::from_secs(10), "round {round}: the write never landed");
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        }
+        stop.store(true, Ordering::Relaxed);
+        server.join().unwrap();
+    }
+
     #[test]
     fn posted_requests_complete_once_sent_land_in_order_and_a_close_fences_them() {
         let backend = TcpBackend::new(&Options::new()).unwrap();

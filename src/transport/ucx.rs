@@ -41,8 +41,9 @@
 //!
 //! Each endpoint has a UCX worker in serialized mode behind a mutex. A caller sends its own
 //! requests (no hand-off to another thread on the way out); a progress thread per endpoint
-//! progresses the worker whenever it is not idle, serving peers and completing Works, and
-//! sleeps on the worker's event descriptor otherwise. UCX's callbacks run on whichever thread
+//! progresses the worker whenever it is not idle, serving peers and completing Works, keeps
+//! looking for the spin budget (`SYMMEM_SPIN_US`) after it fell idle, and sleeps on the
+//! worker's event descriptor otherwise. UCX's callbacks run on whichever thread
 //! progresses and queue what they saw in that thread's queue, which it drains before letting
 //! go of the lock.
 
@@ -269,11 +270,17 @@ impl UcxBackend {
 }
 
 /// The progress thread: progresses the worker while there is anything to do, serving peers
-/// and completing transfers, and sleeps on the worker's event descriptor when idle.
+/// and completing transfers, looks again (yielding between looks, without the lock) for
+/// `SYMMEM_SPIN_US` once idle, then sleeps on the worker's event descriptor.
 fn progress_loop(core: &Mutex<Core>, shared: &Shared, efd: i32) {
     // SAFETY: UCX's event descriptor lives as long as the worker, which the core keeps until
     // after this loop (it is closed below, then dropped with the last handle).
     let efd = unsafe { BorrowedFd::borrow_raw(efd) };
+    // After a busy pass it keeps looking for the crate's spin budget before it sleeps: the
+    // next message of a stream (the next step of a collective, a rendezvous's next leg) then
+    // needs no wake-up, which on a crowded machine costs more than the looks.
+    let linger = crate::config::spin();
+    let mut idle_since: Option<Instant> = None;
     while !shared.stop.load(Ordering::Acquire) {
         {
             let mut c = core.lock().unwrap_or_else(|p| p.into_inner());
@@ -282,8 +289,16 @@ fn progress_loop(core: &Mutex<Core>, shared: &Shared, efd: i32) {
                 busy = true;
             }
             if c.handle_events() || busy {
+                idle_since = None;
                 continue;
             }
+            let now = Instant::now();
+            if now.duration_since(*idle_since.get_or_insert(now)) < linger {
+                drop(c);
+                std::thread::yield_now();
+                continue;
+            }
+            idle_since = None;
             match c.worker.arm() {
                 Ok(true) => {}
                 Ok(false) => continue,

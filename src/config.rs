@@ -80,7 +80,7 @@ knobs! {
         "rendezvous exchanges: `store` (a multi-get per rank), `gather` (through rank 0), auto: gather above 32 ranks";
     /// How long waits spin before sleeping.
     SPIN_US = "SYMMEM_SPIN_US", "100",
-        "microseconds a wait spins before yielding and sleeping (when ranks do not outnumber cores), and a ucx endpoint's progress thread keeps looking after it fell idle";
+        "microseconds a wait spins before yielding and sleeping (when ranks do not outnumber cores), and the threads serving a tcp flow or a ucx endpoint keep looking after they fell idle";
     /// The tcp transport's flows.
     TCP_FLOWS = "SYMMEM_TRANSPORT_TCP_FLOWS", "4", "connections per tcp transport endpoint (large transfers are striped over them)";
     /// The tcp transport's published address.

@@ -284,6 +284,8 @@ struct Conn {
     out: Vec<u8>,
     /// Who is serving it now.
     who: Who,
+    /// Requests taken so far (by anyone).
+    taken: u64,
 }
 
 /// What looking for the next request found.
@@ -329,7 +331,7 @@ fn write_some(inner: &Inner, mut s: &TcpStream, bytes: &[u8], who: Who) -> std::
 
 impl Conn {
     fn new(s: TcpStream) -> Conn {
-        Conn { s, ahead: ReadAhead::new(READ_AHEAD), out: Vec::with_capacity(1024), who: Who::Thread }
+        Conn { s, ahead: ReadAhead::new(READ_AHEAD), out: Vec::with_capacity(1024), who: Who::Thread, taken: 0 }
     }
 
     /// Writes the gathered replies (a caller: what the socket takes now; the rest stays).
@@ -363,6 +365,7 @@ impl Conn {
                         return Ok(Arrived::Empty);
                     }
                     self.ahead.skip(HEADER_LEN as u64);
+                    self.taken += 1;
                     return Ok(Arrived::Request(h));
                 }
                 if need > READ_AHEAD {
@@ -442,13 +445,20 @@ impl Conn {
 
 /// Serves one flow that passed its handshake: requests in, replies out, until the peer closes
 /// or breaks the protocol. Waits for requests (or a caller's kick) without holding the flow,
-/// so a waiter may serve them first.
+/// so a waiter may serve them first. For the spin budget (`SYMMEM_SPIN_US`) after it last
+/// found a request it keeps looking, yielding between looks, before it sleeps: the next
+/// request of a stream then needs no wake-up.
 fn serve(inner: &Inner, served: &Served) -> std::io::Result<()> {
+    let linger = crate::config::spin();
+    let mut found: Option<Instant> = None;
     loop {
         if inner.closed.load(Ordering::Acquire) {
             return Ok(());
         }
-        {
+        if found.is_some_and(|t| t.elapsed() < linger) {
+            std::thread::yield_now();
+        } else {
+            found = None;
             let mut fds = [PollFd::new(&served.poller, PollFlags::IN), PollFd::new(&served.kick, PollFlags::IN)];
             let t = rustix::time::Timespec { tv_sec: 1, tv_nsec: 0 };
             let _ = poll(&mut fds, Some(&t));
@@ -456,7 +466,12 @@ fn serve(inner: &Inner, served: &Served) -> std::io::Result<()> {
             let _ = rustix::io::read(&served.kick, &mut b);
         }
         let mut c = lock(&served.conn);
-        match serve_some(inner, &mut c, Who::Thread) {
+        let before = c.taken;
+        let outcome = serve_some(inner, &mut c, Who::Thread);
+        if c.taken != before {
+            found = Some(Instant::now());
+        }
+        match outcome {
             Ok(true) => {}
             Ok(false) => return Ok(()),
             Err(e) => {

@@ -169,15 +169,27 @@ pub fn fabric() -> std::result::Result<Vec<Resource>, String> {
     static FABRIC: OnceLock<std::result::Result<Vec<Resource>, String>> = OnceLock::new();
     FABRIC
         .get_or_init(|| {
-            let all = ucx::resources(no_tcp()?)?;
-            let net: Vec<Resource> = all.into_iter().filter(|r| r.kind == DeviceKind::Network).collect();
-            if net.is_empty() {
-                Err("UCX has no network transport here but tcp, which symmem does not pick by itself".into())
-            } else {
-                Ok(net)
+            // UCX's network transports other than tcp all run on RDMA devices (verbs: rc, ud,
+            // dc), which the kernel lists here: without one, UCX need not even start.
+            let rdma = std::fs::read_dir("/sys/class/infiniband").map(|mut d| d.next().is_some()).unwrap_or(false);
+            if !rdma {
+                return Err("no RDMA device here (/sys/class/infiniband lists none), so UCX has no network \
+                            transport but tcp, which symmem does not pick by itself"
+                    .into());
             }
+            network(ucx::resources(no_tcp()?)?)
         })
         .clone()
+}
+
+/// The network transports among `resources` (a context's, tcp left out), or why none.
+fn network(resources: Vec<Resource>) -> std::result::Result<Vec<Resource>, String> {
+    let net: Vec<Resource> = resources.into_iter().filter(|r| r.kind == DeviceKind::Network && r.tl != "tcp").collect();
+    if net.is_empty() {
+        Err("UCX has no network transport here but tcp, which symmem does not pick by itself".into())
+    } else {
+        Ok(net)
+    }
 }
 
 /// A `ucx` transport endpoint.
@@ -1360,6 +1372,23 @@ impl Core {
 mod tests {
     use super::super::{Atomic, Options, new_transport, testkit};
     use crate::error::TransferKind;
+
+    #[test]
+    fn symmem_picks_ucx_by_itself_only_for_a_network_other_than_tcp() {
+        use super::{DeviceKind, Resource, network};
+        let r = |tl: &str, device: &str, kind| Resource { tl: tl.into(), device: device.into(), kind };
+        let here = vec![r("self", "memory0", DeviceKind::Loopback), r("posix", "memory", DeviceKind::SharedMemory)];
+        assert!(network(here.clone()).unwrap_err().contains("no network transport here but tcp"));
+        // tcp never counts, even if a context kept it.
+        let mut with_tcp = here.clone();
+        with_tcp.push(r("tcp", "eth0", DeviceKind::Network));
+        assert!(network(with_tcp).is_err());
+        let mut fabric = here;
+        fabric.push(r("rc_mlx5", "mlx5_0:1", DeviceKind::Network));
+        fabric.push(r("ud_verbs", "mlx5_0:1", DeviceKind::Network));
+        let got: Vec<String> = network(fabric).unwrap().into_iter().map(|r| r.tl).collect();
+        assert_eq!(got, ["rc_mlx5", "ud_verbs"]);
+    }
 
     #[test]
     fn ucx_tls_without_tcp_keeps_the_rest_of_the_users_choice() {

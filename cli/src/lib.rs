@@ -1145,11 +1145,10 @@ fn info() {
         }
         Err(why) => say!("             ucx: unavailable ({why})"),
     }
-    let fabric = symmem::transport::ucx::fabric();
     let network = if symmem::config::xhost_backend().as_deref() == Some("ucx") {
         "ucx (SYMMEM_XHOST_BACKEND=ucx, on any UCX transport), else tcp".to_string()
     } else {
-        match &fabric {
+        match symmem::transport::ucx::fabric() {
             Ok(net) => {
                 let names: Vec<String> = net.iter().map(|r| format!("{}/{}", r.tl, r.device)).collect();
                 format!("ucx over {} (never UCX's tcp), else tcp", names.join(", "))

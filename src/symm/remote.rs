@@ -15,8 +15,9 @@
 //! Ordering: a signal follows the writes before it on one link either in the link's own order
 //! (writes up to the backend's `in_order_up_to`, started by one thread: tcp's flow 0, ucx's
 //! ordered requests; the operators' posted writes are then not even acknowledged) or after
-//! they were acknowledged, so the peer sees the signal only after the data landed. Waiting for a remote peer's signal
-//! watches its link: a peer whose link breaks is named in the error at once, not at the timeout.
+//! they were acknowledged, so the peer sees the signal only after the data landed. Waiting
+//! for a remote peer's signal watches its link: a peer whose link breaks is named in the
+//! error at once, not at the timeout.
 
 use std::collections::HashMap;
 use std::os::fd::OwnedFd;
@@ -214,9 +215,13 @@ pub(crate) fn connect(group: &Group, step: u64, remote: &[usize], hosts: &[Strin
 /// connected.
 pub(crate) fn forget(group: &Group, step: u64, remote: &[usize]) -> Result<()> {
     let me = group.rank();
+    // A rank that picked another backend by itself may have published a tcp link besides.
+    let besides = link_backend().is_ok_and(|(backend, chosen)| !chosen && backend != COMMON);
     for &peer in remote {
         group.store().delete(&format!("symm-net/{step}/{me}/{peer}"))?;
-        group.store().delete(&format!("symm-net/{step}/{me}/{peer}/{COMMON}"))?;
+        if besides {
+            group.store().delete(&format!("symm-net/{step}/{me}/{peer}/{COMMON}"))?;
+        }
     }
     Ok(())
 }

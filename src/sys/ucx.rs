@@ -314,36 +314,32 @@ fn new_context(tls: Tls) -> Result<Context, String> {
     if s != UCS_OK {
         return Err(format!("reading UCX's configuration: {}", status_string(s)));
     }
-    let modified = match tls {
-        Tls::Configured => Ok(()),
-        Tls::Set(v) => match std::ffi::CString::new(v) {
-            Err(_) => Err("UCX_TLS holds a NUL byte".to_string()),
-            // SAFETY: `config` came from ucp_config_read; both strings are NUL-terminated and
-            // UCX copies them.
-            Ok(c) => match unsafe { (a.config_modify)(config, c"TLS".as_ptr(), c.as_ptr()) } {
-                UCS_OK => Ok(()),
-                s => Err(format!("setting UCX_TLS={v:?}: {}", status_string(s))),
-            },
-        },
-    };
-    let mut ctx: Handle = std::ptr::null_mut();
-    let s = match modified {
-        Ok(()) => {
-            let mut p = Params::<{ PARAMS_SIZE / 8 }>::new();
-            p.set64(0, UCP_PARAM_FIELD_FEATURES).set64(8, UCP_FEATURE_AM | UCP_FEATURE_WAKEUP);
-            // SAFETY: `p` is a ucp_params_t of UCX 1.13's size naming only `features`;
-            // `config` came from ucp_config_read; `ctx` is an out-pointer.
-            unsafe { (a.init_version)(UCP_API_MAJOR, UCP_API_MINOR, p.ptr(), config, &mut ctx) }
+    let made = restrict(a, config, tls).and_then(|()| {
+        let mut p = Params::<{ PARAMS_SIZE / 8 }>::new();
+        p.set64(0, UCP_PARAM_FIELD_FEATURES).set64(8, UCP_FEATURE_AM | UCP_FEATURE_WAKEUP);
+        let mut ctx: Handle = std::ptr::null_mut();
+        // SAFETY: `p` is a ucp_params_t of UCX 1.13's size naming only `features`; `config`
+        // came from ucp_config_read; `ctx` is an out-pointer.
+        match unsafe { (a.init_version)(UCP_API_MAJOR, UCP_API_MINOR, p.ptr(), config, &mut ctx) } {
+            UCS_OK => Ok(Context(ctx)),
+            s => Err(format!("initializing UCX: {}", status_string(s))),
         }
-        Err(_) => UCS_OK,
-    };
+    });
     // SAFETY: `config` is no longer needed once the context exists (or failed).
     unsafe { (a.config_release)(config) };
-    modified?;
-    if s != UCS_OK {
-        return Err(format!("initializing UCX: {}", status_string(s)));
+    made
+}
+
+/// Sets `UCX_TLS` in `config` as `tls` asks.
+fn restrict(a: &Api, config: Handle, tls: Tls) -> Result<(), String> {
+    let Tls::Set(v) = tls else { return Ok(()) };
+    let c = std::ffi::CString::new(v).map_err(|_| "UCX_TLS holds a NUL byte".to_string())?;
+    // SAFETY: `config` came from ucp_config_read; both strings are NUL-terminated and UCX
+    // copies them.
+    match unsafe { (a.config_modify)(config, c"TLS".as_ptr(), c.as_ptr()) } {
+        UCS_OK => Ok(()),
+        s => Err(format!("setting UCX_TLS={v:?}: {}", status_string(s))),
     }
-    Ok(Context(ctx))
 }
 
 /// One of UCX's transport resources: a transport on a device.

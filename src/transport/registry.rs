@@ -76,6 +76,8 @@ pub(crate) struct ByItself {
 }
 
 const ALWAYS: fn() -> std::result::Result<(), String> = || Ok(());
+const SHM: Build = |o| Ok(Box::new(shm::ShmBackend::new(o)?));
+const TCP: Build = |o| Ok(Box::new(tcp::TcpBackend::new(o)?));
 
 /// Every built-in backend. `auto` (and its alias `symmem`, the name PyTorch knows symmem by)
 /// composes the members; it declares nothing of its own, since what it can do is its chosen
@@ -85,8 +87,8 @@ pub(crate) const BUILT_IN: &[BuiltIn] = &[
         name: "shm",
         caps: shm::CAPS,
         options: shm::OPTIONS,
-        build: |o| Ok(Box::new(shm::ShmBackend::new(o)?)),
-        by_itself: Some(ByItself { usable: ALWAYS, build: |o| Ok(Box::new(shm::ShmBackend::new(o)?)) }),
+        build: SHM,
+        by_itself: Some(ByItself { usable: ALWAYS, build: SHM }),
         opt_in: false,
     },
     // Before tcp: where the fabric has RDMA, it is the better engine. Picked by itself only
@@ -107,8 +109,8 @@ pub(crate) const BUILT_IN: &[BuiltIn] = &[
         name: "tcp",
         caps: tcp::CAPS,
         options: tcp::OPTIONS,
-        build: |o| Ok(Box::new(tcp::TcpBackend::new(o)?)),
-        by_itself: Some(ByItself { usable: ALWAYS, build: |o| Ok(Box::new(tcp::TcpBackend::new(o)?)) }),
+        build: TCP,
+        by_itself: Some(ByItself { usable: ALWAYS, build: TCP }),
         opt_in: false,
     },
     BuiltIn {

@@ -1372,6 +1372,7 @@ impl Core {
 mod tests {
     use super::super::{Atomic, Options, new_transport, testkit};
     use crate::error::TransferKind;
+    use crate::tensor::{DType, Tensor};
 
     #[test]
     fn symmem_picks_ucx_by_itself_only_for_a_network_other_than_tcp() {
@@ -1401,7 +1402,6 @@ mod tests {
         assert_eq!(super::tls_without_tcp(Some("^tcp,ud")).as_deref(), Some("^tcp,ud"));
         assert_eq!(super::tls_without_tcp(Some("tcp")), None);
     }
-    use crate::tensor::{DType, Tensor};
 
     /// Remote atomics behave the same over every backend that serves them: a slot put raises
     /// the signal once and finds it busy until consumed, sets store the operand, and the

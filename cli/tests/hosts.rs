@@ -352,6 +352,14 @@ fn operators(j: &Job) {
     let a2a = Tensor::zeros(&[per * ws], DType::F32).unwrap();
     ops::all_to_all(&x, &a2a, g).unwrap();
     j.report("all_to_all", &a2a);
+    // Above host push's limit: every rank reads its blocks from the other hosts' ranks
+    // straight into out, copying its own host's meanwhile.
+    let n = ws * (ops::ALL_TO_ALL_PUSH_MAX / 4 / ws + 16);
+    let big = sym(&[n], DType::F32);
+    fill(&big, |i| val(me, i));
+    let big_out = Tensor::zeros(&[n], DType::F32).unwrap();
+    ops::all_to_all(&big, &big_out, g).unwrap();
+    j.report("all_to_all_pulled", &big_out);
 
     // all-to-all-v, its 2-D dispatch and combine.
     let (cap, cols) = (64, 3);

@@ -223,6 +223,16 @@ fn rank_ops() {
     let odd = symm::empty(&[3], DType::I8, Device::Cpu).unwrap();
     assert!(ops::one_shot_all_reduce(&odd, ReduceOp::Sum, &g).unwrap_err().to_string().contains("4-byte aligned"));
     assert!(ops::all_to_all(&m, &o, &g).is_err());
+    // In place, or out overlapping the input by one element: refused on every rank before
+    // anything moves (peers read the input while out is written).
+    let err = ops::all_to_all(&a, &a, &g).unwrap_err().to_string();
+    assert!(err.contains("overlaps the input"), "{err}");
+    let big = symm::empty(&[rows + 1, 5], DType::I32, Device::Cpu).unwrap();
+    let (lo, hi) = (big.narrow(0, 0, rows).unwrap(), big.narrow(0, 1, rows).unwrap());
+    let err = ops::all_to_all(&lo, &hi, &g).unwrap_err().to_string();
+    assert!(err.contains("overlaps the input"), "{err}");
+    let err = ops::all_to_all_nd(&lo.view(&[rows, 5]).unwrap(), &lo, 1, 0, &g).unwrap_err().to_string();
+    assert!(err.contains("overlaps the input"), "{err}");
     assert!(ops::broadcast_(&m, ws, &g).is_err());
     assert!(matches!(ops::multimem_all_reduce_(&m, ReduceOp::Sum, &g), Err(symmem::Error::Unsupported { .. })));
     assert!(ReduceOp::parse("product").is_err());
@@ -320,6 +330,8 @@ fn rank_a2av_tiles() {
     // Bad splits fail on every rank without hanging anyone.
     let bad = i64_symm(&vec![-1; ws], &[ws]);
     assert!(ops::all_to_all_vdev(&input, &out, &bad, &oso, &g).is_err());
+    let err = ops::all_to_all_vdev(&input, &input, &in_splits, &oso, &g).unwrap_err().to_string();
+    assert!(err.contains("overlaps the input"), "{err}");
 
     // tile_reduce on a quadrant view; multi_root_tile_reduce with every rank a root.
     let full = symm::empty(&[8, 8], DType::F64, Device::Cpu).unwrap();

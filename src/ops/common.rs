@@ -90,6 +90,19 @@ pub(crate) fn reducible(op: &str, input: &Tensor) -> Result<()> {
     Ok(())
 }
 
+/// `out` must share no byte with `input`: peers still read a rank's input while it writes its
+/// out, so an in-place call would hand them half-written blocks.
+pub(crate) fn disjoint(op: &str, input: &Tensor, out: &Tensor) -> Result<()> {
+    let (i, o) = (input.data_ptr() as usize, out.data_ptr() as usize);
+    if input.nbytes() > 0 && out.nbytes() > 0 && i < o + out.nbytes() && o < i + input.nbytes() {
+        return Err(bad(
+            op,
+            "out overlaps the input (in-place is not supported: peers read the input while out is written)",
+        ));
+    }
+    Ok(())
+}
+
 pub(crate) fn same_shape(op: &str, input: &Tensor, out: &Tensor) -> Result<()> {
     if !out.is_contiguous() {
         return Err(bad(op, "output must be contiguous"));

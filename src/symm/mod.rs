@@ -735,6 +735,40 @@ impl SymmHandle {
         remote::wait_all(works, "reading from")
     }
 
+    /// Reads, from every rank on another host, the bytes `range(rank) = (at, len, to)` of its
+    /// data buffer straight into bytes `[to, to + len)` of `out` (contiguous, not symmetric
+    /// memory), all at once, and runs `meanwhile` while they travel; returns once every read
+    /// landed (or failed). `out` is registered on each link for the call only: its key is
+    /// never handed to anyone.
+    pub(crate) fn fetch_into(
+        &self,
+        out: &Tensor,
+        range: &dyn Fn(usize) -> (usize, usize, usize),
+        timeout: Duration,
+        meanwhile: impl FnOnce(),
+    ) -> Result<()> {
+        let mut regs = Vec::new();
+        let mut works = Vec::new();
+        for r in (0..self.world_size()).filter_map(|r| self.remote(r)) {
+            let (at, len, to) = range(r.link.peer);
+            if len == 0 {
+                continue;
+            }
+            let started = r.link.transport.register_memory(out).and_then(|reg| {
+                let view = reg.to_mutable_view(to, Some(len));
+                regs.push((r, reg));
+                r.start_read_into(&view?, at, len, timeout)
+            });
+            works.push((r, started));
+        }
+        meanwhile();
+        let fetched = remote::wait_all(works, "reading from");
+        for (r, reg) in &regs {
+            unregister_temporary(r, reg);
+        }
+        fetched
+    }
+
     /// Like [`SymmHandle::fetch`] for a range every rank of this host reads alike: the ranks
     /// of the host share the remote ranks out among themselves, each fetches its share into
     /// the host's mirrors, and a barrier among the host's ranks makes every share visible to

@@ -39,11 +39,14 @@ pub fn select(bytes: usize, hosts: usize) -> Algo {
 
 /// Across hosts, [`all_to_all`] inputs up to this size (per rank) go hierarchically, one
 /// message per pair of hosts through the hosts' leaders (`"host_push"`); larger ones are
-/// pulled by every rank (`"pull"`), which spreads the copying over every rank and flow.
+/// pulled by every rank (`"pull"`: each reads its blocks from the other hosts' ranks straight
+/// into its `out` and copies its own host's while they travel), which spreads the copying
+/// over every rank and flow.
 pub const ALL_TO_ALL_PUSH_MAX: usize = 1 << 20;
 
 /// Equal-split all-to-all: `input` and `out` have the same shape, the first dimension divisible
-/// by the world size; block j of rank i's `out` is block i of rank j's `input`.
+/// by the world size, and share no byte (in place is refused); block j of rank i's `out` is
+/// block i of rank j's `input`.
 ///
 /// ```
 /// use symmem::symm::{self, Device};
@@ -64,6 +67,7 @@ pub const ALL_TO_ALL_PUSH_MAX: usize = 1 << 20;
 pub fn all_to_all(input: &Tensor, out: &Tensor, group: &Group) -> Result<()> {
     const OP: &str = "all_to_all";
     same_shape(OP, input, out)?;
+    disjoint(OP, input, out)?;
     let ws = group.world_size();
     if input.shape().first().is_none_or(|d| d % ws != 0) {
         return Err(bad(
@@ -81,12 +85,22 @@ pub fn all_to_all(input: &Tensor, out: &Tensor, group: &Group) -> Result<()> {
         return host_push::all_to_all(input, out, group, &h, timeout());
     }
     enter_on(OP, input, group, &h, &[])?;
-    fetch(&h, |_| (h.rank() * block, block))?;
-    for k in 0..ws {
-        let j = (h.rank() + k) % ws;
-        let src = peers(&h, h.rank() * block)[j];
-        // SAFETY: inputs are not written between the barriers; out has ws blocks.
-        unsafe { std::ptr::copy_nonoverlapping(src, out.data_ptr().add(j * block), block) };
+    // Blocks of ranks on other hosts are read straight into `out`; those of this host's ranks
+    // are copied while the reads travel.
+    let me = h.rank();
+    let copy_local = || {
+        let from = peers(&h, me * block);
+        for j in (0..ws).map(|k| (me + k) % ws).filter(|&j| h.is_local(j)) {
+            let src = from[j];
+            // SAFETY: inputs are not written between the barriers; out has ws blocks, and does
+            // not overlap the input (checked); remote reads land in other blocks.
+            unsafe { std::ptr::copy_nonoverlapping(src, out.data_ptr().add(j * block), block) };
+        }
+    };
+    if h.all_local() {
+        copy_local();
+    } else {
+        h.fetch_into(out, &|r| (h.offset() + me * block, block, r * block), timeout(), copy_local)?;
     }
     barrier(&h)
 }
@@ -120,6 +134,7 @@ pub fn all_to_all_nd(input: &Tensor, out: &Tensor, scatter_dim: usize, gather_di
     if !out.is_contiguous() || out.dtype() != input.dtype() || out.numel() != input.numel() {
         return Err(bad(OP, "out must be contiguous, with the input's dtype and number of elements"));
     }
+    disjoint(OP, input, out)?;
     let (is, os) = (input.shape(), out.shape());
     // Both pairs are a [G-blocked] 2-D view of the input: rows × cols.
     let (rows, cols) = match is.len() {

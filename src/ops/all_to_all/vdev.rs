@@ -63,6 +63,7 @@ fn check_rows(op: &str, input: &Tensor, out: &Tensor) -> Result<usize> {
     if !out.is_contiguous() {
         return Err(bad(op, "out must be contiguous"));
     }
+    crate::ops::common::disjoint(op, input, out)?;
     if input.dtype() != out.dtype() || row_bytes(input) != row_bytes(out) {
         return Err(bad(op, "input and out must have the same dtype and the same stride(0)"));
     }

@@ -138,22 +138,26 @@ fn two_shot_in_place(input: &Tensor, op: ReduceOp, h: &symm::SymmHandle) -> Resu
     let (start, len) = slice(input.numel(), ws, h.rank(), alignment(input.dtype()) / es);
     fetch(h, |_| (start * es, len * es))?;
     let srcs = peers(h, start * es);
+    // The reduced slice goes into the buffers of this host's ranks; those on other hosts get it
+    // by a write below (their mirrors here are not read again).
     let mut inline = [std::ptr::null_mut::<u8>(); 64];
     let heap: Vec<*mut u8>;
+    let locals = (0..ws).filter(|&r| h.is_local(r));
     let dsts: &[*mut u8] = if ws <= inline.len() {
-        for (d, s) in inline.iter_mut().zip(srcs.iter()) {
-            *d = s.cast_mut();
+        let mut n = 0;
+        for r in locals {
+            inline[n] = srcs[r].cast_mut();
+            n += 1;
         }
-        &inline[..ws]
+        &inline[..n]
     } else {
-        heap = srcs.iter().map(|&p| p.cast_mut()).collect();
+        heap = locals.map(|r| srcs[r].cast_mut()).collect();
         &heap
     };
     // SAFETY: slice [start, start+len) of every rank's buffer is read and written by this rank
     // only, between the barriers; the pointers address mapped buffers (checked shapes).
     unsafe { reduce::reduce(input.dtype(), op, &srcs, dsts, len, ws)? };
-    // Ranks on other hosts get the reduced slice by a write from this rank's buffer (the
-    // reduction above only filled their mirrors).
+    // Ranks on other hosts get the reduced slice by a write from this rank's buffer.
     if !h.all_local() {
         let at = h.offset() + start * es;
         h.push(&h.remote_ranks(), at, len * es, at, timeout())?;

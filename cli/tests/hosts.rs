@@ -275,6 +275,29 @@ fn one_sided(j: &Job) {
         let four = Tensor::zeros(&[4], DType::I32).unwrap();
         symm::nvshmem_get_out(&four, &hd, 0, 4, prev).unwrap();
         hd.barrier(0, T).unwrap();
+        // A get into the whole of another symmetric tensor (its allocation, exposed on every
+        // link under a registration of its own) leaves that tensor reachable by its peers.
+        let mine = data.to_vec::<i32>().unwrap();
+        symm::nvshmem_get_out(&x, &hd, 0, n, next).unwrap();
+        hd.barrier(0, T).unwrap();
+        let back = Tensor::zeros(&[n], DType::I32).unwrap();
+        symm::get(&back, &h, prev, 0).unwrap();
+        assert_eq!(back.to_vec::<i32>().unwrap(), mine, "read from a get's destination");
+        hd.barrier(0, T).unwrap();
+        // And a put from it (registered writable on the links already): x now holds the
+        // receiver's data, which the receiver cleared.
+        if receiver {
+            fill(&data, |_| 0.0);
+        }
+        hd.barrier(0, T).unwrap();
+        if sender {
+            symm::put_signal(&x, &hd, next).unwrap();
+        }
+        if receiver {
+            symm::wait_signal(&hd, prev).unwrap();
+            assert_eq!(data.to_vec::<i32>().unwrap(), mine, "put_signal from a symmetric tensor");
+        }
+        hd.barrier(0, T).unwrap();
         // put_signal / wait_signal with a heap source.
         if sender {
             let src = Tensor::from_slice(&[n], &(0..n).map(|i| (i * 3 + me) as i32).collect::<Vec<_>>()).unwrap();
@@ -360,6 +383,17 @@ fn operators(j: &Job) {
     let big_out = Tensor::zeros(&[n], DType::F32).unwrap();
     ops::all_to_all(&big, &big_out, g).unwrap();
     j.report("all_to_all_pulled", &big_out);
+    // Into a symmetric tensor (a whole allocation, pages exactly), which then serves as the
+    // input of the next exchange across hosts: reading into it must not take it from its
+    // peers.
+    let n = ws * (ops::ALL_TO_ALL_PUSH_MAX / 4 / ws + 1024);
+    let (first, second) = (sym(&[n], DType::F32), sym(&[n], DType::F32));
+    let back = Tensor::zeros(&[n], DType::F32).unwrap();
+    ops::all_to_all(&second, &back, g).unwrap(); // exposes `second` on every link
+    fill(&first, |i| val(me, i));
+    ops::all_to_all(&first, &second, g).unwrap();
+    ops::all_to_all(&second, &back, g).unwrap();
+    j.report("all_to_all_pulled_into_symmetric", &back);
 
     // all-to-all-v, its 2-D dispatch and combine.
     let (cap, cols) = (64, 3);

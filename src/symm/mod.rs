@@ -712,11 +712,6 @@ impl SymmHandle {
         p
     }
 
-    /// Where this rank's own data buffer is.
-    pub(crate) fn own_ptr(&self) -> usize {
-        self.peers.own.data_ptr() as usize
-    }
-
     /// Fetches, from every rank on another host, the bytes `range(rank)` (offset and length in
     /// its data buffer) into its mirror, all at once; a no-op when every rank is local.
     pub(crate) fn fetch(&self, range: &dyn Fn(usize) -> (usize, usize), timeout: Duration) -> Result<()> {
@@ -754,7 +749,7 @@ impl SymmHandle {
             if len == 0 {
                 continue;
             }
-            let started = r.link.transport.register_memory(out).and_then(|reg| {
+            let started = r.link.transport.register_private(out).and_then(|reg| {
                 let view = reg.to_mutable_view(to, Some(len));
                 regs.push((r, reg));
                 r.start_read_into(&view?, at, len, timeout)
@@ -1176,27 +1171,17 @@ fn get_bytes(op: &str, dst: &Tensor, hdl: &SymmHandle, peer: usize, offset: usiz
         }
         Peer::Remote(r) => {
             let t = crate::config::op_timeout();
-            let (own, into) = (hdl.own_ptr(), dst.data_ptr() as usize);
-            // Into this rank's own buffer, use its long-lived registration (registering the
-            // same range again would alias it, and unregistering would withdraw it from the
-            // peer); otherwise register dst for this one read.
-            let res = if into >= own && into + len <= own + hdl.buffer_size() {
-                let (_, _, data) = &hdl.peers.exposed[&peer];
-                data.to_mutable_view(into - own, Some(len))
-                    .and_then(|v| r.start_read_into(&v, start, len, t)?.wait(None))
-            } else {
-                let reg = r.link.transport.register_memory(dst)?;
-                let res =
-                    reg.to_mutable_view(0, Some(len)).and_then(|v| r.start_read_into(&v, start, len, t)?.wait(None));
-                unregister_temporary(r, &reg);
-                res
-            };
+            // dst registered for this one read (privately: it may be a symmetric tensor that
+            // peers reach through a registration of its own, which must stay).
+            let reg = r.link.transport.register_private(dst)?;
+            let res = reg.to_mutable_view(0, Some(len)).and_then(|v| r.start_read_into(&v, start, len, t)?.wait(None));
+            unregister_temporary(r, &reg);
             res.map_err(|e| r.link.error(&format!("{op}: reading from"), &e))
         }
     }
 }
 
-/// Drops a registration made for one transfer, unless it is one of the long-lived ones.
+/// Drops a registration made for one transfer (`Transport::register_private`).
 fn unregister_temporary(r: &Remote, reg: &Memory) {
     if let Err(e) = r.link.transport.unregister_memory(reg) {
         tracing::warn!("symmetric memory: unregistering a temporary registration: {e}");
@@ -1228,19 +1213,10 @@ fn put_bytes(op: &str, src: &Tensor, hdl: &SymmHandle, peer: usize, at: usize) -
         }
         Peer::Remote(r) => {
             let t = crate::config::op_timeout();
-            let own = hdl.own_ptr();
-            let from = src.data_ptr() as usize;
-            // From this rank's own buffer, use its long-lived registration; otherwise register
-            // src for this one write.
-            let res = if from >= own && from + len <= own + hdl.buffer_size() {
-                let (_, _, data) = &hdl.peers.exposed[&peer];
-                data.to_view(from - own, Some(len)).and_then(|v| r.start_write_from(&v, at, t)?.wait(None))
-            } else {
-                let reg = r.link.transport.register_memory_read_only(src)?;
-                let res = reg.to_view(0, Some(len)).and_then(|v| r.start_write_from(&v, at, t)?.wait(None));
-                unregister_temporary(r, &reg);
-                res
-            };
+            // src registered for this one write, privately (as dst in `get_bytes`).
+            let reg = r.link.transport.register_private(src)?;
+            let res = reg.to_view(0, Some(len)).and_then(|v| r.start_write_from(&v, at, t)?.wait(None));
+            unregister_temporary(r, &reg);
             res.map_err(|e| r.link.error(&format!("{op}: writing to"), &e))
         }
     }

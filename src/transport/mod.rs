@@ -745,6 +745,44 @@ impl Transport {
         self.register(tensor, false)
     }
 
+    /// Registers a contiguous tensor for this process's own transfers only (the source of a
+    /// write, the destination of a read): never exposed, so no peer can reach it whatever it
+    /// sends, and a registration of its own even where the same range is registered already
+    /// (a symmetric allocation's buffer), so that unregistering it withdraws nothing else.
+    pub(crate) fn register_private(&self, tensor: &Tensor) -> Result<Memory> {
+        self.check_open()?;
+        // No backend looks up the local side of a transfer: a request carries its pointer.
+        Ok(Memory { reg: self.registration(tensor, false)? })
+    }
+
+    /// A new registration of `tensor`, not yet exposed.
+    fn registration(&self, tensor: &Tensor, writable: bool) -> Result<Arc<Registration>> {
+        if let Some(d) = self.device
+            && d != Device::Cpu
+        {
+            return Err(Error::InvalidArgument(format!("expected a tensor on {d:?}, got Cpu")));
+        }
+        if !tensor.is_contiguous() {
+            return Err(Error::InvalidArgument(format!(
+                "{} transport requires a contiguous tensor",
+                self.backend.name()
+            )));
+        }
+        Ok(Arc::new(Registration {
+            transport: self.id,
+            endpoint: self.endpoint,
+            backend: Arc::from(self.backend.name()),
+            id: random_u64(),
+            key: random_key(),
+            _storage: tensor.storage().clone(),
+            ptr: tensor.data_ptr(),
+            len: tensor.nbytes(),
+            remote_writable: writable,
+            live: AtomicBool::new(true),
+            pending: AtomicUsize::new(0),
+        }))
+    }
+
     fn register(&self, tensor: &Tensor, writable: bool) -> Result<Memory> {
         self.check_open()?;
         if let Some(d) = self.device
@@ -770,19 +808,7 @@ impl Transport {
             }
             return Ok(Memory { reg: r.clone() });
         }
-        let reg = Arc::new(Registration {
-            transport: self.id,
-            endpoint: self.endpoint,
-            backend: Arc::from(self.backend.name()),
-            id: random_u64(),
-            key: random_key(),
-            _storage: tensor.storage().clone(),
-            ptr: tensor.data_ptr(),
-            len: tensor.nbytes(),
-            remote_writable: writable,
-            live: AtomicBool::new(true),
-            pending: AtomicUsize::new(0),
-        });
+        let reg = self.registration(tensor, writable)?;
         self.backend.expose(&reg)?;
         regs.insert(key, reg.clone());
         Ok(Memory { reg })

@@ -755,8 +755,8 @@ impl Transport {
         Ok(Memory { reg: self.registration(tensor, false)? })
     }
 
-    /// A new registration of `tensor`, not yet exposed.
-    fn registration(&self, tensor: &Tensor, writable: bool) -> Result<Arc<Registration>> {
+    /// What every registration needs of its tensor: on this transport's device, contiguous.
+    fn check_tensor(&self, tensor: &Tensor) -> Result<()> {
         if let Some(d) = self.device
             && d != Device::Cpu
         {
@@ -768,6 +768,12 @@ impl Transport {
                 self.backend.name()
             )));
         }
+        Ok(())
+    }
+
+    /// A new registration of `tensor`, not yet exposed.
+    fn registration(&self, tensor: &Tensor, writable: bool) -> Result<Arc<Registration>> {
+        self.check_tensor(tensor)?;
         Ok(Arc::new(Registration {
             transport: self.id,
             endpoint: self.endpoint,
@@ -785,17 +791,7 @@ impl Transport {
 
     fn register(&self, tensor: &Tensor, writable: bool) -> Result<Memory> {
         self.check_open()?;
-        if let Some(d) = self.device
-            && d != Device::Cpu
-        {
-            return Err(Error::InvalidArgument(format!("expected a tensor on {d:?}, got Cpu")));
-        }
-        if !tensor.is_contiguous() {
-            return Err(Error::InvalidArgument(format!(
-                "{} transport requires a contiguous tensor",
-                self.backend.name()
-            )));
-        }
+        self.check_tensor(tensor)?;
         let key = (tensor.data_ptr() as usize, tensor.nbytes());
         let mut regs = self.regs.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(r) = regs.get(&key)

@@ -233,6 +233,14 @@ fn rank_ops() {
     assert!(err.contains("overlaps the input"), "{err}");
     let err = ops::all_to_all_nd(&lo.view(&[rows, 5]).unwrap(), &lo, 1, 0, &g).unwrap_err().to_string();
     assert!(err.contains("overlaps the input"), "{err}");
+    // So are the other operators that write an out while peers read the input.
+    let v = symm::empty(&[ws * 4], DType::F32, Device::Cpu).unwrap();
+    let overlaps = |r: symmem::Result<()>| r.unwrap_err().to_string().contains("overlaps the input");
+    assert!(overlaps(ops::one_shot_all_reduce_out(&v, ReduceOp::Sum, &g, &v)));
+    assert!(overlaps(ops::two_shot_all_reduce_out(&v, ReduceOp::Sum, &g, &v)));
+    assert!(overlaps(ops::reduce_scatter_out(&v, ReduceOp::Sum, &g, false, &v.narrow(0, 4, 4).unwrap())));
+    let gathered = symm::empty(&[ws * 4], DType::F32, Device::Cpu).unwrap();
+    assert!(overlaps(ops::all_gather_into(&gathered.narrow(0, 0, 4).unwrap(), &g, &gathered)));
     assert!(ops::broadcast_(&m, ws, &g).is_err());
     assert!(matches!(ops::multimem_all_reduce_(&m, ReduceOp::Sum, &g), Err(symmem::Error::Unsupported { .. })));
     assert!(ReduceOp::parse("product").is_err());

@@ -37,6 +37,7 @@ pub fn all_gather_into(input: &Tensor, group: &Group, out: &Tensor) -> Result<()
     if !out.is_contiguous() {
         return Err(bad(OP, "output must be contiguous"));
     }
+    disjoint(OP, input, out)?;
     let Some(h) = prologue(OP, input, group, &[])? else { return Ok(()) };
     let n = input.nbytes();
     fetch_shared(&h, |_| (0, n))?;

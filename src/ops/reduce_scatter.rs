@@ -39,6 +39,7 @@ pub fn reduce_scatter_out(
     if out.dtype() != input.dtype() || !out.is_contiguous() {
         return Err(bad(OP, "output must be a contiguous tensor of the input's dtype"));
     }
+    disjoint(OP, input, out)?;
     let ws = group.world_size();
     let per_align = alignment(input.dtype()) / input.dtype().size();
     if split_last_dim {

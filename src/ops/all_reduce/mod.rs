@@ -99,6 +99,7 @@ pub fn one_shot_all_reduce(input: &Tensor, op: ReduceOp, group: &Group) -> Resul
 pub fn one_shot_all_reduce_out(input: &Tensor, op: ReduceOp, group: &Group, out: &Tensor) -> Result<()> {
     const OP: &str = "one_shot_all_reduce";
     same_shape(OP, input, out)?;
+    disjoint(OP, input, out)?;
     reducible(OP, input)?;
     let Some(h) = prologue(OP, input, group, &[op.code()])? else { return Ok(()) };
     fetch_shared(&h, |_| (0, input.nbytes()))?;
@@ -185,6 +186,7 @@ fn two_shot_in_place(input: &Tensor, op: ReduceOp, h: &symm::SymmHandle) -> Resu
 pub fn two_shot_all_reduce_out(input: &Tensor, op: ReduceOp, group: &Group, out: &Tensor) -> Result<()> {
     const OP: &str = "two_shot_all_reduce_out";
     same_shape(OP, input, out)?;
+    disjoint(OP, input, out)?;
     reducible(OP, input)?;
     let Some(h) = prologue(OP, input, group, &[op.code()])? else { return Ok(()) };
     let (es, ws) = (input.dtype().size(), h.world_size());

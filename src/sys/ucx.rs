@@ -314,7 +314,7 @@ fn new_context(tls: Tls) -> Result<Context, String> {
     if s != UCS_OK {
         return Err(format!("reading UCX's configuration: {}", status_string(s)));
     }
-    let made = restrict(a, config, tls).and_then(|()| {
+    let made = configure(a, config, tls).and_then(|()| {
         let mut p = Params::<{ PARAMS_SIZE / 8 }>::new();
         p.set64(0, UCP_PARAM_FIELD_FEATURES).set64(8, UCP_FEATURE_AM | UCP_FEATURE_WAKEUP);
         let mut ctx: Handle = std::ptr::null_mut();
@@ -330,15 +330,33 @@ fn new_context(tls: Tls) -> Result<Context, String> {
     made
 }
 
-/// Sets `UCX_TLS` in `config` as `tls` asks.
-fn restrict(a: &Api, config: Handle, tls: Tls) -> Result<(), String> {
+/// Sets `UCX_TLS` in `config` as `tls` asks, and keeps a UCX before 1.16 on its established
+/// protocols ([`keeps_v1_protocols`]).
+fn configure(a: &Api, config: Handle, tls: Tls) -> Result<(), String> {
+    if version().is_ok_and(|v| keeps_v1_protocols(&v)) {
+        // SAFETY: `config` came from ucp_config_read; both strings are NUL-terminated and UCX
+        // copies them. A UCX without the variable refuses it, and then has nothing to keep.
+        let _ = unsafe { (a.config_modify)(config, c"PROTO_ENABLE".as_ptr(), c"n".as_ptr()) };
+    }
     let Tls::Set(v) = tls else { return Ok(()) };
     let c = std::ffi::CString::new(v).map_err(|_| "UCX_TLS holds a NUL byte".to_string())?;
-    // SAFETY: `config` came from ucp_config_read; both strings are NUL-terminated and UCX
-    // copies them.
+    // SAFETY: as above.
     match unsafe { (a.config_modify)(config, c"TLS".as_ptr(), c.as_ptr()) } {
         UCS_OK => Ok(()),
         s => Err(format!("setting UCX_TLS={v:?}: {}", status_string(s))),
+    }
+}
+
+/// Whether a UCX of version `v` ("1.13.1") runs symmem's contexts on its established
+/// protocols whatever `UCX_PROTO_ENABLE` says: before 1.16, where the new protocols became
+/// the default, their active messages were a first, experimental implementation, and UCX
+/// 1.13's overruns a stack buffer when it sends symmem's (a small message with a user header
+/// and a reply endpoint): the process aborts with "stack smashing detected".
+fn keeps_v1_protocols(v: &str) -> bool {
+    let mut parts = v.trim().split('.').map(|p| p.parse::<u32>().ok());
+    match (parts.next().flatten(), parts.next().flatten()) {
+        (Some(major), Some(minor)) => (major, minor) < (1, 16),
+        _ => false,
     }
 }
 
@@ -764,6 +782,16 @@ printf("%zu %zu\n", sizeof(ucp_am_recv_param_t), offsetof(ucp_am_recv_param_t,re
         let n: Vec<usize> = line.split(' ').map(|v| v.parse().unwrap()).collect();
         assert_eq!(n[0], 0, "a worker without UCX's tcp listens on a TCP port");
         assert!(n[1] > 0, "the control (UCX's tcp included) opened no listener: the check sees nothing");
+    }
+
+    #[test]
+    fn ucx_before_1_16_keeps_its_established_protocols() {
+        assert!(keeps_v1_protocols("1.13.1"));
+        assert!(keeps_v1_protocols("1.15.0"));
+        assert!(!keeps_v1_protocols("1.16.0"));
+        assert!(!keeps_v1_protocols("1.21.0"));
+        assert!(!keeps_v1_protocols("2.0"));
+        assert!(!keeps_v1_protocols("unknown"));
     }
 
     #[test]

@@ -1,7 +1,8 @@
 //! The `ucx` backend: two processes on any hosts, over UCX (the engine NIXL, Open MPI and
 //! PyTorch's transports use), so the same binary takes RDMA (verbs) on a cluster and UCX's
 //! tcp, shared-memory and cross-memory-attach transports here. `UCX_TLS` and
-//! `UCX_NET_DEVICES` pass through.
+//! `UCX_NET_DEVICES` pass through; `UCX_PROTO_ENABLE` does on UCX 1.16 and later only (before,
+//! UCX's new protocols were experimental, and 1.13's abort the process on symmem's messages).
 //!
 //! Every transfer is an active message that the owner's progress thread serves after the
 //! same access check as every backend's (key, liveness, bounds, write permission): a write
@@ -1678,5 +1679,35 @@ mod tests {
     fn remote_atomics_over_tcp_and_ucx_agree() {
         atomics_on("tcp");
         atomics_on("ucx");
+    }
+
+    /// `UCX_PROTO_ENABLE=y` (UCX's new protocols) changes nothing: small, batched, posted and
+    /// refused requests still run, in a child process whose UCX reads the variable (UCX 1.13's
+    /// experimental protocols aborted it with "stack smashing detected").
+    #[test]
+    fn ucx_new_protocols_asked_for_change_nothing() {
+        if let Err(e) = super::available() {
+            eprintln!("SKIPPED: {e}");
+            return;
+        }
+        let tests = [
+            "transport::ucx::tests::a_batch_of_mixed_requests_each_get_their_own_outcome",
+            "transport::ucx::tests::a_refused_posted_write_ends_the_connection_with_the_reason",
+            "transport::ucx::tests::remote_atomics_over_tcp_and_ucx_agree",
+        ];
+        let out = std::process::Command::new(std::env::current_exe().unwrap())
+            .arg("--exact")
+            .args(tests)
+            .args(["--test-threads=1"])
+            .env("UCX_PROTO_ENABLE", "y")
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success() && stdout.contains("3 passed"),
+            "{:?}\n{stdout}\n{}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        );
     }
 }

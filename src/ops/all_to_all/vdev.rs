@@ -10,7 +10,7 @@
 use crate::error::Result;
 use crate::group::Group;
 use crate::ops::check::{Stamp, enter};
-use crate::ops::common::{bad, barrier, fetch, fetch_shared, symmetric};
+use crate::ops::common::{bad, barrier, fetch, fetch_shared, symmetric, timeout};
 use crate::symm::SymmHandle;
 use crate::tensor::{DType, Tensor};
 
@@ -179,10 +179,21 @@ pub fn all_to_all_vdev(
         let (Some(_), Some(out_off)) = (total, exclusive_scan(&out_splits)) else {
             return Err(bad(OP, format!("{:?} rows arrive but out has {}", sum(&out_splits), out.shape()[0])));
         };
-        fetch_rows(&h, (0..ws).map(|p| (p, src_off[p], out_splits[p])), row)?;
-        for k in 0..ws {
-            let p = (me + k) % ws;
-            copy_rows(&h, p, src_off[p], out_off[p], out_splits[p], row, out);
+        // Rows from ranks on other hosts are read straight into out (each source's rows are
+        // contiguous there); those of this host's ranks are copied while the reads travel.
+        let copy_local = || {
+            for p in (0..ws).map(|k| (me + k) % ws).filter(|&p| h.is_local(p)) {
+                copy_rows(&h, p, src_off[p], out_off[p], out_splits[p], row, out);
+            }
+        };
+        if h.all_local() {
+            copy_local();
+        } else {
+            let span = |p: usize| {
+                let n = out_splits[p].max(0) as usize * row;
+                (h.offset() + src_off[p] as usize * row, n, out_off[p] as usize * row)
+            };
+            h.fetch_into(out, &span, timeout(), copy_local)?;
         }
         out_splits_offsets.copy_from_slice(&[out_splits, out_off].concat())
     })();

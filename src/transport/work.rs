@@ -126,6 +126,7 @@ impl WorkState {
                 Some(p) => p(),
                 None => std::hint::spin_loop(),
             }
+            std::thread::yield_now();
         }
         let mut guard = self.waiters.lock().unwrap_or_else(|p| p.into_inner());
         // Counted while this thread may sleep; `complete` reads the count under this lock after

@@ -298,7 +298,16 @@ pub(super) fn handshake(s: &mut TcpStream, url: &Url, opts: &TcpOptions, token: 
 }
 
 impl Client {
-    pub(super) fn connect(url: &Url, opts: &TcpOptions, token: &[u8; 16], timeout: Duration) -> Result<Arc<Client>> {
+    /// Connects the flows to the transport at `url`. `serve` serves what the peer sent this
+    /// side's own transport (its requests that arrived whole), for a waiter to call while it
+    /// spins: two ranks waiting on each other's small reads answer them with no thread woken.
+    pub(super) fn connect(
+        url: &Url,
+        opts: &TcpOptions,
+        token: &[u8; 16],
+        timeout: Duration,
+        serve: Progress,
+    ) -> Result<Arc<Client>> {
         let addr = url
             .addr
             .to_socket_addrs()
@@ -358,6 +367,7 @@ impl Client {
                     if let Some(c) = me.upgrade() {
                         c.progress(0);
                     }
+                    serve();
                 }),
             }
         });

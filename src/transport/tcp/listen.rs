@@ -267,6 +267,11 @@ pub(super) struct Served {
 const READ_AHEAD: usize = 8 * 1024;
 /// Replies with more payload than this are written at once rather than gathered.
 const GATHER_MAX: usize = 16 * 1024;
+/// The most replies a caller serving a flow leaves gathered (those the socket did not take).
+const CALLER_OUT_MAX: usize = 64 * 1024;
+/// The most requests a caller serves per look at a flow: a peer that keeps sending cannot
+/// keep a caller from its own work (the flow's thread takes the rest).
+const CALLER_QUOTA: usize = 64;
 
 /// Who is serving: the flow's thread, which may wait for the peer, or a caller that must not.
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -286,6 +291,8 @@ struct Conn {
     who: Who,
     /// Requests taken so far (by anyone).
     taken: u64,
+    /// Requests the one serving it now may still take (a caller takes a few, then returns).
+    quota: usize,
 }
 
 /// What looking for the next request found.
@@ -331,7 +338,14 @@ fn write_some(inner: &Inner, mut s: &TcpStream, bytes: &[u8], who: Who) -> std::
 
 impl Conn {
     fn new(s: TcpStream) -> Conn {
-        Conn { s, ahead: ReadAhead::new(READ_AHEAD), out: Vec::with_capacity(1024), who: Who::Thread, taken: 0 }
+        Conn {
+            s,
+            ahead: ReadAhead::new(READ_AHEAD),
+            out: Vec::with_capacity(1024),
+            who: Who::Thread,
+            taken: 0,
+            quota: usize::MAX,
+        }
     }
 
     /// Writes the gathered replies (a caller: what the socket takes now; the rest stays).
@@ -343,10 +357,15 @@ impl Conn {
 
     /// The next request's header if one has begun to arrive: the thread reads it whole,
     /// waiting for the rest; a caller takes it only if it arrived whole, with a write's
-    /// payload, and is not a read (whose answer may not fit the socket). Otherwise, with the
-    /// gathered replies written, `Empty` or `End`.
+    /// payload, and is not a large read (whose answer may not fit the socket), nor more than
+    /// its quota, nor while its gathered replies are large (a socket that took no more).
+    /// Otherwise, with the gathered replies written, `Empty` or `End`.
     fn next(&mut self, inner: &Inner) -> std::io::Result<Arrived> {
         let who = self.who;
+        if who == Who::Caller && (self.quota == 0 || self.out.len() >= CALLER_OUT_MAX) {
+            self.flush(inner)?;
+            return Ok(Arrived::Empty);
+        }
         loop {
             let buffered = self.ahead.buffered();
             if buffered >= HEADER_LEN {
@@ -360,12 +379,20 @@ impl Conn {
                 // read-ahead (MAX_CHUNK bounds the sum).
                 let need = HEADER_LEN + if h.op == Op::Write { h.length as usize } else { 0 };
                 if who == Who::Thread || buffered >= need {
-                    if who == Who::Caller && h.op == Op::Read {
+                    // A caller answers a small read into the gathered replies, as long as
+                    // they stay small; a socket that takes no more leaves them to the thread
+                    // (woken for them), which then waits for room: a peer that stops reading
+                    // its answers makes this side hold at most CALLER_OUT_MAX more bytes.
+                    if who == Who::Caller
+                        && h.op == Op::Read
+                        && (h.length > GATHER_MAX as u64 || self.out.len() + h.length as usize > CALLER_OUT_MAX)
+                    {
                         self.flush(inner)?;
                         return Ok(Arrived::Empty);
                     }
                     self.ahead.skip(HEADER_LEN as u64);
                     self.taken += 1;
+                    self.quota = self.quota.saturating_sub(1);
                     return Ok(Arrived::Request(h));
                 }
                 if need > READ_AHEAD {
@@ -509,6 +536,7 @@ pub(super) fn serve_arrived(inner: &Inner) {
 /// takes), and writes their replies; false at the end of the stream.
 fn serve_some(inner: &Inner, c: &mut Conn, who: Who) -> std::io::Result<bool> {
     c.who = who;
+    c.quota = if who == Who::Caller { CALLER_QUOTA } else { usize::MAX };
     loop {
         let h = match c.next(inner)? {
             Arrived::Request(h) => h,
@@ -595,5 +623,87 @@ fn atomic(inner: &Inner, c: &mut Conn, h: &Header) -> std::io::Result<()> {
             c.send(inner, &ack, &[])
         }
         Err(msg) => refuse(c, &msg),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::tensor::Tensor;
+    use crate::transport::{Options, Transport};
+    use crate::wire::tcp::Op;
+
+    /// A caller serving a flow answers small reads, at most [`CALLER_QUOTA`] requests per look,
+    /// and a peer that sends read after read and never reads the answers cannot make it gather
+    /// more than [`CALLER_OUT_MAX`] (plus one answer): it stops taking reads, which the flow's
+    /// thread then serves as the socket takes them.
+    #[test]
+    fn a_serving_caller_takes_a_bounded_share_of_a_peers_reads() {
+        let backend = super::super::TcpBackend::new(&Options::new()).unwrap();
+        let inner = backend.inner.clone();
+        let t = Transport::new(Box::new(backend), None);
+        const N: usize = 16 * 1024;
+        let src = Tensor::from_slice(&[N], &(0..N).map(|i| (i % 251) as u8).collect::<Vec<_>>()).unwrap();
+        let d = t.register_memory_read_only(&src).unwrap().to_remote_buffer().unwrap();
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let mut peer = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let (s, _) = l.accept().unwrap();
+        s.set_nonblocking(true).unwrap();
+        let mut c = Conn::new(s);
+        // 2000 reads of 16 KiB: 32 MiB of answers, more than the sockets hold.
+        let reads = 2000u64;
+        let frames: Vec<u8> = (1..=reads)
+            .flat_map(|id| {
+                Header {
+                    op: Op::Read,
+                    status: 0,
+                    flags: 0,
+                    request: id,
+                    cookie: 0,
+                    buffer: d.buffer_id,
+                    key: d.access_key,
+                    remote_offset: 0,
+                    length: N as u64,
+                }
+                .encode()
+            })
+            .collect();
+        peer.write_all(&frames).unwrap();
+        std::thread::sleep(Duration::from_millis(50));
+        let mut looks = 0;
+        loop {
+            let before = c.taken;
+            serve_some(&inner, &mut c, Who::Caller).unwrap();
+            let took = c.taken - before;
+            assert!(took <= CALLER_QUOTA as u64, "a look took {took} requests");
+            assert!(c.out.len() <= CALLER_OUT_MAX + N + HEADER_LEN, "{} bytes of answers gathered", c.out.len());
+            looks += 1;
+            if took == 0 {
+                break;
+            }
+            assert!(looks < 1000, "the caller never stops taking requests");
+        }
+        assert!(c.taken > 0 && c.taken < reads, "the caller answered {} of {reads} reads", c.taken);
+        // The peer reads: every answer taken so far arrives, in order and right, as the
+        // gathered rest is written (by the flow's thread, in the transport; here, this test).
+        let answered = c.taken;
+        let reader = std::thread::spawn(move || {
+            let (mut hdr, mut payload) = ([0u8; HEADER_LEN], vec![0u8; N]);
+            peer.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+            for id in 1..=answered {
+                peer.read_exact(&mut hdr).unwrap();
+                let h = Header::decode(&hdr).unwrap();
+                assert_eq!((h.op, h.request, h.length), (Op::Data, id, N as u64), "answer {id}");
+                peer.read_exact(&mut payload).unwrap();
+                assert!(payload.iter().enumerate().all(|(i, &x)| x == (i % 251) as u8), "answer {id}'s bytes");
+            }
+        });
+        let start = Instant::now();
+        while !c.out.is_empty() {
+            assert!(start.elapsed() < Duration::from_secs(10), "the gathered answers are never written");
+            c.flush(&inner).unwrap();
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        reader.join().unwrap();
     }
 }

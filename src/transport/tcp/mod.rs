@@ -352,7 +352,14 @@ impl Backend for TcpBackend {
 
     fn connect(&self, url: &[u8], timeout: Duration) -> Result<()> {
         let url = parse_url(url)?;
-        let client = Client::connect(&url, &self.inner.opts, &self.inner.token, timeout)?;
+        // Weak: the client lives in `inner`.
+        let inner = Arc::downgrade(&self.inner);
+        let serve: crate::transport::work::Progress = Arc::new(move || {
+            if let Some(i) = inner.upgrade() {
+                listen::serve_arrived(&i);
+            }
+        });
+        let client = Client::connect(&url, &self.inner.opts, &self.inner.token, timeout, serve)?;
         *lock(&self.inner.client) = Some(client);
         Ok(())
     }

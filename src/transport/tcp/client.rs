@@ -8,6 +8,8 @@
 //!   replies: ACK / DATA / ERROR ──▶ completes the Work, read by whoever holds the flow's
 //!            reader: a caller waiting on a one-frame request (flow 0) reads while it spins,
 //!            else the flow's receiver thread (which polls without holding the reader)
+//!   while it spins, that caller also serves what the peer sent this side's own transport
+//!   (`listen::serve_arrived`): two ranks waiting on each other's reads wake no thread
 //! ```
 //!
 //! Nothing here waits for a socket on the caller's thread: a full socket (a peer that stopped

@@ -448,11 +448,11 @@ impl Conn {
     }
 
     /// Answers a request: gathered while more requests are buffered, written before the next
-    /// wait (and at once when it carries much: only the thread serves reads).
+    /// wait (and at once when it carries much: only the thread serves reads that large).
     fn send(&mut self, inner: &Inner, h: &Header, payload: &[u8]) -> std::io::Result<()> {
         self.out.extend_from_slice(&h.encode());
         if payload.len() > GATHER_MAX {
-            // Only the thread serves reads (see `next`).
+            // Only the thread serves reads this large (see `next`).
             self.flush(inner)?;
             write_some(inner, &self.s, payload, Who::Thread)?;
             return Ok(());

@@ -731,10 +731,12 @@ impl SymmHandle {
     }
 
     /// Reads, from every rank on another host, the bytes `range(rank) = (at, len, to)` of its
-    /// data buffer straight into bytes `[to, to + len)` of `out` (contiguous, not symmetric
-    /// memory), all at once, and runs `meanwhile` while they travel; returns once every read
-    /// landed (or failed). `out` is registered on each link for the call only: its key is
-    /// never handed to anyone.
+    /// data buffer straight into bytes `[to, to + len)` of `out` (any contiguous tensor,
+    /// symmetric or not), all at once, and runs `meanwhile` while they travel; returns once
+    /// every read landed (or failed). With every rank on this host it just runs `meanwhile`.
+    /// `out` is registered privately on each link for the call only
+    /// (`Transport::register_private`: unreachable by peers, and leaving any registration of
+    /// its own in place).
     pub(crate) fn fetch_into(
         &self,
         out: &Tensor,

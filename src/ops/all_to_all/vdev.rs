@@ -186,15 +186,11 @@ pub fn all_to_all_vdev(
                 copy_rows(&h, p, src_off[p], out_off[p], out_splits[p], row, out);
             }
         };
-        if h.all_local() {
-            copy_local();
-        } else {
-            let span = |p: usize| {
-                let n = out_splits[p].max(0) as usize * row;
-                (h.offset() + src_off[p] as usize * row, n, out_off[p] as usize * row)
-            };
-            h.fetch_into(out, &span, timeout(), copy_local)?;
-        }
+        let span = |p: usize| {
+            let n = out_splits[p].max(0) as usize * row;
+            (h.offset() + src_off[p] as usize * row, n, out_off[p] as usize * row)
+        };
+        h.fetch_into(out, &span, timeout(), copy_local)?;
         out_splits_offsets.copy_from_slice(&[out_splits, out_off].concat())
     })();
     finish(&h, outcome)

@@ -1041,6 +1041,29 @@ fn rank_disagree() {
     let a2a_in = x.narrow(0, 0, rows * 8).unwrap().view(&[rows, 8]).unwrap();
     let a2a_out = Tensor::zeros(&[rows, 8], DType::F32).unwrap();
     expect_disagreement("all_to_all", ops::all_to_all(&a2a_in, &a2a_out, &g));
+    // The all-to-all-v family (host-pushed across hosts, pulled on one): inputs of different
+    // sizes, splits of different lengths, different alignments.
+    let v_rows = 4 * (1 + me % 2);
+    let v_in = x.narrow(0, 0, v_rows * 8).unwrap().view(&[v_rows, 8]).unwrap();
+    let v_out = Tensor::zeros(&[8 * ws, 8], DType::F32).unwrap();
+    let splits = i64_symm(&vec![1; 2 * ws], &[2 * ws]);
+    symm::rendezvous(&splits, &g).unwrap();
+    let (ones, oso1) = (splits.narrow(0, 0, ws).unwrap(), Tensor::zeros(&[2, ws], DType::I64).unwrap());
+    let v_same = x.narrow(0, 0, 4 * 8).unwrap().view(&[4, 8]).unwrap();
+    expect_disagreement("all_to_all_vdev", ops::all_to_all_vdev(&v_in, &v_out, &ones, &oso1, &g));
+    let n = ws * (1 + me % 2);
+    let oso_n = Tensor::zeros(&[2, n], DType::I64).unwrap();
+    let e = expect_disagreement(
+        "all_to_all_vdev_2d splits",
+        ops::all_to_all_vdev_2d(&v_same, &v_out, &splits.narrow(0, 0, n).unwrap(), &oso_n, &g, None),
+    );
+    let named = |k: usize| e.contains(&format!("{k} split values"));
+    assert!(e.contains("different arguments") || named(ws) && named(2 * ws), "{e}");
+    let e = expect_disagreement(
+        "all_to_all_vdev_2d align",
+        ops::all_to_all_vdev_2d(&v_same, &v_out, &ones, &oso1, &g, Some(1 + me % 2)),
+    );
+    assert!(e.contains("major_align") || e.contains("different arguments"), "{e}");
     // Reductions that differ.
     let op = if me % 2 == 0 { ReduceOp::Sum } else { ReduceOp::Max };
     let e = expect_disagreement("two_shot", ops::two_shot_all_reduce_(&x, op, &g));
@@ -1052,6 +1075,12 @@ fn rank_disagree() {
     let a2a_in = x.narrow(0, 0, ws * 8).unwrap().view(&[ws, 8]).unwrap();
     let a2a_out = Tensor::zeros(&[ws, 8], DType::F32).unwrap();
     ops::all_to_all(&a2a_in, &a2a_out, &g).unwrap();
+    v_same.copy_from_slice(&(0..32).map(|i| (me * 100 + i) as f32).collect::<Vec<_>>()).unwrap();
+    ops::all_to_all_vdev(&v_same, &v_out, &ones, &oso1, &g).unwrap();
+    let got = v_out.to_vec::<f32>().unwrap();
+    for src in 0..ws {
+        assert_eq!(got[src * 8..src * 8 + 8], (0..8).map(|i| (src * 100 + me * 8 + i) as f32).collect::<Vec<_>>());
+    }
     g.barrier(Duration::from_secs(30)).unwrap();
     println!("rank {me} ok");
 }
@@ -1096,6 +1125,16 @@ fn two_hosts_job(per_host: usize, scenario: &str) -> String {
         assert!(done, "rank {r} did not finish {scenario}:\n{all}");
     }
     all
+}
+
+#[test]
+fn huge_splits_are_refused_on_two_hosts() {
+    // Across hosts the family is host-pushed: a rank whose splits are bad sends no rows, and
+    // every rank's plan still names it.
+    for per_host in [1, 2] {
+        let text = two_hosts_job(per_host, "rank_huge_splits");
+        assert!(!text.contains("timed out"), "{text}");
+    }
 }
 
 #[test]

@@ -231,7 +231,15 @@ pub(crate) fn counts_disagree(op: &str, first: [u64; 2], r: usize, theirs: [u64;
 pub(crate) fn enter(group: &Group, h: &SymmHandle, stamp: &Stamp) -> Result<()> {
     let posted = post(group, stamp)?;
     super::common::barrier(h)?;
-    posted.check()
+    let verdict = posted.check();
+    if verdict.is_err() {
+        // Every rank reaches this verdict, and returns at once: a first rank back would post
+        // its next call's stamp over this one while a slower rank still reads it (which then
+        // saw a call rank 0 never made with this one). The operator's own final barrier does
+        // this on success.
+        let _ = super::common::barrier(&posted.board.h);
+    }
+    verdict
 }
 
 /// A check with a barrier of its own (on the board), for an operator that must know the ranks

@@ -1235,6 +1235,7 @@ pub fn collective_rank(op: &str, algo: &str, dtype: DType, iters: usize, warmup:
             ("all_reduce", "auto") => symmem::ops::all_reduce::select(bytes, crowded, ws.div_ceil(hosts), hosts).name(),
             ("all_reduce", a) => a,
             ("all_to_all", _) => symmem::ops::all_to_all::select(bytes, hosts).name(),
+            ("all_to_all_v", _) => symmem::ops::all_to_all::select_v(bytes, ws, ws, hosts).name(),
             _ => "pull",
         };
         let mut row =

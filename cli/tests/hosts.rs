@@ -421,6 +421,26 @@ fn operators(j: &Job) {
     assert_eq!(back.to_vec::<f32>().unwrap()[..total], input.to_vec::<f32>().unwrap()[..total], "round trip");
     j.report("a2av_2d_offset/out", &back);
 
+    // Larger splits: each host's rows are far from the metadata in a pushed message.
+    let (cap, cols) = (4096, 3);
+    let input = sym(&[cap, cols], DType::F32);
+    fill(&input, |i| val(me, i));
+    let split = |src: usize, dst: usize| ((src * 37 + dst * 101) % 500) as i64;
+    let in_splits = i64_sym(&(0..ws).map(|d| split(me, d)).collect::<Vec<_>>());
+    let out = sym(&[cap * ws, cols], DType::F32);
+    let oso = sym(&[2, ws], DType::I64);
+    ops::all_to_all_vdev(&input, &out, &in_splits, &oso, g).unwrap();
+    j.report("a2av_large/out", &out);
+    j.report("a2av_large/splits", &oso);
+    // Above host push's limit: pulled, each rank reading its rows straight into out.
+    let cap = ops::VDEV_PUSH_MAX / (4 * cols) + 64;
+    let input = sym(&[cap, cols], DType::F32);
+    fill(&input, |i| val(me, i));
+    let out = sym(&[cap * ws, cols], DType::F32);
+    ops::all_to_all_vdev(&input, &out, &in_splits, &oso, g).unwrap();
+    j.report("a2av_pulled/out", &out);
+    j.report("a2av_pulled/splits", &oso);
+
     // Tiles, offsets, n-d exchanges, fused matmuls.
     let full = sym(&[8, 8], DType::F64);
     fill(&full, |i| val(me, i));

@@ -1,11 +1,13 @@
 //! All-to-all: equal splits ([`all_to_all`], pulled, or host-pushed across hosts), n-d
 //! ([`all_to_all_nd`], `docs/symm-mem-algorithms.md` §6), and the variable-split
-//! family of `vdev.rs` (`docs/symm-mem-algorithms.md` §5).
+//! family of `vdev.rs` (`docs/symm-mem-algorithms.md` §5; host-pushed across hosts by
+//! `push.rs`).
 
 mod host_push;
+mod push;
 mod vdev;
 
-pub use vdev::{all_to_all_vdev, all_to_all_vdev_2d, all_to_all_vdev_2d_offset};
+pub use vdev::{VDEV_PUSH_MAX, all_to_all_vdev, all_to_all_vdev_2d, all_to_all_vdev_2d_offset, select_v};
 
 use crate::error::Result;
 use crate::group::Group;

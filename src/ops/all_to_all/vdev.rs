@@ -1,12 +1,25 @@
 //! All-to-all-v on symmetric memory, with PyTorch's layouts
 //! (`docs/symm-mem-algorithms.md` §5). Units are rows of dimension 0.
 //!
-//! Every operator pulls: after a barrier, each rank reads its peers' splits (and offsets) from
-//! their symmetric split tensors, computes where everything lands, and copies its rows out of
-//! the peers' inputs; a final barrier keeps the inputs alive until everyone has read them. A
-//! rank that finds an error (a negative split, an output too small) still takes part in the
-//! final barrier, so no peer is left waiting, and then reports it.
+//! Each operator is a plan and a way to carry it out. The plan ([`Plan`]) is computed by every
+//! rank from every source's metadata (its splits, and for the combine its offsets): which rows
+//! of which source land where in `out`, and what `out_splits_offsets` receives. What a source
+//! sends to a destination is [`source_chunks`] of its metadata, the one function the plans
+//! also use, so a sender and its receivers agree by construction.
+//!
+//! - **Pull** (one host, or large inputs): after an entry barrier, each rank reads its peers'
+//!   metadata from their symmetric split tensors, plans, and copies its rows out of the peers'
+//!   inputs (across hosts, reading them first, straight into `out` where the rows of a source
+//!   are contiguous there); a final barrier keeps the inputs alive until everyone has read them.
+//! - **Host push** (`push.rs`; across hosts up to [`VDEV_PUSH_MAX`] per rank): every rank
+//!   stages its metadata and rows and writes, to each other host's leader, its metadata and the
+//!   rows for that host's ranks, one way, as host-push all-to-all does; then every rank plans
+//!   from the stages and inboxes of its host and copies. No barrier, no read across hosts.
+//!
+//! A rank that finds an error (a negative split, an output too small) still completes the
+//! exchange, so no peer is left waiting, and then reports it.
 
+use super::Algo;
 use crate::error::Result;
 use crate::group::Group;
 use crate::ops::check::{Stamp, enter};
@@ -40,7 +53,7 @@ fn splits_fit(v: &[i64], rows: i64) -> bool {
 
 /// The number of rows of `t` as an i64 (tensor sizes fit in isize, so this cannot fail for a
 /// tensor that exists; saturate rather than panic anyway).
-fn rows_of(t: &Tensor) -> i64 {
+pub(crate) fn rows_of(t: &Tensor) -> i64 {
     i64::try_from(t.shape()[0]).unwrap_or(i64::MAX)
 }
 
@@ -52,7 +65,7 @@ fn peer_i64(h: &SymmHandle, rank: usize, at: usize, count: usize) -> Vec<i64> {
     (0..count).map(|i| unsafe { base.add(at + i).read() }).collect()
 }
 
-fn row_bytes(t: &Tensor) -> usize {
+pub(crate) fn row_bytes(t: &Tensor) -> usize {
     t.shape()[1..].iter().product::<usize>() * t.dtype().size()
 }
 
@@ -114,6 +127,242 @@ fn finish(h: &SymmHandle, outcome: Result<()>) -> Result<()> {
     outcome.and(b)
 }
 
+/// Across hosts, the family's inputs up to this size (per rank) go by host push (`push.rs`):
+/// one one-way message from each rank to each other host's leader, no read and no barrier
+/// across hosts. Larger ones are pulled, each rank reading just its rows.
+pub const VDEV_PUSH_MAX: usize = 1 << 20;
+
+/// The operators of the family, as their metadata tells them apart.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Kind {
+    /// `all_to_all_vdev`: `ws` splits, rank-major.
+    V,
+    /// `all_to_all_vdev_2d`: `ws·ne` splits, rank-major (`dst·ne + e`).
+    TwoD { ne: usize },
+    /// `all_to_all_vdev_2d_offset`: `ws·ne` splits then `ws·ne` offsets, expert-major
+    /// (`e·ws + dst`).
+    TwoDOffset { ne: usize },
+}
+
+impl Kind {
+    /// A number per operator, for the ranks' signatures.
+    pub(crate) fn code(self) -> u64 {
+        match self {
+            Kind::V => 1,
+            Kind::TwoD { .. } => 2,
+            Kind::TwoDOffset { .. } => 3,
+        }
+    }
+}
+
+/// The rows of a source's input that go to `dst`, from the source's metadata `meta`: (first
+/// row, rows) per chunk, in the order the plans place them; `None` if the metadata is invalid
+/// for `dst` (a negative split, a sum that overflows or exceeds the `rows` of the input, a chunk
+/// outside it). Senders send these and receivers copy these, so both agree by construction.
+pub(crate) fn source_chunks(kind: Kind, meta: &[i64], ws: usize, rows: i64, dst: usize) -> Option<Vec<(i64, i64)>> {
+    match kind {
+        Kind::V => {
+            let scan = exclusive_scan(meta).filter(|_| splits_fit(meta, rows))?;
+            Some(vec![(scan[dst], meta[dst])])
+        }
+        Kind::TwoD { ne } => {
+            let scan = exclusive_scan(meta).filter(|_| splits_fit(meta, rows))?;
+            Some((0..ne).map(|e| (scan[dst * ne + e], meta[dst * ne + e])).collect())
+        }
+        Kind::TwoDOffset { ne } => {
+            let n = ws * ne;
+            (0..ne)
+                .map(|e| {
+                    let i = e * ws + dst;
+                    let (len, off) = (meta[i], meta[n + i]);
+                    inside(len, off, rows).then_some((off, len))
+                })
+                .collect()
+        }
+    }
+}
+
+/// Whether `len` rows at row `off` lie inside an input of `rows` rows (checked).
+fn inside(len: i64, off: i64, rows: i64) -> bool {
+    len >= 0 && off >= 0 && off.checked_add(len).is_some_and(|end| end <= rows)
+}
+
+/// What one rank's call moves and reports.
+pub(crate) struct Plan {
+    /// (source rank, first row in its input, first row in `out`, rows), in copy order (this
+    /// rank's own rows first, as on one host).
+    pub(crate) copies: Vec<(usize, i64, i64, i64)>,
+    /// What `out_splits_offsets` receives: the splits, then the offsets.
+    pub(crate) splits_offsets: Vec<i64>,
+}
+
+/// Rank `me`'s plan among `ws`, from every source's metadata (`meta(p)`, of the operator's
+/// length) and the rows of the inputs and of `out`. The same on every path; every error names the rank or
+/// the sizes at fault, and every sum over metadata from peers is checked.
+pub(crate) fn plan(
+    op: &str,
+    kind: Kind,
+    meta: &dyn Fn(usize) -> Vec<i64>,
+    (me, ws): (usize, usize),
+    align: i64,
+    input_rows: i64,
+    out_rows: i64,
+) -> Result<Plan> {
+    match kind {
+        Kind::V => {
+            let mut out_splits = vec![0i64; ws];
+            let mut src_off = vec![0i64; ws];
+            for p in 0..ws {
+                let theirs = meta(p);
+                let Some(chunks) = source_chunks(kind, &theirs, ws, input_rows, me) else {
+                    return Err(bad(
+                        op,
+                        format!("rank {p}'s splits {theirs:?} are negative or exceed its {input_rows} rows"),
+                    ));
+                };
+                (src_off[p], out_splits[p]) = chunks[0];
+            }
+            // Each split is at most its sender's row count, so neither sum can overflow;
+            // checked all the same.
+            let total = sum(&out_splits).filter(|&t| t <= out_rows);
+            let (Some(_), Some(out_off)) = (total, exclusive_scan(&out_splits)) else {
+                return Err(bad(op, format!("{:?} rows arrive but out has {out_rows}", sum(&out_splits))));
+            };
+            let copies = (0..ws).map(|k| (me + k) % ws).map(|p| (p, src_off[p], out_off[p], out_splits[p])).collect();
+            Ok(Plan { copies, splits_offsets: [out_splits, out_off].concat() })
+        }
+        Kind::TwoD { ne } => {
+            // out split e·ws + src = in_splits_src[me·ne + e]; the source offset is src's scan.
+            let n = ws * ne;
+            let mut out_splits = vec![0i64; n];
+            let mut src_off = vec![0i64; n];
+            for src in 0..ws {
+                let Some(chunks) = source_chunks(kind, &meta(src), ws, input_rows, me) else {
+                    return Err(bad(
+                        op,
+                        format!("rank {src}'s splits: their sum is larger than input dim, or a split is negative"),
+                    ));
+                };
+                for (e, (off, len)) in chunks.into_iter().enumerate() {
+                    out_splits[e * ws + src] = len;
+                    src_off[e * ws + src] = off;
+                }
+            }
+            let mut offsets = vec![0i64; n];
+            let mut start = Some(0i64);
+            for e in 0..ne {
+                let tile = &out_splits[e * ws..(e + 1) * ws];
+                let (Some(s), Some(scan)) = (start, exclusive_scan(tile)) else { break };
+                for (src, off) in scan.iter().enumerate() {
+                    offsets[e * ws + src] = s.saturating_add(*off);
+                }
+                // The segment, padded up to a multiple of `align` (an empty one takes `align`).
+                let padded = sum(tile).and_then(|l| l.checked_add(align - 1)).map(|l| (l / align * align).max(align));
+                start = padded.and_then(|p| s.checked_add(p));
+            }
+            if start.is_none_or(|s| s > out_rows) {
+                return Err(bad(
+                    op,
+                    format!("{start:?} rows (with padding) arrive but out has {out_rows} (None: the sum overflows)"),
+                ));
+            }
+            let copies = (0..n).map(|k| (me * ne + k) % n).map(|j| (j % ws, src_off[j], offsets[j], out_splits[j]));
+            Ok(Plan { copies: copies.collect(), splits_offsets: [out_splits, offsets].concat() })
+        }
+        Kind::TwoDOffset { ne } => {
+            let n = ws * ne;
+            let mut out_splits = vec![0i64; n];
+            let mut src_off = vec![0i64; n];
+            for src in 0..ws {
+                let m = meta(src);
+                let Some(chunks) = source_chunks(kind, &m, ws, input_rows, me) else {
+                    let at = |e: usize| (m[e * ws + me], m[n + e * ws + me]);
+                    let e = (0..ne).find(|&e| !inside(at(e).0, at(e).1, input_rows)).unwrap_or(0);
+                    let (len, off) = at(e);
+                    return Err(bad(
+                        op,
+                        format!("rank {src}'s chunk for expert {e} ({len} rows at {off}) is outside its input"),
+                    ));
+                };
+                for (e, (off, len)) in chunks.into_iter().enumerate() {
+                    out_splits[src * ne + e] = len;
+                    src_off[src * ne + e] = off;
+                }
+            }
+            let total = sum(&out_splits).filter(|&t| t <= out_rows);
+            let (Some(_), Some(offsets)) = (total, exclusive_scan(&out_splits)) else {
+                return Err(bad(op, format!("{:?} rows arrive but out has {out_rows}", sum(&out_splits))));
+            };
+            let copies = (0..n).map(|k| (me * ne + k) % n).map(|j| (j / ne, src_off[j], offsets[j], out_splits[j]));
+            Ok(Plan { copies: copies.collect(), splits_offsets: [out_splits, offsets].concat() })
+        }
+    }
+}
+
+/// The family's one selection: across hosts (`hosts` > 1), host push for inputs up to
+/// [`VDEV_PUSH_MAX`] bytes per rank whose workspace stays bounded (`meta_len`: the split values,
+/// and offsets, each rank passes), pull otherwise.
+pub fn select_v(bytes: usize, meta_len: usize, world: usize, hosts: usize) -> Algo {
+    if hosts > 1 && bytes <= VDEV_PUSH_MAX && super::push::fits(bytes, meta_len, world) {
+        Algo::HostPush
+    } else {
+        Algo::Pull
+    }
+}
+
+/// Whether a call of the family with this input takes host push.
+fn pushes(h: &SymmHandle, input: &Tensor, meta_len: usize) -> bool {
+    select_v(input.nbytes(), meta_len, h.world_size(), if h.all_local() { 1 } else { 2 }) == Algo::HostPush
+}
+
+/// The pull path, after the entry check: every rank reads the sources' metadata, plans, and
+/// copies its rows (those from other hosts read first: straight into `out` when each source's
+/// rows are contiguous there, as for `all_to_all_vdev`).
+#[allow(clippy::too_many_arguments)]
+fn pull(
+    op: &str,
+    kind: Kind,
+    h: &SymmHandle,
+    hs: &SymmHandle,
+    meta_len: usize,
+    align: i64,
+    input: &Tensor,
+    out: &Tensor,
+    out_splits_offsets: &Tensor,
+) -> Result<()> {
+    let (me, ws, row) = (h.rank(), h.world_size(), row_bytes(input));
+    let outcome = (|| {
+        fetch_shared(hs, |_| (0, meta_len * 8))?;
+        let meta = |p: usize| peer_i64(hs, p, 0, meta_len);
+        let plan = plan(op, kind, &meta, (me, ws), align, rows_of(input), rows_of(out))?;
+        if kind == Kind::V {
+            // One chunk per source, contiguous in out: remote ones are read straight into it,
+            // this host's copied while the reads travel.
+            let mut by_source = vec![(0i64, 0i64, 0i64); ws];
+            for &(p, from, to, rows) in &plan.copies {
+                by_source[p] = (from, to, rows);
+            }
+            let copy_local = || {
+                for &(p, from, to, rows) in plan.copies.iter().filter(|c| h.is_local(c.0)) {
+                    copy_rows(h, p, from, to, rows, row, out);
+                }
+            };
+            let span = |p: usize| {
+                let (from, to, rows) = by_source[p];
+                (h.offset() + from as usize * row, rows.max(0) as usize * row, to as usize * row)
+            };
+            h.fetch_into(out, &span, timeout(), copy_local)?;
+        } else {
+            fetch_rows(h, plan.copies.iter().map(|c| (c.0, c.1, c.3)), row)?;
+            for &(p, from, to, rows) in &plan.copies {
+                copy_rows(h, p, from, to, rows, row, out);
+            }
+        }
+        out_splits_offsets.copy_from_slice(&plan.splits_offsets)
+    })();
+    finish(h, outcome)
+}
+
 /// All-to-all with per-peer row counts: `in_splits[p]` rows (contiguous, in peer order) go to
 /// peer p; `out_splits_offsets[0]` receives how many rows came from each peer and `[1]` where
 /// they start in `out`. `input` and `in_splits` must be symmetric; `out` must hold them all.
@@ -148,52 +397,18 @@ pub fn all_to_all_vdev(
 ) -> Result<()> {
     const OP: &str = "all_to_all_vdev";
     let ws = group.world_size();
-    let row = check_rows(OP, input, out)?;
+    check_rows(OP, input, out)?;
     check_splits(OP, in_splits, &[ws])?;
     check_splits(OP, out_splits_offsets, &[2, ws])?;
     let hs = symmetric(OP, in_splits, group)?;
-    let hs_bytes = in_splits.nbytes();
-    // Not `prologue`: an empty input still receives (zero) splits and offsets.
     let h = symmetric(OP, input, group)?;
+    if pushes(&h, input, ws) {
+        let meta = in_splits.to_vec::<i64>()?;
+        return super::push::all_to_all_v(OP, Kind::V, &meta, 1, input, out, out_splits_offsets, group, timeout());
+    }
+    // Not `prologue`: an empty input still receives (zero) splits and offsets.
     enter(group, &h, &Stamp::new(OP, input, h.offset(), &[hs.offset() as u64, in_splits.numel() as u64]))?;
-    let me = h.rank();
-    let outcome = (|| {
-        fetch_shared(&hs, |_| (0, hs_bytes))?;
-        let mut out_splits = vec![0i64; ws];
-        let mut src_off = vec![0i64; ws];
-        for p in 0..ws {
-            let theirs = peer_i64(&hs, p, 0, ws);
-            let scan = exclusive_scan(&theirs).filter(|_| splits_fit(&theirs, rows_of(input)));
-            let Some(scan) = scan else {
-                return Err(bad(
-                    OP,
-                    format!("rank {p}'s splits {theirs:?} are negative or exceed its {} rows", input.shape()[0]),
-                ));
-            };
-            out_splits[p] = theirs[me];
-            src_off[p] = scan[me];
-        }
-        // Each split is at most its sender's row count, so neither sum can overflow; checked
-        // all the same.
-        let total = sum(&out_splits).filter(|&t| t <= rows_of(out));
-        let (Some(_), Some(out_off)) = (total, exclusive_scan(&out_splits)) else {
-            return Err(bad(OP, format!("{:?} rows arrive but out has {}", sum(&out_splits), out.shape()[0])));
-        };
-        // Rows from ranks on other hosts are read straight into out (each source's rows are
-        // contiguous there); those of this host's ranks are copied while the reads travel.
-        let copy_local = || {
-            for p in (0..ws).map(|k| (me + k) % ws).filter(|&p| h.is_local(p)) {
-                copy_rows(&h, p, src_off[p], out_off[p], out_splits[p], row, out);
-            }
-        };
-        let span = |p: usize| {
-            let n = out_splits[p].max(0) as usize * row;
-            (h.offset() + src_off[p] as usize * row, n, out_off[p] as usize * row)
-        };
-        h.fetch_into(out, &span, timeout(), copy_local)?;
-        out_splits_offsets.copy_from_slice(&[out_splits, out_off].concat())
-    })();
-    finish(&h, outcome)
+    pull(OP, Kind::V, &h, &hs, ws, 1, input, out, out_splits_offsets)
 }
 
 /// All-to-all-v for mixture-of-experts dispatch: `ne = in_splits.numel() / ws` experts per
@@ -235,69 +450,24 @@ pub fn all_to_all_vdev_2d(
     if align <= 0 {
         return Err(bad(OP, format!("major_align must be positive and fit in int64, got {major_align:?}")));
     }
-    let row = check_rows(OP, input, out)?;
+    check_rows(OP, input, out)?;
     let n = in_splits.numel();
     if n == 0 || !n.is_multiple_of(ws) {
         return Err(bad(OP, format!("in_splits has {n} entries; expected a positive multiple of world size {ws}")));
     }
-    let ne = n / ws;
+    let kind = Kind::TwoD { ne: n / ws };
     check_splits(OP, in_splits, &[n])?;
     check_splits(OP, out_splits_offsets, &[2, n])?;
     let hs = symmetric(OP, in_splits, group)?;
-    let hs_bytes = in_splits.nbytes();
+    let h = symmetric(OP, input, group)?;
+    if pushes(&h, input, n) {
+        let meta = in_splits.to_vec::<i64>()?;
+        return super::push::all_to_all_v(OP, kind, &meta, align, input, out, out_splits_offsets, group, timeout());
+    }
     let args = [hs.offset() as u64, n as u64, align as u64];
     // Not `prologue`: an empty input still receives (zero) splits and offsets.
-    let h = symmetric(OP, input, group)?;
     enter(group, &h, &Stamp::new(OP, input, h.offset(), &args))?;
-    let me = h.rank();
-    let outcome = (|| {
-        fetch_shared(&hs, |_| (0, hs_bytes))?;
-        // out split e·ws + src = in_splits_src[me·ne + e]; the source offset is src's scan.
-        let mut out_splits = vec![0i64; n];
-        let mut src_off = vec![0i64; n];
-        for src in 0..ws {
-            let theirs = peer_i64(&hs, src, 0, n);
-            let scan = exclusive_scan(&theirs).filter(|_| splits_fit(&theirs, rows_of(input)));
-            let Some(scan) = scan else {
-                return Err(bad(
-                    OP,
-                    format!("rank {src}'s splits: their sum is larger than input dim, or a split is negative"),
-                ));
-            };
-            for e in 0..ne {
-                out_splits[e * ws + src] = theirs[me * ne + e];
-                src_off[e * ws + src] = scan[me * ne + e];
-            }
-        }
-        let mut offsets = vec![0i64; n];
-        let mut start = Some(0i64);
-        for e in 0..ne {
-            let tile = &out_splits[e * ws..(e + 1) * ws];
-            let (Some(s), Some(scan)) = (start, exclusive_scan(tile)) else { break };
-            for (src, off) in scan.iter().enumerate() {
-                offsets[e * ws + src] = s.saturating_add(*off);
-            }
-            // The segment, padded up to a multiple of `align` (an empty one takes `align`).
-            let padded = sum(tile).and_then(|l| l.checked_add(align - 1)).map(|l| (l / align * align).max(align));
-            start = padded.and_then(|p| s.checked_add(p));
-        }
-        if start.is_none_or(|s| s > rows_of(out)) {
-            return Err(bad(
-                OP,
-                format!(
-                    "{start:?} rows (with padding) arrive but out has {} (None: the sum overflows)",
-                    out.shape()[0]
-                ),
-            ));
-        }
-        fetch_rows(&h, (0..n).map(|j| (j % ws, src_off[j], out_splits[j])), row)?;
-        for k in 0..n {
-            let j = (me * ne + k) % n;
-            copy_rows(&h, j % ws, src_off[j], offsets[j], out_splits[j], row, out);
-        }
-        out_splits_offsets.copy_from_slice(&[out_splits, offsets].concat())
-    })();
-    finish(&h, outcome)
+    pull(OP, kind, &h, &hs, n, align, input, out, out_splits_offsets)
 }
 
 /// The combine of [`all_to_all_vdev_2d`]: the input is expert-major (split `e·ws + dst`) at the
@@ -332,51 +502,22 @@ pub fn all_to_all_vdev_2d_offset(
 ) -> Result<()> {
     const OP: &str = "all_to_all_vdev_2d_offset";
     let ws = group.world_size();
-    let row = check_rows(OP, input, out)?;
+    check_rows(OP, input, out)?;
     let shape = in_splits_offsets.shape().to_vec();
     if shape.len() != 2 || shape[0] != 2 || shape[1] == 0 || !shape[1].is_multiple_of(ws) {
         return Err(bad(OP, format!("in_splits_offsets has shape {shape:?}; expected (2, k·{ws})")));
     }
     let n = shape[1];
-    let ne = n / ws;
+    let kind = Kind::TwoDOffset { ne: n / ws };
     check_splits(OP, in_splits_offsets, &[2, n])?;
     check_splits(OP, out_splits_offsets, &[2, n])?;
     let hs = symmetric(OP, in_splits_offsets, group)?;
-    let hs_bytes = in_splits_offsets.nbytes();
-    // Not `prologue`: an empty input still receives (zero) splits and offsets.
     let h = symmetric(OP, input, group)?;
+    if pushes(&h, input, 2 * n) {
+        let meta = in_splits_offsets.to_vec::<i64>()?;
+        return super::push::all_to_all_v(OP, kind, &meta, 1, input, out, out_splits_offsets, group, timeout());
+    }
+    // Not `prologue`: an empty input still receives (zero) splits and offsets.
     enter(group, &h, &Stamp::new(OP, input, h.offset(), &[hs.offset() as u64, n as u64]))?;
-    let me = h.rank();
-    let outcome = (|| {
-        fetch_shared(&hs, |_| (0, hs_bytes))?;
-        let mut out_splits = vec![0i64; n];
-        let mut src_off = vec![0i64; n];
-        for src in 0..ws {
-            let splits = peer_i64(&hs, src, 0, n);
-            let offs = peer_i64(&hs, src, n, n);
-            for e in 0..ne {
-                let i = e * ws + me;
-                let (len, off) = (splits[i], offs[i]);
-                if len < 0 || off < 0 || off.checked_add(len).is_none_or(|end| end > rows_of(input)) {
-                    return Err(bad(
-                        OP,
-                        format!("rank {src}'s chunk for expert {e} ({len} rows at {off}) is outside its input"),
-                    ));
-                }
-                out_splits[src * ne + e] = len;
-                src_off[src * ne + e] = off;
-            }
-        }
-        let total = sum(&out_splits).filter(|&t| t <= rows_of(out));
-        let (Some(_), Some(offsets)) = (total, exclusive_scan(&out_splits)) else {
-            return Err(bad(OP, format!("{:?} rows arrive but out has {}", sum(&out_splits), out.shape()[0])));
-        };
-        fetch_rows(&h, (0..n).map(|j| (j / ne, src_off[j], out_splits[j])), row)?;
-        for k in 0..n {
-            let j = (me * ne + k) % n;
-            copy_rows(&h, j / ne, src_off[j], offsets[j], out_splits[j], row, out);
-        }
-        out_splits_offsets.copy_from_slice(&[out_splits, offsets].concat())
-    })();
-    finish(&h, outcome)
+    pull(OP, kind, &h, &hs, 2 * n, 1, input, out, out_splits_offsets)
 }

@@ -560,8 +560,9 @@ fn two_network_namespaces_linked_by_ucx_match_one_host_bit_for_bit() {
     assert_same(&got, &reference());
 }
 
-/// All-reduces, and all-to-alls large enough that every rank reads from the other host, until
-/// something fails; rank 0 writes the marker file once it is running.
+/// All-reduces, all-to-alls large enough that every rank reads from the other host, and
+/// host-pushed all-to-all-vs, until something fails; rank 0 writes the marker file once it is
+/// running.
 #[test]
 #[ignore = "a rank program; run by the lost-host tests below"]
 fn rank_lost() {
@@ -569,6 +570,9 @@ fn rank_lost() {
     let x = sym(&[4096], DType::F32);
     let n = j.ws * (ops::ALL_TO_ALL_PUSH_MAX / 4 / j.ws + 16);
     let (big, big_out) = (sym(&[n], DType::F32), Tensor::zeros(&[n], DType::F32).unwrap());
+    let (v_out, oso) =
+        (Tensor::zeros(&[4096 * j.ws], DType::F32).unwrap(), Tensor::zeros(&[2, j.ws], DType::I64).unwrap());
+    let splits = i64_sym(&vec![64; j.ws]);
     let marker = std::env::var("SYMMEM_TEST_MARKER").ok();
     let start = Instant::now();
     for i in 0.. {
@@ -579,8 +583,11 @@ fn rank_lost() {
             std::fs::write(m, b"running").unwrap();
         }
         fill(&x, |k| (k + i) as f64);
-        let done =
-            if i % 2 == 0 { ops::all_reduce(&x, ReduceOp::Sum, &j.g) } else { ops::all_to_all(&big, &big_out, &j.g) };
+        let done = match i % 3 {
+            0 => ops::all_reduce(&x, ReduceOp::Sum, &j.g),
+            1 => ops::all_to_all(&big, &big_out, &j.g),
+            _ => ops::all_to_all_vdev(&x, &v_out, &splits, &oso, &j.g),
+        };
         if let Err(e) = done {
             println!("rank {} failed after {:.1} s: {e}", j.me, start.elapsed().as_secs_f64());
             std::process::exit(3);

@@ -1,5 +1,8 @@
 /* A minimal timing loop around Open MPI's MPI_Allreduce (float sum), or MPI_Alltoall when
- * MPI_BENCH_OP=alltoall (equal blocks of the size's bytes split over the ranks), printing the
+ * MPI_BENCH_OP=alltoall (equal blocks of the size's bytes split over the ranks), or, when
+ * MPI_BENCH_OP=alltoallv, what an all-to-all-v with splits known only to their senders takes
+ * (symmem's all_to_all_vdev, or PyTorch's all_to_all_single of the splits then of the rows):
+ * MPI_Alltoall of the counts, then MPI_Alltoallv of the data (equal counts), printing the
  * same JSON fields as `symmem bench all-reduce --json` (size, count, time_us median, p99_us; the
  * bandwidths follow from them), measured on rank 0 over back-to-back calls, after a warm-up.
  * Build: mpicc -O2 -o mpi_allreduce bench/mpi_allreduce.c
@@ -20,7 +23,10 @@ int main(int argc, char **argv) {
     MPI_Comm_rank(MPI_COMM_WORLD, &rank);
     MPI_Comm_size(MPI_COMM_WORLD, &size);
     const char *op = getenv("MPI_BENCH_OP");
-    int a2a = op && strcmp(op, "alltoall") == 0;
+    int a2av = op && strcmp(op, "alltoallv") == 0;
+    int a2a = a2av || (op && strcmp(op, "alltoall") == 0);
+    int *scount = calloc(size, sizeof(int)), *rcount = calloc(size, sizeof(int));
+    int *sdispl = calloc(size, sizeof(int)), *rdispl = calloc(size, sizeof(int));
     for (int a = 1; a < argc; a++) {
         long bytes = atol(argv[a]);
         long count = bytes / 4 < 1 ? 1 : bytes / 4;
@@ -32,7 +38,12 @@ int main(int argc, char **argv) {
         for (int i = 0; i < 100 + iters; i++) {
             if (i == 100) MPI_Barrier(MPI_COMM_WORLD);
             double t = MPI_Wtime();
-            if (a2a)
+            if (a2av) {
+                for (int r = 0; r < size; r++) scount[r] = (int)(count / size), sdispl[r] = r * (int)(count / size);
+                MPI_Alltoall(scount, 1, MPI_INT, rcount, 1, MPI_INT, MPI_COMM_WORLD);
+                for (int r = 0, at = 0; r < size; r++) rdispl[r] = at, at += rcount[r];
+                MPI_Alltoallv(in, scount, sdispl, MPI_FLOAT, out, rcount, rdispl, MPI_FLOAT, MPI_COMM_WORLD);
+            } else if (a2a)
                 MPI_Alltoall(in, (int)(count / size), MPI_FLOAT, out, (int)(count / size), MPI_FLOAT, MPI_COMM_WORLD);
             else
                 MPI_Allreduce(in, out, count, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
@@ -44,13 +55,17 @@ int main(int argc, char **argv) {
             printf("{\"bench\":\"%s\",\"ranks\":%d,\"hosts\":1,\"size\":%ld,\"count\":%ld,\"dtype\":\"float32\","
                    "\"iters\":%d,\"time_us\":%.3f,\"p99_us\":%.3f,\"algbw\":null,\"busbw\":null,"
                    "\"note\":\"baseline: Open MPI %s\"}\n",
-                   a2a ? "mpi_alltoall" : "mpi_allreduce", size, count * 4, count, iters, median, p99,
-                   a2a ? "MPI_Alltoall" : "MPI_Allreduce");
+                   a2av ? "mpi_alltoallv" : a2a ? "mpi_alltoall" : "mpi_allreduce", size, count * 4, count, iters,
+                   median, p99, a2av ? "MPI_Alltoall of the counts, then MPI_Alltoallv" : a2a ? "MPI_Alltoall" : "MPI_Allreduce");
         fflush(stdout);
         free(in);
         free(out);
         free(lat);
     }
+    free(scount);
+    free(rcount);
+    free(sdispl);
+    free(rdispl);
     MPI_Finalize();
     return 0;
 }

@@ -432,6 +432,20 @@ fn operators(j: &Job) {
     ops::all_to_all_vdev(&input, &out, &in_splits, &oso, g).unwrap();
     j.report("a2av_large/out", &out);
     j.report("a2av_large/splits", &oso);
+    // More than 64 KiB for a host: those rows leave straight from the input.
+    let cap = 16384;
+    let input = sym(&[cap, cols], DType::F32);
+    fill(&input, |i| val(me, i));
+    let split = |src: usize, dst: usize| 3000 + ((src * 37 + dst * 101) % 500) as i64;
+    let big_splits = i64_sym(&(0..ws).map(|d| split(me, d)).collect::<Vec<_>>());
+    let out = sym(&[cap * ws, cols], DType::F32);
+    ops::all_to_all_vdev(&input, &out, &big_splits, &oso, g).unwrap();
+    // The input is the caller's again once the call returns: rows in flight from it must
+    // have left.
+    input.fill(-1.0f32).unwrap();
+    g.barrier(T).unwrap();
+    j.report("a2av_direct/out", &out);
+    j.report("a2av_direct/splits", &oso);
     // Above host push's limit: pulled, each rank reading its rows straight into out.
     let cap = ops::VDEV_PUSH_MAX / (4 * cols) + 64;
     let input = sym(&[cap, cols], DType::F32);

@@ -166,20 +166,28 @@ pub(crate) fn send_before_signal(
     len: usize,
     timeout: Duration,
 ) -> Result<Vec<Work>> {
+    send_pieces_before_signal(h, leader, len, |at, n| h.start_push(leader, src + at, n, dst + at, timeout))
+}
+
+/// As [`send_before_signal`], each piece started by `push(at, len)` (a write of the `len` bytes
+/// at `at` of the message).
+pub(crate) fn send_pieces_before_signal(
+    h: &SymmHandle,
+    leader: usize,
+    len: usize,
+    push: impl Fn(usize, usize) -> Result<Work>,
+) -> Result<Vec<Work>> {
     // Writes the link's backend keeps in order with the atomic that follows need no wait.
     let in_order = h.remote(leader).map_or(0, |r| r.link.in_order_up_to());
     if len > STRIPED || in_order == 0 {
-        let w = h.start_push(leader, src, len, dst, timeout)?;
+        let w = push(0, len)?;
         w.wait(None).map_err(|e| match h.remote(leader) {
             Some(r) => r.link.error("writing to", &e),
             None => e,
         })?;
         return Ok(Vec::new());
     }
-    (0..len)
-        .step_by(in_order)
-        .map(|at| h.start_push(leader, src + at, in_order.min(len - at), dst + at, timeout))
-        .collect()
+    (0..len).step_by(in_order).map(|at| push(at, in_order.min(len - at))).collect()
 }
 
 /// Whether a message of `bytes` with at most `ranks_per_host` ranks on a host takes this path.

@@ -837,6 +837,29 @@ impl SymmHandle {
         r.post_write_from(&src, to, timeout).map_err(|e| r.link.error("writing to", &e))
     }
 
+    /// As [`start_push`](Self::start_push), from `src`: another symmetric allocation of the
+    /// same group (so registered on the same link), at byte `from` of this rank's data buffer
+    /// of it. The caller keeps those bytes unchanged until the Work completes.
+    pub(crate) fn start_push_from(
+        &self,
+        src: &SymmHandle,
+        rank: usize,
+        from: usize,
+        len: usize,
+        to: usize,
+        timeout: Duration,
+    ) -> Result<crate::transport::Work> {
+        let r = self.remote(rank).ok_or_else(|| Error::InvalidArgument(format!("rank {rank} is not remote")))?;
+        let exposed = src.peers.exposed.get(&rank).filter(|(link, _, _)| Arc::ptr_eq(link, &r.link));
+        let Some((_, _, data)) = exposed else {
+            return Err(Error::InvalidArgument(format!(
+                "push from another allocation to rank {rank}: it is not registered on this allocation's link"
+            )));
+        };
+        let view = data.to_view(from, Some(len))?;
+        r.post_write_from(&view, to, timeout).map_err(|e| r.link.error("writing to", &e))
+    }
+
     /// Runs `f`, which starts transfers to `rank` (on another host), and sends the small ones
     /// together when it returns (see `Transport::batch`); `f` must not wait for them.
     pub(crate) fn batch<R>(&self, rank: usize, f: impl FnOnce() -> R) -> R {

@@ -5,14 +5,16 @@
 //!     [ stage | inbox slot per source rank ] ], every slot laid out alike:
 //!     [ header: major_align, row bytes | the source's metadata | its input's rows ]
 //!   call e (parity p = e % 2):
-//!     every rank   stages its header, metadata and the rows anyone takes from it; writes to
-//!                  each other host's leader, into its own slot of inbox p, the header, the
-//!                  metadata and the rows for that host's ranks (at the same places as in its
-//!                  stage), then its signature and FROM[rank] = e; tells its leader (ARRIVE)
+//!     every rank   stages its header, metadata and the rows its host's other ranks take from
+//!                  it; writes to each other host's leader, into its own slot of inbox p, the
+//!                  header, the metadata and the rows for that host's ranks (at the same
+//!                  places as in the input: small ones staged first, large ones straight from
+//!                  the input), then its signature and FROM[rank] = e; tells its leader (ARRIVE)
 //!     each leader  waits for its host (ARRIVE) and every remote rank (FROM), judges the
 //!                  signatures, releases its host (RELEASE)
 //!     every rank   plans from every source's metadata (this host's in their stages, the
 //!                  others' in its leader's inbox) and copies its rows from the same places
+//!                  (its own from its input); waits for its writes from the input, and returns
 //! ```
 //!
 //! What a rank sends a host is exactly what that host's ranks take from it: both are
@@ -29,11 +31,16 @@ use crate::error::{Error, Result};
 use crate::group::Group;
 use crate::ops::common::bad;
 use crate::ops::hostpush::*;
+use crate::symm::SymmHandle;
 use crate::symm::hostsync::settle;
 use crate::tensor::Tensor;
 
 /// Bytes of a slot's header: major_align and the row size, as two i64.
 const HEADER: usize = 16;
+
+/// Rows for another host that leave straight from the input rather than through the stage,
+/// from this many bytes (below, one copy into the stage costs less than a second message).
+const DIRECT_MIN: usize = 64 << 10;
 
 /// The largest workspace this path makes (both parities, every slot); above it, the family
 /// pulls.
@@ -89,14 +96,15 @@ fn disagree(op: &str, first: [u64; 2], r: usize, theirs: [u64; 2]) -> Error {
 }
 
 /// One call of the family across hosts: `meta` is this rank's metadata (its splits, and for
-/// the combine its offsets), `align` the 2-D dispatch's major_align (1 otherwise).
+/// the combine its offsets), `align` the 2-D dispatch's major_align (1 otherwise), `h` the
+/// input's handle.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn all_to_all_v(
     op: &str,
     kind: Kind,
     meta: &[i64],
     align: i64,
-    input: &Tensor,
+    (input, h): (&Tensor, &SymmHandle),
     out: &Tensor,
     out_splits_offsets: &Tensor,
     group: &Group,
@@ -132,8 +140,22 @@ pub(crate) fn all_to_all_v(
             Some((lo.min(a), hi.max(a + n)))
         })
     };
-    let all: Vec<usize> = (0..world).collect();
-    let used = span_of(&all).map_or(0, |(_, end)| end as usize * row);
+    // Rows this host's other ranks take from this rank are staged, and so are the rows for
+    // another host when they are few (they leave in one message with the metadata). More leave
+    // straight from the input, and are waited for before returning: the caller may rewrite
+    // its input then. This rank's own rows are copied from its input.
+    let bytes = |(a, b): (i64, i64)| (a as usize * row, b as usize * row);
+    let hosts: Vec<(usize, Option<(usize, usize)>)> =
+        (0..hw.hosts()).filter(|&x| x != my_host).map(|x| (x, span_of(hw.ranks_on(x)).map(bytes))).collect();
+    let direct = |span: Option<(usize, usize)>| span.filter(|(a, b)| b - a >= DIRECT_MIN);
+    let mut staged: Vec<(usize, usize)> = locals
+        .iter()
+        .filter(|&&d| d != me)
+        .filter_map(|&d| chunks[d].as_ref())
+        .flatten()
+        .map(|&(a, n)| bytes((a, a + n)))
+        .collect();
+    staged.extend(hosts.iter().filter(|h| direct(h.1).is_none()).filter_map(|h| h.1));
 
     // As in host-push all-to-all: only the sends of call e-2 must have landed.
     settle(&hw, &mut w.sent, |epoch| epoch != e.wrapping_sub(1), timeout)?;
@@ -141,104 +163,122 @@ pub(crate) fn all_to_all_v(
     // SAFETY: this rank's stage p holds a slot of at least rows_at + the input's bytes (the
     // workspace was sized for this call's slot); nobody reads it before this rank's ARRIVE and
     // FROM words, nobody still reads it from call e-2, and its sends of call e-2 have landed.
-    // `used` is within the input (the chunks were checked against its rows).
+    // The staged ranges are within the input (the chunks were checked against its rows).
     unsafe {
         let s = at(me, stage);
         std::ptr::copy_nonoverlapping(header.as_ptr().cast::<u8>(), s, HEADER);
         std::ptr::copy_nonoverlapping(meta.as_ptr().cast::<u8>(), s.add(HEADER), 8 * m);
-        std::ptr::copy_nonoverlapping(input.data_ptr().cast_const(), s.add(rows_at), used);
+        for &(a, b) in &staged {
+            std::ptr::copy_nonoverlapping(input.data_ptr().add(a).cast_const(), s.add(rows_at + a), b - a);
+        }
     }
     for (i, v) in signature(kind, input, m).into_iter().enumerate() {
         // Relaxed: published with the stage, by ARRIVE here and by FROM on other hosts.
         word(&hw, me, sigs.slot(me) + 8 * i).store(v, Ordering::Relaxed);
     }
-    for host in (0..hw.hosts()).filter(|&x| x != my_host) {
-        let theirs = hw.ranks_on(host);
-        let l = theirs[0];
-        // The header and metadata, the rows for that host's ranks (one span, where they are in
-        // the stage; joined to the metadata when the gap is small), the signature and the FROM
-        // word leave together.
-        let mut pieces = vec![(0, HEADER + 8 * m)];
-        if let Some((a, b)) = span_of(theirs) {
-            let (a, b) = (rows_at + a as usize * row, rows_at + b as usize * row);
-            if a <= 4096 {
-                pieces[0].1 = b;
-            } else {
-                pieces.push((a, b));
-            }
-        }
-        hw.batch(l, || -> Result<()> {
-            for (a, b) in pieces {
-                for work in send_before_signal(&hw, l, stage + a, inbox(me) + a, b - a, timeout)? {
-                    w.sent.push((l, e, work));
+    // Writes from the input, to wait for before returning.
+    let mut from_input = Vec::new();
+    let exchanged = (|| -> Result<()> {
+        for &(host, span) in &hosts {
+            let l = hw.ranks_on(host)[0];
+            // The header and metadata, the rows for that host's ranks (one span, where they
+            // are in the input; joined to the metadata when staged and the gap is small), the
+            // signature and the FROM word leave together.
+            let mut pieces = vec![(0, HEADER + 8 * m)];
+            if let Some((a, b)) = span.filter(|_| direct(span).is_none()) {
+                if rows_at + a <= 4096 {
+                    pieces[0].1 = rows_at + b;
+                } else {
+                    pieces.push((rows_at + a, rows_at + b));
                 }
             }
-            w.sent.push((l, e, hw.start_push(l, sigs.slot(me), 16, sigs.slot(me), timeout)?));
-            w.sent.push((l, e, w.words.start_remote(l, from(me), e, timeout)?));
-            Ok(())
-        })?;
-    }
-    if me != leader {
-        w.words.publish(leader, arrive(me), e);
-        w.words.wait_for(release, e, leader, &p, timeout)?;
-    } else {
-        for &r in &locals[1..] {
-            w.words.wait_for(arrive(r), e, r, &p, timeout)?;
+            hw.batch(l, || -> Result<()> {
+                for (a, b) in pieces {
+                    for work in send_before_signal(&hw, l, stage + a, inbox(me) + a, b - a, timeout)? {
+                        w.sent.push((l, e, work));
+                    }
+                }
+                if let Some((a, b)) = direct(span) {
+                    let (src, dst) = (h.offset() + a, inbox(me) + rows_at + a);
+                    let push = |at: usize, n: usize| hw.start_push_from(h, l, src + at, n, dst + at, timeout);
+                    from_input.extend(send_pieces_before_signal(&hw, l, b - a, push)?);
+                }
+                w.sent.push((l, e, hw.start_push(l, sigs.slot(me), 16, sigs.slot(me), timeout)?));
+                w.sent.push((l, e, w.words.start_remote(l, from(me), e, timeout)?));
+                Ok(())
+            })?;
         }
-        for r in (0..world).filter(|&r| !hw.is_local(r)) {
-            w.words.wait_for(from(r), e, r, &p, timeout)?;
+        Ok(())
+    })();
+    let outcome = exchanged.and_then(|()| {
+        if me != leader {
+            w.words.publish(leader, arrive(me), e);
+            w.words.wait_for(release, e, leader, &p, timeout)?;
+        } else {
+            for &r in &locals[1..] {
+                w.words.wait_for(arrive(r), e, r, &p, timeout)?;
+            }
+            for r in (0..world).filter(|&r| !hw.is_local(r)) {
+                w.words.wait_for(from(r), e, r, &p, timeout)?;
+            }
+            // As in the all-reduce: the same verdict on every leader, handed on with RELEASE.
+            let verdict = verdict_of(&hw, me, &sigs);
+            word(&hw, me, sigs.verdict()).store(verdict, Ordering::Relaxed);
+            for &r in &locals[1..] {
+                w.words.publish(r, release, e);
+            }
         }
-        // As in the all-reduce: the same verdict on every leader, handed on with RELEASE.
-        let verdict = verdict_of(&hw, me, &sigs);
-        word(&hw, me, sigs.verdict()).store(verdict, Ordering::Relaxed);
-        for &r in &locals[1..] {
-            w.words.publish(r, release, e);
+        w.epoch = e;
+        // Relaxed: the leader stored it before RELEASE (or is this rank).
+        let verdict = word(&hw, leader, sigs.verdict()).load(Ordering::Relaxed);
+        if verdict != 0 {
+            let r = (verdict - 1) as usize;
+            let of = |r: usize| read_sig(&hw, if hw.is_local(r) { r } else { leader }, sigs.slot(r));
+            return Err(disagree(op, of(0), r, of(r)));
         }
-    }
-    w.epoch = e;
-    // Relaxed: the leader stored it before RELEASE (or is this rank).
-    let verdict = word(&hw, leader, sigs.verdict()).load(Ordering::Relaxed);
-    if verdict != 0 {
-        let r = (verdict - 1) as usize;
-        let of = |r: usize| read_sig(&hw, if hw.is_local(r) { r } else { leader }, sigs.slot(r));
-        return Err(disagree(op, of(0), r, of(r)));
-    }
-    // Every source's slot: this host's ranks' stages, the others' slots in the leader's inbox.
-    // Equal signatures: every slot has this rank's layout.
-    let slot_of = |s: usize| if hw.is_local(s) { at(s, stage) } else { at(leader, inbox(s)) }.cast_const();
-    let values = |s: usize, first: usize, count: usize| -> Vec<i64> {
-        // SAFETY: a local rank's stage p is complete (it arrived before the leader released
-        // this host), a remote rank's slot landed before its FROM word rose, which the leader
-        // saw before releasing; neither is rewritten before call e+2, which needs this rank's
-        // ARRIVE of call e+1. Both hold HEADER + 8·m bytes of values (equal signatures).
-        (0..count).map(|i| unsafe { slot_of(s).add(first + 8 * i).cast::<i64>().read_unaligned() }).collect()
-    };
-    let first = values(0, 0, 2);
-    if let Some(r) = (1..world).find(|&r| values(r, 0, 2) != first) {
-        let theirs = values(r, 0, 2);
-        return Err(bad(
-            op,
-            format!(
-                "the ranks' arguments disagree: rank 0 passed major_align {} and rows of {} bytes, but rank {r} passed \
-                 major_align {} and rows of {} bytes",
-                first[0], first[1], theirs[0], theirs[1]
-            ),
-        ));
-    }
-    let meta_of = |s: usize| values(s, HEADER, m);
-    let Plan { copies, splits_offsets } = plan(op, kind, &meta_of, (me, world), align, input_rows, rows_of(out))?;
-    for (s, first, to, rows) in copies.into_iter().filter(|c| c.3 > 0) {
-        // SAFETY: the plan checked [first, first+rows) inside the source's input and
-        // [to, to+rows) inside out; the source staged (or sent this host) exactly those rows,
-        // its `source_chunks` for this rank; the slots stay as argued above; out is contiguous
-        // and shares no byte with the workspace.
-        unsafe {
-            std::ptr::copy_nonoverlapping(
-                slot_of(s).add(rows_at + first as usize * row),
-                out.data_ptr().add(to as usize * row),
-                rows as usize * row,
-            )
+        // Every source's slot: this host's ranks' stages, the others' slots in the leader's inbox.
+        // Equal signatures: every slot has this rank's layout.
+        let slot_of = |s: usize| if hw.is_local(s) { at(s, stage) } else { at(leader, inbox(s)) }.cast_const();
+        let values = |s: usize, first: usize, count: usize| -> Vec<i64> {
+            // SAFETY: a local rank's stage p is complete (it arrived before the leader released
+            // this host), a remote rank's slot landed before its FROM word rose, which the leader
+            // saw before releasing; neither is rewritten before call e+2, which needs this rank's
+            // ARRIVE of call e+1. Both hold HEADER + 8·m bytes of values (equal signatures).
+            (0..count).map(|i| unsafe { slot_of(s).add(first + 8 * i).cast::<i64>().read_unaligned() }).collect()
         };
-    }
-    out_splits_offsets.copy_from_slice(&splits_offsets)
+        let first = values(0, 0, 2);
+        if let Some(r) = (1..world).find(|&r| values(r, 0, 2) != first) {
+            let theirs = values(r, 0, 2);
+            return Err(bad(
+                op,
+                format!(
+                    "the ranks' arguments disagree: rank 0 passed major_align {} and rows of {} bytes, but rank {r} passed \
+                     major_align {} and rows of {} bytes",
+                    first[0], first[1], theirs[0], theirs[1]
+                ),
+            ));
+        }
+        let meta_of = |s: usize| values(s, HEADER, m);
+        let Plan { copies, splits_offsets } = plan(op, kind, &meta_of, (me, world), align, input_rows, rows_of(out))?;
+        for (s, first, to, rows) in copies.into_iter().filter(|c| c.3 > 0) {
+            // This rank's own rows come from its input, the others' from where their sources
+            // staged or sent them.
+            let rows_of_source = if s == me { input.data_ptr().cast_const() } else { slot_of(s).wrapping_add(rows_at) };
+            // SAFETY: the plan checked [first, first+rows) inside the source's input and
+            // [to, to+rows) inside out; the source staged (or sent this host) exactly those rows,
+            // its `source_chunks` for this rank; the slots stay as argued above; out is
+            // contiguous and shares no byte with the input (checked) or the workspace.
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    rows_of_source.add(first as usize * row),
+                    out.data_ptr().add(to as usize * row),
+                    rows as usize * row,
+                )
+            };
+        }
+        out_splits_offsets.copy_from_slice(&splits_offsets)
+    });
+    // Then the input is the caller's again.
+    let sent = from_input.into_iter().try_for_each(|work| work.wait(Some(timeout)));
+    outcome.and(sent)
 }

@@ -404,7 +404,17 @@ pub fn all_to_all_vdev(
     let h = symmetric(OP, input, group)?;
     if pushes(&h, input, ws) {
         let meta = in_splits.to_vec::<i64>()?;
-        return super::push::all_to_all_v(OP, Kind::V, &meta, 1, input, out, out_splits_offsets, group, timeout());
+        return super::push::all_to_all_v(
+            OP,
+            Kind::V,
+            &meta,
+            1,
+            (input, &h),
+            out,
+            out_splits_offsets,
+            group,
+            timeout(),
+        );
     }
     // Not `prologue`: an empty input still receives (zero) splits and offsets.
     enter(group, &h, &Stamp::new(OP, input, h.offset(), &[hs.offset() as u64, in_splits.numel() as u64]))?;
@@ -462,7 +472,17 @@ pub fn all_to_all_vdev_2d(
     let h = symmetric(OP, input, group)?;
     if pushes(&h, input, n) {
         let meta = in_splits.to_vec::<i64>()?;
-        return super::push::all_to_all_v(OP, kind, &meta, align, input, out, out_splits_offsets, group, timeout());
+        return super::push::all_to_all_v(
+            OP,
+            kind,
+            &meta,
+            align,
+            (input, &h),
+            out,
+            out_splits_offsets,
+            group,
+            timeout(),
+        );
     }
     let args = [hs.offset() as u64, n as u64, align as u64];
     // Not `prologue`: an empty input still receives (zero) splits and offsets.
@@ -515,7 +535,7 @@ pub fn all_to_all_vdev_2d_offset(
     let h = symmetric(OP, input, group)?;
     if pushes(&h, input, 2 * n) {
         let meta = in_splits_offsets.to_vec::<i64>()?;
-        return super::push::all_to_all_v(OP, kind, &meta, 1, input, out, out_splits_offsets, group, timeout());
+        return super::push::all_to_all_v(OP, kind, &meta, 1, (input, &h), out, out_splits_offsets, group, timeout());
     }
     // Not `prologue`: an empty input still receives (zero) splits and offsets.
     enter(group, &h, &Stamp::new(OP, input, h.offset(), &[hs.offset() as u64, n as u64]))?;

@@ -375,6 +375,17 @@ fn operators(j: &Job) {
     let a2a = Tensor::zeros(&[per * ws], DType::F32).unwrap();
     ops::all_to_all(&x, &a2a, g).unwrap();
     j.report("all_to_all", &a2a);
+    // Host push without the leader gathering: blocks staged (16 KiB per rank), and blocks
+    // written straight from the input (64 KiB), which its rank rewrites once the call returns.
+    for (name, block) in [("all_to_all_staged", 4096), ("all_to_all_direct", 16384)] {
+        let x = sym(&[block * ws], DType::F32);
+        fill(&x, |i| val(me, i));
+        let out = Tensor::zeros(&[block * ws], DType::F32).unwrap();
+        ops::all_to_all(&x, &out, g).unwrap();
+        x.fill(-1.0f32).unwrap();
+        g.barrier(T).unwrap();
+        j.report(name, &out);
+    }
     // Above host push's limit: every rank reads its blocks from the other hosts' ranks
     // straight into out, copying its own host's meanwhile.
     let n = ws * (ops::ALL_TO_ALL_PUSH_MAX / 4 / ws + 16);

@@ -190,6 +190,12 @@ pub(crate) fn send_pieces_before_signal(
     (0..len).step_by(in_order).map(|at| push(at, in_order.min(len - at))).collect()
 }
 
+/// Data for another host leaves straight from a symmetric input rather than through the
+/// workspace from this many bytes (below, one copy into the workspace costs less than a second
+/// message); the call then waits for those writes before returning, the input being the
+/// caller's again.
+pub(crate) const DIRECT_MIN: usize = 64 << 10;
+
 /// Whether a message of `bytes` with at most `ranks_per_host` ranks on a host takes this path.
 pub(crate) fn fits_size(bytes: usize, ranks_per_host: usize) -> bool {
     bytes > 0 && bytes.next_multiple_of(16) * ranks_per_host <= HOST_BLOCK_MAX

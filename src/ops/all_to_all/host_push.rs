@@ -11,11 +11,13 @@ use crate::symm::hostsync::settle;
 use crate::tensor::Tensor;
 
 /// Equal-split all-to-all on a group that spans hosts (`h`: the input's handle): every rank
-/// stages its input in its workspace and writes, to each other host's leader, the blocks for
-/// that host's ranks (then raises the leader's FROM word); up to [`GATHERED_MAX`] per rank the
-/// leader packs its host's blocks for another host into one message instead. Each rank copies
-/// its blocks from the stages of the ranks on its host and from its leader's inbox. The
-/// buffers alternate as in the all-reduce, with the same argument.
+/// stages in its workspace the blocks its host's other ranks take and writes, to each other
+/// host's leader, the blocks for that host's ranks (staged too when small; from
+/// [`DIRECT_MIN`] bytes straight from the input, waited for before returning), then raises
+/// the leader's FROM word; up to [`GATHERED_MAX`] per rank the leader packs its host's blocks
+/// for another host into one message instead (every block staged). Each rank copies its
+/// blocks from its input, the stages of the other ranks on its host and its leader's inbox.
+/// The buffers alternate as in the all-reduce, with the same argument.
 pub(crate) fn all_to_all(input: &Tensor, out: &Tensor, group: &Group, h: &SymmHandle, timeout: Duration) -> Result<()> {
     let (me, world) = (group.rank(), group.world_size());
     let gathered = input.nbytes() <= GATHERED_MAX;
@@ -44,9 +46,26 @@ pub(crate) fn all_to_all(input: &Tensor, out: &Tensor, group: &Group, h: &SymmHa
     let (leader, my_host, ls) = (locals[0], hw.host_of(me), local_index(me));
     let other_hosts: Vec<usize> = (0..hosts).filter(|&x| x != my_host).collect();
 
+    // Runs of consecutive ranks of each other host whose blocks are laid out alike in the input
+    // and the inbox: above DIRECT_MIN bytes they leave straight from the input (not gathered).
+    let direct_runs = |theirs: &[usize]| -> Vec<(usize, usize)> {
+        if gathered || b != bs {
+            return Vec::new();
+        }
+        runs(theirs).into_iter().filter(|&(a, end)| (end - a) * b >= DIRECT_MIN).collect()
+    };
+    // Blocks staged: those this host's other ranks take, and the ones for another host that
+    // leave from the stage (all of them when the leader gathers). This rank's own block is
+    // copied from its input.
+    let sent_directly = |d: usize| {
+        !hw.is_local(d) && {
+            let theirs = hw.ranks_on(hw.host_of(d));
+            direct_runs(theirs).iter().any(|&(a, end)| theirs[a..end].contains(&d))
+        }
+    };
     // As in the all-reduce: only the sends of call e-2 must have landed.
     settle(&hw, &mut w.sent, |epoch| epoch != e.wrapping_sub(1), timeout)?;
-    for d in 0..world {
+    for d in (0..world).filter(|&d| d != me && !sent_directly(d)) {
         // SAFETY: this rank's stage p holds world blocks of bs >= b bytes; nobody reads it
         // before this rank's ARRIVE and FROM words, nobody still reads it from call e-2, and its
         // sends of call e-2 have landed; the input is contiguous, world blocks of b bytes.
@@ -56,95 +75,122 @@ pub(crate) fn all_to_all(input: &Tensor, out: &Tensor, group: &Group, h: &SymmHa
         // Relaxed: published with the stage, by ARRIVE here and by FROM on other hosts.
         word(&hw, me, sigs.slot(me) + 8 * i).store(v, Ordering::Relaxed);
     }
-    if !gathered {
-        for &host in &other_hosts {
-            let theirs = hw.ranks_on(host);
-            let l = theirs[0];
-            // The blocks, the signature and the FROM word leave together.
-            hw.batch(l, || -> Result<()> {
-                // Blocks for a run of consecutive ranks of that host are consecutive both in
-                // the stage and in this rank's row of the inbox.
-                for (a, end) in runs(theirs) {
-                    let len = (end - a - 1) * bs + b;
-                    for work in send_before_signal(&hw, l, stage(theirs[a]), inbox(my_host, ls, a), len, timeout)? {
-                        w.sent.push((l, e, work));
-                    }
-                }
-                w.sent.push((l, e, hw.start_push(l, sigs.slot(me), 16, sigs.slot(me), timeout)?));
-                w.sent.push((l, e, w.words.start_remote(l, from(me), e, timeout)?));
-                Ok(())
-            })?;
-        }
-    }
-    if me != leader {
-        w.words.publish(leader, arrive(me), e);
-        w.words.wait_for(release, e, leader, &p, timeout)?;
-    } else {
-        for &r in &locals[1..] {
-            w.words.wait_for(arrive(r), e, r, &p, timeout)?;
-        }
-        if gathered {
-            for &r in &locals[1..] {
-                let sig = read_sig(&hw, r, sigs.slot(r));
-                for (i, v) in sig.into_iter().enumerate() {
-                    word(&hw, me, sigs.slot(r) + 8 * i).store(v, Ordering::Relaxed);
-                }
-            }
+    // Writes from the input, to wait for before returning.
+    let mut from_input = Vec::new();
+    let outcome = (|| -> Result<()> {
+        if !gathered {
             for &host in &other_hosts {
                 let theirs = hw.ranks_on(host);
-                for (ls, &s) in locals.iter().enumerate() {
-                    for (ld, &d) in theirs.iter().enumerate() {
-                        // SAFETY: rank s's stage p is complete (its ARRIVE seen with Acquire)
-                        // and not rewritten before call e+2; this leader's outbox p is
-                        // rewritten only after the sends of call e-2 landed (settled above).
-                        unsafe {
-                            std::ptr::copy_nonoverlapping(at(s, stage(d)).cast_const(), at(me, outbox(host, ls, ld)), b)
-                        };
-                    }
-                }
                 let l = theirs[0];
-                let (src, dst, len) = (outbox(host, 0, 0), inbox(my_host, 0, 0), lmax * lmax * bs);
-                // The host's blocks, their signatures and the FROM word leave together.
+                let direct = direct_runs(theirs);
+                // The blocks, the signature and the FROM word leave together.
                 hw.batch(l, || -> Result<()> {
-                    for work in send_before_signal(&hw, l, src, dst, len, timeout)? {
-                        w.sent.push((l, e, work));
+                    // Blocks for a run of consecutive ranks of that host are consecutive in the
+                    // stage, in the input and in this rank's row of the inbox.
+                    for (a, end) in runs(theirs) {
+                        let dst = inbox(my_host, ls, a);
+                        if direct.contains(&(a, end)) {
+                            let src = h.offset() + theirs[a] * b;
+                            let push = |at: usize, n: usize| hw.start_push_from(h, l, src + at, n, dst + at, timeout);
+                            from_input.extend(send_pieces_before_signal(&hw, l, (end - a) * b, push)?);
+                            continue;
+                        }
+                        let len = (end - a - 1) * bs + b;
+                        for work in send_before_signal(&hw, l, stage(theirs[a]), dst, len, timeout)? {
+                            w.sent.push((l, e, work));
+                        }
                     }
-                    for (a, end) in runs(locals) {
-                        let at = sigs.slot(locals[a]);
-                        w.sent.push((l, e, hw.start_push(l, at, (end - a) * 16, at, timeout)?));
-                    }
-                    w.sent.push((l, e, w.words.start_remote(l, from(leader), e, timeout)?));
+                    w.sent.push((l, e, hw.start_push(l, sigs.slot(me), 16, sigs.slot(me), timeout)?));
+                    w.sent.push((l, e, w.words.start_remote(l, from(me), e, timeout)?));
                     Ok(())
                 })?;
             }
         }
-        let senders: Vec<usize> = if gathered {
-            other_hosts.iter().map(|&host| hw.ranks_on(host)[0]).collect()
+        if me != leader {
+            w.words.publish(leader, arrive(me), e);
+            w.words.wait_for(release, e, leader, &p, timeout)?;
         } else {
-            (0..world).filter(|&r| !hw.is_local(r)).collect()
-        };
-        for r in senders {
-            w.words.wait_for(from(r), e, r, &p, timeout)?;
+            for &r in &locals[1..] {
+                w.words.wait_for(arrive(r), e, r, &p, timeout)?;
+            }
+            if gathered {
+                for &r in &locals[1..] {
+                    let sig = read_sig(&hw, r, sigs.slot(r));
+                    for (i, v) in sig.into_iter().enumerate() {
+                        word(&hw, me, sigs.slot(r) + 8 * i).store(v, Ordering::Relaxed);
+                    }
+                }
+                for &host in &other_hosts {
+                    let theirs = hw.ranks_on(host);
+                    for (ls, &s) in locals.iter().enumerate() {
+                        for (ld, &d) in theirs.iter().enumerate() {
+                            // SAFETY: rank s's stage p is complete (its ARRIVE seen with Acquire)
+                            // and not rewritten before call e+2; this leader's outbox p is
+                            // rewritten only after the sends of call e-2 landed (settled above).
+                            unsafe {
+                                std::ptr::copy_nonoverlapping(
+                                    at(s, stage(d)).cast_const(),
+                                    at(me, outbox(host, ls, ld)),
+                                    b,
+                                )
+                            };
+                        }
+                    }
+                    let l = theirs[0];
+                    let (src, dst, len) = (outbox(host, 0, 0), inbox(my_host, 0, 0), lmax * lmax * bs);
+                    // The host's blocks, their signatures and the FROM word leave together.
+                    hw.batch(l, || -> Result<()> {
+                        for work in send_before_signal(&hw, l, src, dst, len, timeout)? {
+                            w.sent.push((l, e, work));
+                        }
+                        for (a, end) in runs(locals) {
+                            let at = sigs.slot(locals[a]);
+                            w.sent.push((l, e, hw.start_push(l, at, (end - a) * 16, at, timeout)?));
+                        }
+                        w.sent.push((l, e, w.words.start_remote(l, from(leader), e, timeout)?));
+                        Ok(())
+                    })?;
+                }
+            }
+            let senders: Vec<usize> = if gathered {
+                other_hosts.iter().map(|&host| hw.ranks_on(host)[0]).collect()
+            } else {
+                (0..world).filter(|&r| !hw.is_local(r)).collect()
+            };
+            for r in senders {
+                w.words.wait_for(from(r), e, r, &p, timeout)?;
+            }
+            // As in the all-reduce: the same verdict on every leader, handed on with RELEASE.
+            let verdict = verdict_of(&hw, me, &sigs);
+            word(&hw, me, sigs.verdict()).store(verdict, Ordering::Relaxed);
+            for &r in &locals[1..] {
+                w.words.publish(r, release, e);
+            }
         }
-        // As in the all-reduce: the same verdict on every leader, handed on with RELEASE.
-        let verdict = verdict_of(&hw, me, &sigs);
-        word(&hw, me, sigs.verdict()).store(verdict, Ordering::Relaxed);
-        for &r in &locals[1..] {
-            w.words.publish(r, release, e);
+        w.epoch = e;
+        // Relaxed: the leader stored it before RELEASE (or is this rank).
+        let verdict = word(&hw, leader, sigs.verdict()).load(Ordering::Relaxed);
+        if verdict != 0 {
+            return Err(verdict_error("all_to_all", &hw, leader, &sigs, verdict));
         }
-    }
-    w.epoch = e;
-    // Relaxed: the leader stored it before RELEASE (or is this rank).
-    let verdict = word(&hw, leader, sigs.verdict()).load(Ordering::Relaxed);
-    if verdict != 0 {
-        return Err(verdict_error("all_to_all", &hw, leader, &sigs, verdict));
-    }
-    for s in 0..world {
-        let src = if hw.is_local(s) { at(s, stage(me)) } else { at(leader, inbox(hw.host_of(s), local_index(s), ls)) };
-        // SAFETY: a local rank's stage p is complete (it arrived before the leader released this
-        // host); a remote rank's blocks landed in the leader's inbox before their FROM word rose,
-        // which the leader saw before releasing; out holds world blocks of b bytes.
-        unsafe { std::ptr::copy_nonoverlapping(src.cast_const(), out.data_ptr().add(s * b), b) };
-    }
-    Ok(())
+        for s in 0..world {
+            let src = if s == me {
+                input.data_ptr().wrapping_add(me * b)
+            } else if hw.is_local(s) {
+                at(s, stage(me))
+            } else {
+                at(leader, inbox(hw.host_of(s), local_index(s), ls))
+            };
+            // SAFETY: this rank's own block is in its input (world blocks of b bytes); another
+            // local rank's stage p is complete (it arrived before the leader released this host);
+            // a remote rank's blocks landed in the leader's inbox before their FROM word rose,
+            // which the leader saw before releasing; out holds world blocks of b bytes and shares
+            // no byte with the input (checked).
+            unsafe { std::ptr::copy_nonoverlapping(src.cast_const(), out.data_ptr().add(s * b), b) };
+        }
+        Ok(())
+    })();
+    // Then the input is the caller's again.
+    let sent = from_input.into_iter().try_for_each(|work| work.wait(Some(timeout)));
+    outcome.and(sent)
 }

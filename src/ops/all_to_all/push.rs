@@ -38,10 +38,6 @@ use crate::tensor::Tensor;
 /// Bytes of a slot's header: major_align and the row size, as two i64.
 const HEADER: usize = 16;
 
-/// Rows for another host that leave straight from the input rather than through the stage,
-/// from this many bytes (below, one copy into the stage costs less than a second message).
-const DIRECT_MIN: usize = 64 << 10;
-
 /// The largest workspace this path makes (both parities, every slot); above it, the family
 /// pulls.
 const WORKSPACE_MAX: usize = 64 << 20;

@@ -40,7 +40,7 @@ use crate::transport::Work;
 
 /// The largest block of a host's inputs this path takes (above, the two-shot algorithm spreads
 /// the work over every rank).
-pub(crate) const HOST_BLOCK_MAX: usize = 2 << 20;
+pub(crate) const HOST_BLOCK_MAX: usize = 1 << 20;
 
 pub(crate) struct Workspace {
     pub(crate) _tensor: Tensor,

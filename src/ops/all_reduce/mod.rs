@@ -50,7 +50,9 @@ impl Algo {
 /// they may use ([`crate::symm::SymmHandle::crowded`], the same on every rank). On one host:
 /// one-shot up to 1 KiB, or up to 8 KiB when crowded (then every extra synchronization costs a
 /// context switch), two-shot above (measured crossovers on 2 cores: 2 ranks ~1 KiB, 4 ranks
-/// ~8 KiB). Across hosts: host-push while a host's inputs fit in 256 KiB, two-shot above.
+/// ~8 KiB). Across hosts: host-push while a host's inputs fit in 1 MiB, two-shot above
+/// (measured on 2 played hosts: 4 ranks, host push ahead up to 512 KiB each and two-shot from
+/// 768 KiB; 2 ranks, even at 1 MiB and two-shot 2.5x ahead at 2 MiB).
 pub fn select(bytes: usize, crowded: bool, ranks_per_host: usize, hosts: usize) -> Algo {
     if hosts > 1 {
         return if hostpush::fits_size(bytes, ranks_per_host) { Algo::HostPush } else { Algo::TwoShot };

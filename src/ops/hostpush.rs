@@ -115,6 +115,49 @@ pub(crate) fn verdict_error(op: &str, h: &SymmHandle, leader: usize, sigs: &Sigs
     super::check::counts_disagree(op, of(0), r, of(r))
 }
 
+/// The rest of a host-push exchange of call `e` once this rank's data and signature are on
+/// their way: a rank tells its leader (ARRIVE) and waits for its release; a leader waits for
+/// its host's ranks, runs `arrived` (which may send on the host's behalf), waits for the FROM
+/// words of `senders` (every remote rank, or the other hosts' leaders when they gather), judges
+/// every rank's signature and releases its host (RELEASE). Returns the verdict every rank of
+/// the group reads: 0, or 1 + the first rank whose signature differs from rank 0's.
+pub(crate) fn exchange_and_judge(
+    w: &mut Workspace,
+    e: u32,
+    sigs: &Sigs,
+    senders: impl Iterator<Item = usize>,
+    arrived: impl FnOnce(&mut Workspace) -> Result<()>,
+    timeout: Duration,
+) -> Result<u64> {
+    let hw = w.words.h.clone();
+    let (me, world) = (hw.rank(), hw.world_size());
+    let p = hw.patience(timeout);
+    let (arrive, release, from) = (|r: usize| r, world, |r: usize| world + 1 + r);
+    let locals = hw.local_ranks();
+    let leader = locals[0];
+    if me != leader {
+        w.words.publish(leader, arrive(me), e);
+        w.words.wait_for(release, e, leader, &p, timeout)?;
+    } else {
+        for &r in &locals[1..] {
+            w.words.wait_for(arrive(r), e, r, &p, timeout)?;
+        }
+        arrived(w)?;
+        for r in senders {
+            w.words.wait_for(from(r), e, r, &p, timeout)?;
+        }
+        // The same verdict on every leader (each has every signature), handed on with RELEASE.
+        let verdict = verdict_of(&hw, me, sigs);
+        word(&hw, me, sigs.verdict()).store(verdict, Ordering::Relaxed);
+        for &r in &locals[1..] {
+            w.words.publish(r, release, e);
+        }
+    }
+    w.epoch = e;
+    // Relaxed: the leader stored it before RELEASE (or is this rank).
+    Ok(word(&hw, leader, sigs.verdict()).load(Ordering::Relaxed))
+}
+
 /// A group's workspaces per operator, each locked for the length of a call; the map itself only
 /// for a lookup. Kept in the group, so they go with it.
 #[derive(Default)]

@@ -32,16 +32,15 @@ pub(crate) fn all_to_all(input: &Tensor, out: &Tensor, group: &Group, h: &SymmHa
     let mut guard = lock(&ws);
     let w = &mut *guard;
     let e = w.epoch.wrapping_add(1);
-    let hw = w.words.h.clone();
-    let p = hw.patience(timeout);
+    let (hw, cap) = (w.words.h.clone(), w.cap);
     let sigs = Sigs::new(hw.offset(), world, (e % 2) as usize);
-    let base = hw.offset() + words_bytes(world) + sigs_bytes(world) + (e % 2) as usize * per(w.cap);
+    let base = hw.offset() + words_bytes(world) + sigs_bytes(world) + (e % 2) as usize * per(cap);
     let stage = |d: usize| base + d * bs;
-    let inbox = |host: usize, ls: usize, ld: usize| base + world * w.cap + ((host * lmax + ls) * lmax + ld) * bs;
-    let outbox = |host: usize, ls: usize, ld: usize| inbox(host, ls, ld) + boxes(w.cap);
+    let inbox = |host: usize, ls: usize, ld: usize| base + world * cap + ((host * lmax + ls) * lmax + ld) * bs;
+    let outbox = |host: usize, ls: usize, ld: usize| inbox(host, ls, ld) + boxes(cap);
     let at = |rank: usize, off: usize| (hw.read_ptr(rank) + off) as *mut u8;
     let local_index = |r: usize| hw.ranks_on(hw.host_of(r)).iter().position(|&x| x == r).unwrap_or(0);
-    let (arrive, release, from) = (|r: usize| r, world, |r: usize| world + 1 + r);
+    let from = |r: usize| world + 1 + r;
     let locals = hw.local_ranks();
     let (leader, my_host, ls) = (locals[0], hw.host_of(me), local_index(me));
     let other_hosts: Vec<usize> = (0..hosts).filter(|&x| x != my_host).collect();
@@ -106,70 +105,51 @@ pub(crate) fn all_to_all(input: &Tensor, out: &Tensor, group: &Group, h: &SymmHa
                 })?;
             }
         }
-        if me != leader {
-            w.words.publish(leader, arrive(me), e);
-            w.words.wait_for(release, e, leader, &p, timeout)?;
+        let senders: Vec<usize> = if gathered {
+            other_hosts.iter().map(|&host| hw.ranks_on(host)[0]).collect()
         } else {
-            for &r in &locals[1..] {
-                w.words.wait_for(arrive(r), e, r, &p, timeout)?;
+            (0..world).filter(|&r| !hw.is_local(r)).collect()
+        };
+        let gather = |w: &mut Workspace| -> Result<()> {
+            if !gathered {
+                return Ok(());
             }
-            if gathered {
-                for &r in &locals[1..] {
-                    let sig = read_sig(&hw, r, sigs.slot(r));
-                    for (i, v) in sig.into_iter().enumerate() {
-                        word(&hw, me, sigs.slot(r) + 8 * i).store(v, Ordering::Relaxed);
-                    }
-                }
-                for &host in &other_hosts {
-                    let theirs = hw.ranks_on(host);
-                    for (ls, &s) in locals.iter().enumerate() {
-                        for (ld, &d) in theirs.iter().enumerate() {
-                            // SAFETY: rank s's stage p is complete (its ARRIVE seen with Acquire)
-                            // and not rewritten before call e+2; this leader's outbox p is
-                            // rewritten only after the sends of call e-2 landed (settled above).
-                            unsafe {
-                                std::ptr::copy_nonoverlapping(
-                                    at(s, stage(d)).cast_const(),
-                                    at(me, outbox(host, ls, ld)),
-                                    b,
-                                )
-                            };
-                        }
-                    }
-                    let l = theirs[0];
-                    let (src, dst, len) = (outbox(host, 0, 0), inbox(my_host, 0, 0), lmax * lmax * bs);
-                    // The host's blocks, their signatures and the FROM word leave together.
-                    hw.batch(l, || -> Result<()> {
-                        for work in send_before_signal(&hw, l, src, dst, len, timeout)? {
-                            w.sent.push((l, e, work));
-                        }
-                        for (a, end) in runs(locals) {
-                            let at = sigs.slot(locals[a]);
-                            w.sent.push((l, e, hw.start_push(l, at, (end - a) * 16, at, timeout)?));
-                        }
-                        w.sent.push((l, e, w.words.start_remote(l, from(leader), e, timeout)?));
-                        Ok(())
-                    })?;
+            for &r in &locals[1..] {
+                let sig = read_sig(&hw, r, sigs.slot(r));
+                for (i, v) in sig.into_iter().enumerate() {
+                    word(&hw, me, sigs.slot(r) + 8 * i).store(v, Ordering::Relaxed);
                 }
             }
-            let senders: Vec<usize> = if gathered {
-                other_hosts.iter().map(|&host| hw.ranks_on(host)[0]).collect()
-            } else {
-                (0..world).filter(|&r| !hw.is_local(r)).collect()
-            };
-            for r in senders {
-                w.words.wait_for(from(r), e, r, &p, timeout)?;
+            for &host in &other_hosts {
+                let theirs = hw.ranks_on(host);
+                for (ls, &s) in locals.iter().enumerate() {
+                    for (ld, &d) in theirs.iter().enumerate() {
+                        // SAFETY: rank s's stage p is complete (its ARRIVE seen with Acquire)
+                        // and not rewritten before call e+2; this leader's outbox p is
+                        // rewritten only after the sends of call e-2 landed (settled above).
+                        unsafe {
+                            std::ptr::copy_nonoverlapping(at(s, stage(d)).cast_const(), at(me, outbox(host, ls, ld)), b)
+                        };
+                    }
+                }
+                let l = theirs[0];
+                let (src, dst, len) = (outbox(host, 0, 0), inbox(my_host, 0, 0), lmax * lmax * bs);
+                // The host's blocks, their signatures and the FROM word leave together.
+                hw.batch(l, || -> Result<()> {
+                    for work in send_before_signal(&hw, l, src, dst, len, timeout)? {
+                        w.sent.push((l, e, work));
+                    }
+                    for (a, end) in runs(locals) {
+                        let at = sigs.slot(locals[a]);
+                        w.sent.push((l, e, hw.start_push(l, at, (end - a) * 16, at, timeout)?));
+                    }
+                    w.sent.push((l, e, w.words.start_remote(l, from(leader), e, timeout)?));
+                    Ok(())
+                })?;
             }
-            // As in the all-reduce: the same verdict on every leader, handed on with RELEASE.
-            let verdict = verdict_of(&hw, me, &sigs);
-            word(&hw, me, sigs.verdict()).store(verdict, Ordering::Relaxed);
-            for &r in &locals[1..] {
-                w.words.publish(r, release, e);
-            }
-        }
-        w.epoch = e;
-        // Relaxed: the leader stored it before RELEASE (or is this rank).
-        let verdict = word(&hw, leader, sigs.verdict()).load(Ordering::Relaxed);
+            Ok(())
+        };
+        let verdict = exchange_and_judge(w, e, &sigs, senders.into_iter(), gather, timeout)?;
         if verdict != 0 {
             return Err(verdict_error("all_to_all", &hw, leader, &sigs, verdict));
         }

@@ -114,14 +114,13 @@ pub(crate) fn all_to_all_v(
     let mut guard = lock(&ws);
     let w = &mut *guard;
     let e = w.epoch.wrapping_add(1);
-    let hw = w.words.h.clone();
-    let p = hw.patience(timeout);
+    let (hw, cap) = (w.words.h.clone(), w.cap);
     let parity = (e % 2) as usize;
     let sigs = Sigs::new(hw.offset(), world, parity);
-    let base = hw.offset() + words_bytes(world) + sigs_bytes(world) + parity * (world + 1) * w.cap;
-    let (stage, inbox) = (base, |s: usize| base + (1 + s) * w.cap);
+    let base = hw.offset() + words_bytes(world) + sigs_bytes(world) + parity * (world + 1) * cap;
+    let (stage, inbox) = (base, |s: usize| base + (1 + s) * cap);
     let at = |rank: usize, off: usize| (hw.read_ptr(rank) + off) as *mut u8;
-    let (arrive, release, from) = (|r: usize| r, world, |r: usize| world + 1 + r);
+    let from = |r: usize| world + 1 + r;
     let locals = hw.local_ranks();
     let (leader, my_host) = (locals[0], hw.host_of(me));
 
@@ -207,26 +206,8 @@ pub(crate) fn all_to_all_v(
         Ok(())
     })();
     let outcome = exchanged.and_then(|()| {
-        if me != leader {
-            w.words.publish(leader, arrive(me), e);
-            w.words.wait_for(release, e, leader, &p, timeout)?;
-        } else {
-            for &r in &locals[1..] {
-                w.words.wait_for(arrive(r), e, r, &p, timeout)?;
-            }
-            for r in (0..world).filter(|&r| !hw.is_local(r)) {
-                w.words.wait_for(from(r), e, r, &p, timeout)?;
-            }
-            // As in the all-reduce: the same verdict on every leader, handed on with RELEASE.
-            let verdict = verdict_of(&hw, me, &sigs);
-            word(&hw, me, sigs.verdict()).store(verdict, Ordering::Relaxed);
-            for &r in &locals[1..] {
-                w.words.publish(r, release, e);
-            }
-        }
-        w.epoch = e;
-        // Relaxed: the leader stored it before RELEASE (or is this rank).
-        let verdict = word(&hw, leader, sigs.verdict()).load(Ordering::Relaxed);
+        let remote = (0..world).filter(|&r| !hw.is_local(r));
+        let verdict = exchange_and_judge(w, e, &sigs, remote, |_| Ok(()), timeout)?;
         if verdict != 0 {
             let r = (verdict - 1) as usize;
             let of = |r: usize| read_sig(&hw, if hw.is_local(r) { r } else { leader }, sigs.slot(r));

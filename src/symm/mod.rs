@@ -831,15 +831,12 @@ impl SymmHandle {
         to: usize,
         timeout: Duration,
     ) -> Result<crate::transport::Work> {
-        let r = self.remote(rank).ok_or_else(|| Error::InvalidArgument(format!("rank {rank} is not remote")))?;
-        let (_, _, data) = &self.peers.exposed[&rank];
-        let src = data.to_view(from, Some(len))?;
-        r.post_write_from(&src, to, timeout).map_err(|e| r.link.error("writing to", &e))
+        self.start_push_from(self, rank, from, len, to, timeout)
     }
 
-    /// As [`start_push`](Self::start_push), from `src`: another symmetric allocation of the
-    /// same group (so registered on the same link), at byte `from` of this rank's data buffer
-    /// of it. The caller keeps those bytes unchanged until the Work completes.
+    /// As [`start_push`](Self::start_push), from `src`: this allocation or another of the same
+    /// group (so registered on the same link), at byte `from` of this rank's data buffer of
+    /// it. The caller keeps those bytes unchanged until the Work completes.
     pub(crate) fn start_push_from(
         &self,
         src: &SymmHandle,

@@ -1200,7 +1200,12 @@ pub fn collective_rank(op: &str, algo: &str, dtype: DType, iters: usize, warmup:
             "reduce_scatter" => numel / ws,
             _ => numel,
         };
-        let out = Tensor::zeros(&[out_len], dtype)?;
+        // all_to_all_v's out is symmetric, as PyTorch's operator requires.
+        let out = if op == "all_to_all_v" {
+            symm::empty(&[out_len], dtype, Device::Cpu)?
+        } else {
+            Tensor::zeros(&[out_len], dtype)?
+        };
         let run = || -> Result<()> {
             match (op, algo) {
                 ("all_reduce", "one_shot") => ops::one_shot_all_reduce_out(&input, ReduceOp::Sum, &group, &out),
@@ -1235,7 +1240,7 @@ pub fn collective_rank(op: &str, algo: &str, dtype: DType, iters: usize, warmup:
             ("all_reduce", "auto") => symmem::ops::all_reduce::select(bytes, crowded, ws.div_ceil(hosts), hosts).name(),
             ("all_reduce", a) => a,
             ("all_to_all", _) => symmem::ops::all_to_all::select(bytes, hosts).name(),
-            ("all_to_all_v", _) => symmem::ops::all_to_all::select_v(bytes, ws, ws, hosts).name(),
+            ("all_to_all_v", _) => symmem::ops::all_to_all::select_v(bytes, ws, ws, hosts, true).name(),
             _ => "pull",
         };
         let mut row =

@@ -443,25 +443,46 @@ fn operators(j: &Job) {
     ops::all_to_all_vdev(&input, &out, &in_splits, &oso, g).unwrap();
     j.report("a2av_large/out", &out);
     j.report("a2av_large/splits", &oso);
-    // More than 64 KiB for a host: those rows leave straight from the input.
-    let cap = 16384;
+    // Inputs above VDEV_CARRY_MAX (768 KiB, more than 64 KiB for a host): into a plain out,
+    // host push sends those rows straight from the input; into a symmetric out, every rank
+    // writes its rows straight into the others' outs once all have the splits. Either way the
+    // input is the caller's again once the call returns: rows in flight from it must have left.
+    let (cap, cols) = (16384, 12);
+    assert!(cap * cols * 4 > ops::VDEV_CARRY_MAX && cap * cols * 4 <= ops::VDEV_PUSH_MAX);
     let input = sym(&[cap, cols], DType::F32);
-    fill(&input, |i| val(me, i));
     let split = |src: usize, dst: usize| 3000 + ((src * 37 + dst * 101) % 500) as i64;
     let big_splits = i64_sym(&(0..ws).map(|d| split(me, d)).collect::<Vec<_>>());
-    let out = sym(&[cap * ws, cols], DType::F32);
-    ops::all_to_all_vdev(&input, &out, &big_splits, &oso, g).unwrap();
-    // The input is the caller's again once the call returns: rows in flight from it must
-    // have left.
-    input.fill(-1.0f32).unwrap();
-    g.barrier(T).unwrap();
-    j.report("a2av_direct/out", &out);
-    j.report("a2av_direct/splits", &oso);
-    // Above host push's limit: pulled, each rank reading its rows straight into out.
+    for (name, out) in [
+        ("a2av_direct", Tensor::zeros(&[cap * ws, cols], DType::F32).unwrap()),
+        ("a2av_written", sym(&[cap * ws, cols], DType::F32)),
+    ] {
+        fill(&input, |i| val(me, i));
+        ops::all_to_all_vdev(&input, &out, &big_splits, &oso, g).unwrap();
+        input.fill(-1.0f32).unwrap();
+        g.barrier(T).unwrap();
+        j.report(&format!("{name}/out"), &out);
+        j.report(&format!("{name}/splits"), &oso);
+    }
+    // 2-D dispatch and combine written into symmetric outs (the combine's input has gaps).
+    fill(&input, |i| val(me, i));
+    let s2: Vec<i64> = (0..ws * ne).map(|i| 900 + ((me * 7 + i * 3) % 200) as i64).collect();
+    let in2 = i64_sym(&s2);
+    let out2 = sym(&[cap * ws, cols], DType::F32);
+    ops::all_to_all_vdev_2d(&input, &out2, &in2, &oso2, g, Some(16)).unwrap();
+    j.report("a2av_2d_written/out", &out2);
+    j.report("a2av_2d_written/splits", &oso2);
+    let back = sym(&[cap, cols], DType::F32);
+    ops::all_to_all_vdev_2d_offset(&out2, &back, &oso2, &back_so, g).unwrap();
+    let total = s2.iter().sum::<i64>() as usize * cols;
+    assert_eq!(back.to_vec::<f32>().unwrap()[..total], input.to_vec::<f32>().unwrap()[..total], "round trip");
+    j.report("a2av_2d_offset_written/out", &back);
+    // Above host push's limit into a plain out: pulled, each rank reading its rows straight
+    // into out.
+    let cols = 3;
     let cap = ops::VDEV_PUSH_MAX / (4 * cols) + 64;
     let input = sym(&[cap, cols], DType::F32);
     fill(&input, |i| val(me, i));
-    let out = sym(&[cap * ws, cols], DType::F32);
+    let out = Tensor::zeros(&[cap * ws, cols], DType::F32).unwrap();
     ops::all_to_all_vdev(&input, &out, &in_splits, &oso, g).unwrap();
     j.report("a2av_pulled/out", &out);
     j.report("a2av_pulled/splits", &oso);

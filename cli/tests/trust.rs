@@ -102,6 +102,25 @@ fn rank_huge_splits() {
     let e = invalid(ops::all_to_all_vdev_2d_offset(&input, &out, &in_so, &back_so, &g), "2d_offset");
     assert!(e.contains("is outside its input"), "{e}");
 
+    // Rows written into symmetric outs (an input above VDEV_CARRY_MAX, across hosts): rank 1's
+    // out is one row, too small. It alone reports that, and nobody writes past it; the others
+    // get their rows.
+    let big = symm::empty(&[ops::VDEV_CARRY_MAX / 16 + 16, 4], DType::F32, Device::Cpu).unwrap();
+    big.fill(me as f32).unwrap();
+    let big_out = symm::empty(&[8 * ws, 4], DType::F32, Device::Cpu).unwrap();
+    big_out.fill(-1.0f32).unwrap();
+    symm::rendezvous(&big_out, &g).unwrap();
+    let small = if me == 1 { big_out.narrow(0, 0, 1).unwrap() } else { big_out.narrow(0, 0, 8 * ws).unwrap() };
+    let r = ops::all_to_all_vdev(&big, &small, &ones, &oso, &g);
+    if me == 1 {
+        assert!(invalid(r, "out too small").contains("rows arrive but out has 1"));
+        assert_eq!(big_out.to_vec::<f32>().unwrap()[4..], vec![-1.0; 8 * ws * 4 - 4], "written past a too-small out");
+    } else {
+        r.unwrap();
+        let got = big_out.to_vec::<f32>().unwrap();
+        assert_eq!(got[..4 * ws], (0..ws).flat_map(|s| [s as f32; 4]).collect::<Vec<_>>());
+    }
+
     // The group is still usable: a correct exchange goes through.
     input.copy_from_slice(&(0..16).map(|i| (me * 100 + i) as f32).collect::<Vec<_>>()).unwrap();
     ops::all_to_all_vdev(&input, &out, &ones, &oso, &g).unwrap();

@@ -47,7 +47,7 @@ pub use all_reduce::{
     two_shot_all_reduce_out,
 };
 pub use all_to_all::{
-    ALL_TO_ALL_PUSH_MAX, VDEV_PUSH_MAX, all_to_all, all_to_all_nd, all_to_all_vdev, all_to_all_vdev_2d,
+    ALL_TO_ALL_PUSH_MAX, VDEV_CARRY_MAX, VDEV_PUSH_MAX, all_to_all, all_to_all_nd, all_to_all_vdev, all_to_all_vdev_2d,
     all_to_all_vdev_2d_offset,
 };
 pub use broadcast::broadcast_;

@@ -7,7 +7,9 @@ mod host_push;
 mod push;
 mod vdev;
 
-pub use vdev::{VDEV_PUSH_MAX, all_to_all_vdev, all_to_all_vdev_2d, all_to_all_vdev_2d_offset, select_v};
+pub use vdev::{
+    VDEV_CARRY_MAX, VDEV_PUSH_MAX, all_to_all_vdev, all_to_all_vdev_2d, all_to_all_vdev_2d_offset, select_v,
+};
 
 use crate::error::Result;
 use crate::group::Group;
@@ -21,6 +23,9 @@ pub enum Algo {
     Pull,
     /// Across hosts: each rank's blocks for another host in one message to its leader.
     HostPush,
+    /// Across hosts, the all-to-all-v family with a symmetric `out`: after one exchange of the
+    /// splits, each rank writes its rows straight into the other ranks' `out`s.
+    Write,
 }
 
 impl Algo {
@@ -29,6 +34,7 @@ impl Algo {
         match self {
             Algo::Pull => "pull",
             Algo::HostPush => "host_push",
+            Algo::Write => "write",
         }
     }
 }

@@ -32,11 +32,13 @@ use crate::group::Group;
 use crate::ops::common::bad;
 use crate::ops::hostpush::*;
 use crate::symm::SymmHandle;
-use crate::symm::hostsync::settle;
+use crate::symm::hostsync::{Words, settle};
 use crate::tensor::Tensor;
+use crate::transport::Work;
 
-/// Bytes of a slot's header: major_align and the row size, as two i64.
-const HEADER: usize = 16;
+/// Bytes of a slot's header, four i64: major_align, the row size, and `out`'s rows and byte
+/// offset in its allocation (what a writer into it needs; 0 when `out` is not written to).
+const HEADER: usize = 32;
 
 /// The largest workspace this path makes (both parities, every slot); above it, the family
 /// pulls.
@@ -52,22 +54,29 @@ fn slot(input_bytes: usize, meta_len: usize) -> usize {
     rows_at(meta_len) + input_bytes.next_multiple_of(64)
 }
 
+/// Bytes of the words that tell a rank another's rows are in its `out` (one per rank).
+fn done_bytes(world: usize) -> usize {
+    (4 * world).next_multiple_of(128)
+}
+
 /// Bytes after the words and signatures of a workspace whose slots hold `cap` bytes.
 fn workspace_bytes(cap: usize, world: usize) -> usize {
-    2 * (world + 1) * cap
+    done_bytes(world) + 2 * (world + 1) * cap
 }
 
 /// Whether a workspace for this call stays within [`WORKSPACE_MAX`].
 pub(crate) fn fits(input_bytes: usize, meta_len: usize, world: usize) -> bool {
     // As `workspace` rounds it: a power of two, at least 4 KiB.
     let cap = slot(input_bytes, meta_len).max(4096).next_power_of_two();
-    cap.checked_mul(2 * (world + 1)).is_some_and(|b| b <= WORKSPACE_MAX)
+    cap.checked_mul(2 * (world + 1)).and_then(|b| b.checked_add(done_bytes(world))).is_some_and(|b| b <= WORKSPACE_MAX)
 }
 
-/// A rank's signature for the call: the input's elements, and its dtype, operator and
-/// metadata length. Equal signatures mean equal workspace layouts.
-fn signature(kind: Kind, input: &Tensor, meta_len: usize) -> [u64; 2] {
-    [input.numel() as u64, u64::from(input.dtype().code()) | kind.code() << 8 | (meta_len as u64) << 16]
+/// A rank's signature for the call: the input's elements, and its dtype, operator, way
+/// (`write`: rows written into the symmetric `out`s) and metadata length. Equal signatures
+/// mean equal workspace layouts and the same way.
+fn signature(kind: Kind, input: &Tensor, meta_len: usize, write: bool) -> [u64; 2] {
+    let code = u64::from(input.dtype().code()) | kind.code() << 8 | u64::from(write) << 12 | (meta_len as u64) << 16;
+    [input.numel() as u64, code]
 }
 
 #[cold]
@@ -75,10 +84,11 @@ fn disagree(op: &str, first: [u64; 2], r: usize, theirs: [u64; 2]) -> Error {
     let show = |w: [u64; 2]| {
         let dtype = crate::tensor::DType::from_code(w[1] as u8).map_or_else(|| "?".into(), |d| d.to_string());
         let op = ["?", "all_to_all_vdev", "all_to_all_vdev_2d", "all_to_all_vdev_2d_offset"]
-            .get((w[1] >> 8 & 0xff) as usize)
+            .get((w[1] >> 8 & 0xf) as usize)
             .copied()
             .unwrap_or("?");
-        format!("{op} an input of {} {dtype} elements and {} split values", w[0], w[1] >> 16)
+        let how = if w[1] >> 12 & 1 == 1 { " (rows written into a symmetric out)" } else { "" };
+        format!("{op} an input of {} {dtype} elements and {} split values{how}", w[0], w[1] >> 16)
     };
     bad(
         op,
@@ -93,7 +103,10 @@ fn disagree(op: &str, first: [u64; 2], r: usize, theirs: [u64; 2]) -> Error {
 
 /// One call of the family across hosts: `meta` is this rank's metadata (its splits, and for
 /// the combine its offsets), `align` the 2-D dispatch's major_align (1 otherwise), `h` the
-/// input's handle.
+/// input's handle. With `out`'s handle (`oh`: `out` is symmetric), the rows do not travel with
+/// the splits: once every rank has every rank's splits, each writes its rows straight into the
+/// `out` of each other rank, then tells it (no staging and no workspace for rows, so any input
+/// size); without, they travel with the splits to the leaders' inboxes (one trip, bounded).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn all_to_all_v(
     op: &str,
@@ -101,7 +114,7 @@ pub(crate) fn all_to_all_v(
     meta: &[i64],
     align: i64,
     (input, h): (&Tensor, &SymmHandle),
-    out: &Tensor,
+    (out, oh): (&Tensor, Option<&SymmHandle>),
     out_splits_offsets: &Tensor,
     group: &Group,
     timeout: Duration,
@@ -109,15 +122,16 @@ pub(crate) fn all_to_all_v(
     let (me, world) = (group.rank(), group.world_size());
     let (row, m, input_rows) = (row_bytes(input), meta.len(), rows_of(input));
     let rows_at = rows_at(m);
-    let ws =
-        workspace(group, "all_to_all_vdev", slot(input.nbytes(), m), move |cap| workspace_bytes(cap, world), timeout)?;
+    let carried = if oh.is_some() { 0 } else { input.nbytes() };
+    let ws = workspace(group, "all_to_all_vdev", slot(carried, m), move |cap| workspace_bytes(cap, world), timeout)?;
     let mut guard = lock(&ws);
     let w = &mut *guard;
     let e = w.epoch.wrapping_add(1);
     let (hw, cap) = (w.words.h.clone(), w.cap);
     let parity = (e % 2) as usize;
     let sigs = Sigs::new(hw.offset(), world, parity);
-    let base = hw.offset() + words_bytes(world) + sigs_bytes(world) + parity * (world + 1) * cap;
+    let done_at = words_bytes(world) + sigs_bytes(world);
+    let base = hw.offset() + done_at + done_bytes(world) + parity * (world + 1) * cap;
     let (stage, inbox) = (base, |s: usize| base + (1 + s) * cap);
     let at = |rank: usize, off: usize| (hw.read_ptr(rank) + off) as *mut u8;
     let from = |r: usize| world + 1 + r;
@@ -128,8 +142,10 @@ pub(crate) fn all_to_all_v(
     // goes there, and every receiver's plan reports it).
     let chunks: Vec<Option<Vec<(i64, i64)>>> =
         (0..world).map(|d| source_chunks(kind, meta, world, input_rows, d)).collect();
+    // Rows that travel with the splits (none when they are written into the outs after).
+    let carries = |d: usize| if oh.is_some() { None } else { chunks[d].as_ref() };
     let span_of = |dsts: &[usize]| {
-        let all = dsts.iter().filter_map(|&d| chunks[d].as_ref()).flatten().filter(|c| c.1 > 0);
+        let all = dsts.iter().filter_map(|&d| carries(d)).flatten().filter(|c| c.1 > 0);
         all.fold(None, |acc: Option<(i64, i64)>, &(a, n)| {
             let (lo, hi) = acc.unwrap_or((a, a + n));
             Some((lo.min(a), hi.max(a + n)))
@@ -146,7 +162,7 @@ pub(crate) fn all_to_all_v(
     let mut staged: Vec<(usize, usize)> = locals
         .iter()
         .filter(|&&d| d != me)
-        .filter_map(|&d| chunks[d].as_ref())
+        .filter_map(|&d| carries(d))
         .flatten()
         .map(|&(a, n)| bytes((a, a + n)))
         .collect();
@@ -154,7 +170,8 @@ pub(crate) fn all_to_all_v(
 
     // As in host-push all-to-all: only the sends of call e-2 must have landed.
     settle(&hw, &mut w.sent, |epoch| epoch != e.wrapping_sub(1), timeout)?;
-    let header = [align, row as i64];
+    let out_at = oh.map_or(0, |oh| oh.offset() as i64);
+    let header = [align, row as i64, rows_of(out), out_at];
     // SAFETY: this rank's stage p holds a slot of at least rows_at + the input's bytes (the
     // workspace was sized for this call's slot); nobody reads it before this rank's ARRIVE and
     // FROM words, nobody still reads it from call e-2, and its sends of call e-2 have landed.
@@ -167,7 +184,7 @@ pub(crate) fn all_to_all_v(
             std::ptr::copy_nonoverlapping(input.data_ptr().add(a).cast_const(), s.add(rows_at + a), b - a);
         }
     }
-    for (i, v) in signature(kind, input, m).into_iter().enumerate() {
+    for (i, v) in signature(kind, input, m, oh.is_some()).into_iter().enumerate() {
         // Relaxed: published with the stage, by ARRIVE here and by FROM on other hosts.
         word(&hw, me, sigs.slot(me) + 8 * i).store(v, Ordering::Relaxed);
     }
@@ -236,6 +253,15 @@ pub(crate) fn all_to_all_v(
             ));
         }
         let meta_of = |s: usize| values(s, HEADER, m);
+        if let Some(oh) = oh {
+            let outs = |d: usize| {
+                let v = values(d, 16, 2);
+                (v[0], v[1])
+            };
+            let done = Words::new(hw.clone(), done_at);
+            let ctx = Write { op, kind, align, row, input: (input, h), oh, done: &done, epoch: e, timeout };
+            return ctx.run(w, &meta_of, &outs, &mut from_input, out, out_splits_offsets);
+        }
         let Plan { copies, splits_offsets } = plan(op, kind, &meta_of, (me, world), align, input_rows, rows_of(out))?;
         for (s, first, to, rows) in copies.into_iter().filter(|c| c.3 > 0) {
             // This rank's own rows come from its input, the others' from where their sources
@@ -258,4 +284,109 @@ pub(crate) fn all_to_all_v(
     // Then the input is the caller's again.
     let sent = from_input.into_iter().try_for_each(|work| work.wait(Some(timeout)));
     outcome.and(sent)
+}
+
+/// The second trip of a call whose rows are written into the symmetric `out`s.
+struct Write<'a> {
+    op: &'a str,
+    kind: Kind,
+    align: i64,
+    /// Bytes per row.
+    row: usize,
+    input: (&'a Tensor, &'a SymmHandle),
+    /// `out`'s handle.
+    oh: &'a SymmHandle,
+    /// One word per source rank: its rows are in this rank's `out`.
+    done: &'a Words,
+    epoch: u32,
+    timeout: Duration,
+}
+
+impl Write<'_> {
+    /// Every rank plans every rank's call from the splits all now have, so each knows where its
+    /// rows go in every `out`; it writes them (on this host into the mapped `out`s, on other
+    /// hosts from its input, then the DONE word on the same link, in order), copies its own,
+    /// and waits for every rank's DONE. `outs(d)` is rank d's `out` rows and byte offset, from
+    /// its header. A destination whose plan fails gets no rows, only DONE, and reports it.
+    fn run(
+        &self,
+        w: &mut Workspace,
+        meta_of: &dyn Fn(usize) -> Vec<i64>,
+        outs: &dyn Fn(usize) -> (i64, i64),
+        from_input: &mut Vec<Work>,
+        out: &Tensor,
+        out_splits_offsets: &Tensor,
+    ) -> Result<()> {
+        let (input, h, oh) = (self.input.0, self.input.1, self.oh);
+        let (me, world, row, e, timeout) = (h.rank(), h.world_size(), self.row, self.epoch, self.timeout);
+        let hw = w.words.h.clone();
+        let input_rows = rows_of(input);
+        let plan_of =
+            |d: usize, out_rows: i64| plan(self.op, self.kind, meta_of, (d, world), self.align, input_rows, out_rows);
+        // (first row in this rank's input, first row in d's out, rows) for each chunk it sends d.
+        let to = |d: usize| -> Vec<(i64, i64, i64)> {
+            let (rows, at) = outs(d);
+            // d's out must lie in its buffer (the header came from d: checked).
+            let fits = usize::try_from(rows)
+                .ok()
+                .zip(usize::try_from(at).ok())
+                .and_then(|(r, a)| r.checked_mul(row)?.checked_add(a))
+                .is_some_and(|end| end <= oh.buffer_size());
+            match plan_of(d, rows) {
+                Ok(p) if fits => {
+                    p.copies.into_iter().filter(|c| c.0 == me && c.3 > 0).map(|c| (c.1, c.2, c.3)).collect()
+                }
+                _ => Vec::new(),
+            }
+        };
+        for d in (1..world).map(|k| (me + k) % world) {
+            let chunks = to(d);
+            let at = outs(d).1 as usize;
+            if hw.is_local(d) {
+                for &(first, into, rows) in &chunks {
+                    // SAFETY: the plan checked [first, first+rows) inside this rank's input and
+                    // [into, into+rows) inside d's out, which lies in d's mapped buffer (checked
+                    // above); d reads its out only after this rank's DONE below, and no other
+                    // rank writes these rows (the plan gives each source its own).
+                    unsafe {
+                        std::ptr::copy_nonoverlapping(
+                            input.data_ptr().add(first as usize * row).cast_const(),
+                            (oh.read_ptr(d) + at + into as usize * row) as *mut u8,
+                            rows as usize * row,
+                        )
+                    };
+                }
+                self.done.publish(d, me, e);
+                continue;
+            }
+            hw.batch(d, || -> Result<()> {
+                for &(first, into, rows) in &chunks {
+                    let (src, dst) = (h.offset() + first as usize * row, at + into as usize * row);
+                    let push = |k: usize, n: usize| oh.start_push_from(h, d, src + k, n, dst + k, timeout);
+                    from_input.extend(send_pieces_before_signal(&hw, d, rows as usize * row, push)?);
+                }
+                w.sent.push((d, e, self.done.start_remote(d, me, e, timeout)?));
+                Ok(())
+            })?;
+        }
+        let mine = plan_of(me, rows_of(out));
+        if let Ok(p) = &mine {
+            for &(_, first, into, rows) in p.copies.iter().filter(|c| c.0 == me && c.3 > 0) {
+                // SAFETY: the plan checked both ranges, in this rank's input and out, which
+                // share no byte.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(
+                        input.data_ptr().add(first as usize * row).cast_const(),
+                        out.data_ptr().add(into as usize * row),
+                        rows as usize * row,
+                    )
+                };
+            }
+        }
+        let p = hw.patience(timeout);
+        for s in (1..world).map(|k| (me + k) % world) {
+            self.done.wait_for(s, e, s, &p, timeout)?;
+        }
+        out_splits_offsets.copy_from_slice(&mine?.splits_offsets)
+    }
 }

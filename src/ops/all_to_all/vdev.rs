@@ -299,20 +299,41 @@ pub(crate) fn plan(
     }
 }
 
-/// The family's one selection: across hosts (`hosts` > 1), host push for inputs up to
-/// [`VDEV_PUSH_MAX`] bytes per rank whose workspace stays bounded (`meta_len`: the split values,
-/// and offsets, each rank passes), pull otherwise.
-pub fn select_v(bytes: usize, meta_len: usize, world: usize, hosts: usize) -> Algo {
-    if hosts > 1 && bytes <= VDEV_PUSH_MAX && super::push::fits(bytes, meta_len, world) {
-        Algo::HostPush
-    } else {
-        Algo::Pull
+/// Across hosts, up to this input size (per rank) the family's rows travel with the splits
+/// (host push, one trip); above, when `out` is symmetric, they are written straight into the
+/// other ranks' `out`s once every rank has the splits (two trips, no copy through a workspace,
+/// no size limit).
+pub const VDEV_CARRY_MAX: usize = 512 << 10;
+
+/// The family's one selection: on one host, pull; across hosts (`hosts` > 1), host push up to
+/// [`VDEV_CARRY_MAX`] bytes per rank, or when `out` is not symmetric up to [`VDEV_PUSH_MAX`]
+/// with a bounded workspace (`meta_len`: the split values, and offsets, each rank passes);
+/// write into the symmetric `out`s above; pull otherwise.
+pub fn select_v(bytes: usize, meta_len: usize, world: usize, hosts: usize, out_symmetric: bool) -> Algo {
+    let carried = bytes <= VDEV_PUSH_MAX && super::push::fits(bytes, meta_len, world);
+    match () {
+        _ if hosts <= 1 => Algo::Pull,
+        _ if out_symmetric && bytes > VDEV_CARRY_MAX => Algo::Write,
+        _ if carried => Algo::HostPush,
+        _ => Algo::Pull,
     }
 }
 
-/// Whether a call of the family with this input takes host push.
-fn pushes(h: &SymmHandle, input: &Tensor, meta_len: usize) -> bool {
-    select_v(input.nbytes(), meta_len, h.world_size(), if h.all_local() { 1 } else { 2 }) == Algo::HostPush
+/// The way a call of the family goes, and `out`'s handle when it is written into.
+fn route(op: &str, h: &SymmHandle, input: &Tensor, out: &Tensor, meta_len: usize, group: &Group) -> Result<Route> {
+    let out_symmetric = crate::symm::is_symm_mem_tensor(out) && out.is_contiguous();
+    let hosts = if h.all_local() { 1 } else { 2 };
+    Ok(match select_v(input.nbytes(), meta_len, h.world_size(), hosts, out_symmetric) {
+        Algo::Pull => Route::Pull,
+        Algo::HostPush => Route::Push(None),
+        Algo::Write => Route::Push(Some(symmetric(op, out, group)?)),
+    })
+}
+
+enum Route {
+    Pull,
+    /// Host push; with `out`'s handle, the rows written into the `out`s.
+    Push(Option<std::sync::Arc<SymmHandle>>),
 }
 
 /// The pull path, after the entry check: every rank reads the sources' metadata, plans, and
@@ -402,7 +423,7 @@ pub fn all_to_all_vdev(
     check_splits(OP, out_splits_offsets, &[2, ws])?;
     let hs = symmetric(OP, in_splits, group)?;
     let h = symmetric(OP, input, group)?;
-    if pushes(&h, input, ws) {
+    if let Route::Push(oh) = route(OP, &h, input, out, ws, group)? {
         let meta = in_splits.to_vec::<i64>()?;
         return super::push::all_to_all_v(
             OP,
@@ -410,7 +431,7 @@ pub fn all_to_all_vdev(
             &meta,
             1,
             (input, &h),
-            out,
+            (out, oh.as_deref()),
             out_splits_offsets,
             group,
             timeout(),
@@ -470,7 +491,7 @@ pub fn all_to_all_vdev_2d(
     check_splits(OP, out_splits_offsets, &[2, n])?;
     let hs = symmetric(OP, in_splits, group)?;
     let h = symmetric(OP, input, group)?;
-    if pushes(&h, input, n) {
+    if let Route::Push(oh) = route(OP, &h, input, out, n, group)? {
         let meta = in_splits.to_vec::<i64>()?;
         return super::push::all_to_all_v(
             OP,
@@ -478,7 +499,7 @@ pub fn all_to_all_vdev_2d(
             &meta,
             align,
             (input, &h),
-            out,
+            (out, oh.as_deref()),
             out_splits_offsets,
             group,
             timeout(),
@@ -533,9 +554,19 @@ pub fn all_to_all_vdev_2d_offset(
     check_splits(OP, out_splits_offsets, &[2, n])?;
     let hs = symmetric(OP, in_splits_offsets, group)?;
     let h = symmetric(OP, input, group)?;
-    if pushes(&h, input, 2 * n) {
+    if let Route::Push(oh) = route(OP, &h, input, out, 2 * n, group)? {
         let meta = in_splits_offsets.to_vec::<i64>()?;
-        return super::push::all_to_all_v(OP, kind, &meta, 1, (input, &h), out, out_splits_offsets, group, timeout());
+        return super::push::all_to_all_v(
+            OP,
+            kind,
+            &meta,
+            1,
+            (input, &h),
+            (out, oh.as_deref()),
+            out_splits_offsets,
+            group,
+            timeout(),
+        );
     }
     // Not `prologue`: an empty input still receives (zero) splits and offsets.
     enter(group, &h, &Stamp::new(OP, input, h.offset(), &[hs.offset() as u64, n as u64]))?;

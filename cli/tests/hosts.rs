@@ -607,8 +607,8 @@ fn two_network_namespaces_linked_by_ucx_match_one_host_bit_for_bit() {
 }
 
 /// All-reduces, all-to-alls large enough that every rank reads from the other host, and
-/// host-pushed all-to-all-vs, until something fails; rank 0 writes the marker file once it is
-/// running.
+/// all-to-all-vs host-pushed or written into the other ranks' outs, until something fails;
+/// rank 0 writes the marker file once it is running.
 #[test]
 #[ignore = "a rank program; run by the lost-host tests below"]
 fn rank_lost() {
@@ -619,6 +619,11 @@ fn rank_lost() {
     let (v_out, oso) =
         (Tensor::zeros(&[4096 * j.ws], DType::F32).unwrap(), Tensor::zeros(&[2, j.ws], DType::I64).unwrap());
     let splits = i64_sym(&vec![64; j.ws]);
+    // And all-to-all-vs whose rows are written into the symmetric outs (an input above
+    // VDEV_CARRY_MAX).
+    let w_rows = ops::VDEV_CARRY_MAX / 4 + 1024;
+    let (w_in, w_out) = (sym(&[w_rows], DType::F32), sym(&[w_rows * j.ws], DType::F32));
+    let w_splits = i64_sym(&vec![4096; j.ws]);
     let marker = std::env::var("SYMMEM_TEST_MARKER").ok();
     let start = Instant::now();
     for i in 0.. {
@@ -629,10 +634,11 @@ fn rank_lost() {
             std::fs::write(m, b"running").unwrap();
         }
         fill(&x, |k| (k + i) as f64);
-        let done = match i % 3 {
+        let done = match i % 4 {
             0 => ops::all_reduce(&x, ReduceOp::Sum, &j.g),
             1 => ops::all_to_all(&big, &big_out, &j.g),
-            _ => ops::all_to_all_vdev(&x, &v_out, &splits, &oso, &j.g),
+            2 => ops::all_to_all_vdev(&x, &v_out, &splits, &oso, &j.g),
+            _ => ops::all_to_all_vdev(&w_in, &w_out, &w_splits, &oso, &j.g),
         };
         if let Err(e) = done {
             println!("rank {} failed after {:.1} s: {e}", j.me, start.elapsed().as_secs_f64());

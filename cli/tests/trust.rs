@@ -121,6 +121,25 @@ fn rank_huge_splits() {
         assert_eq!(got[..4 * ws], (0..ws).flat_map(|s| [s as f32; 4]).collect::<Vec<_>>());
     }
 
+    // Outs in different symmetric allocations, across hosts: rows written into "the same" out
+    // of a peer would land in memory it did not pass. Every rank refuses, and nothing is
+    // written. (On one host every rank pulls into its own out: nothing to refuse.)
+    let other_out = symm::empty(&[8 * ws, 4], DType::F32, Device::Cpu).unwrap();
+    other_out.fill(-2.0f32).unwrap();
+    symm::rendezvous(&other_out, &g).unwrap();
+    big_out.fill(-1.0f32).unwrap();
+    let mine = if me == 1 { &other_out } else { &big_out };
+    let r = ops::all_to_all_vdev(&big, mine, &ones, &oso, &g);
+    if !symm::rendezvous(&big, &g).unwrap().all_local() {
+        let e = invalid(r, "different outs");
+        assert!(e.contains("different symmetric allocations"), "{e}");
+        g.barrier(Duration::from_secs(30)).unwrap();
+        assert!(big_out.to_vec::<f32>().unwrap().iter().all(|&v| v == -1.0), "rows written into an out not passed");
+        assert!(other_out.to_vec::<f32>().unwrap().iter().all(|&v| v == -2.0), "rows written into an out not passed");
+    } else {
+        r.unwrap();
+    }
+
     // The group is still usable: a correct exchange goes through.
     input.copy_from_slice(&(0..16).map(|i| (me * 100 + i) as f32).collect::<Vec<_>>()).unwrap();
     ops::all_to_all_vdev(&input, &out, &ones, &oso, &g).unwrap();

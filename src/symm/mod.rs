@@ -262,6 +262,9 @@ struct PeerSet {
     /// Whether this host's ranks outnumber the CPUs their affinity masks give them together
     /// (as every rank of the host computes it from the same records).
     crowded: bool,
+    /// The group's rendezvous step that made it: the same on every rank for one allocation,
+    /// different for two.
+    step: u64,
 }
 
 impl Drop for PeerSet {
@@ -559,6 +562,7 @@ fn exchange(alloc: &Allocation, tensor: &Tensor, offset: usize, group: &Group, s
         exposed,
         lock,
         crowded,
+        step,
     })
 }
 
@@ -961,6 +965,12 @@ impl SymmHandle {
     /// and the small all-reduce takes more sizes. Every rank of a host gets the same answer.
     pub fn crowded(&self) -> bool {
         self.peers.crowded
+    }
+
+    /// The allocation's identity in its group: the rendezvous step that made it, the same on
+    /// every rank (so ranks can check they passed the same allocation).
+    pub(crate) fn allocation_id(&self) -> u64 {
+        self.peers.step
     }
 
     /// Raises a signal at `dst_rank` on `channel`; blocks while the previous signal on that

@@ -36,9 +36,10 @@ use crate::symm::hostsync::{Words, settle};
 use crate::tensor::Tensor;
 use crate::transport::Work;
 
-/// Bytes of a slot's header, four i64: major_align, the row size, and `out`'s rows and byte
-/// offset in its allocation (what a writer into it needs; 0 when `out` is not written to).
-const HEADER: usize = 32;
+/// Bytes of a slot's header, five i64: major_align, the row size, and `out`'s rows, byte
+/// offset in its allocation and allocation's identity in the group (what a writer into it
+/// needs; 0 when `out` is not written to).
+const HEADER: usize = 40;
 
 /// The largest workspace this path makes (both parities, every slot); above it, the family
 /// pulls.
@@ -170,8 +171,8 @@ pub(crate) fn all_to_all_v(
 
     // As in host-push all-to-all: only the sends of call e-2 must have landed.
     settle(&hw, &mut w.sent, |epoch| epoch != e.wrapping_sub(1), timeout)?;
-    let out_at = oh.map_or(0, |oh| oh.offset() as i64);
-    let header = [align, row as i64, rows_of(out), out_at];
+    let (out_at, out_id) = oh.map_or((0, 0), |oh| (oh.offset() as i64, oh.allocation_id() as i64));
+    let header = [align, row as i64, rows_of(out), out_at, out_id];
     // SAFETY: this rank's stage p holds a slot of at least rows_at + the input's bytes (the
     // workspace was sized for this call's slot); nobody reads it before this rank's ARRIVE and
     // FROM words, nobody still reads it from call e-2, and its sends of call e-2 have landed.
@@ -240,6 +241,17 @@ pub(crate) fn all_to_all_v(
             // ARRIVE of call e+1. Both hold HEADER + 8·m bytes of values (equal signatures).
             (0..count).map(|i| unsafe { slot_of(s).add(first + 8 * i).cast::<i64>().read_unaligned() }).collect()
         };
+        // Rows are written into the outs only if every rank passed the same allocation.
+        let same_out = |r: usize| values(r, 32, 1) == values(0, 32, 1);
+        if let Some(r) = (1..world).find(|&r| !same_out(r)) {
+            return Err(bad(
+                op,
+                format!(
+                    "the ranks' arguments disagree: rank 0 and rank {r} passed outs in different symmetric \
+                     allocations; every rank must pass the same (its rows are written into the others')"
+                ),
+            ));
+        }
         let first = values(0, 0, 2);
         if let Some(r) = (1..world).find(|&r| values(r, 0, 2) != first) {
             let theirs = values(r, 0, 2);

@@ -47,24 +47,27 @@ pub(crate) fn all_to_all(input: &Tensor, out: &Tensor, group: &Group, h: &SymmHa
 
     // Runs of consecutive ranks of each other host whose blocks are laid out alike in the input
     // and the inbox: above DIRECT_MIN bytes they leave straight from the input (not gathered).
-    let direct_runs = |theirs: &[usize]| -> Vec<(usize, usize)> {
-        if gathered || b != bs {
-            return Vec::new();
-        }
-        runs(theirs).into_iter().filter(|&(a, end)| (end - a) * b >= DIRECT_MIN).collect()
-    };
+    // Each host's runs (indices into its ranks), and whether each leaves from the input.
+    let host_runs: Vec<Vec<(usize, usize, bool)>> = (0..hosts)
+        .map(|x| {
+            let direct = |(a, end): (usize, usize)| !gathered && b == bs && (end - a) * b >= DIRECT_MIN;
+            runs(hw.ranks_on(x)).into_iter().map(|r| (r.0, r.1, x != my_host && direct(r))).collect()
+        })
+        .collect();
     // Blocks staged: those this host's other ranks take, and the ones for another host that
     // leave from the stage (all of them when the leader gathers). This rank's own block is
     // copied from its input.
-    let sent_directly = |d: usize| {
-        !hw.is_local(d) && {
-            let theirs = hw.ranks_on(hw.host_of(d));
-            direct_runs(theirs).iter().any(|&(a, end)| theirs[a..end].contains(&d))
+    let mut sent_directly = vec![false; world];
+    for (x, runs) in host_runs.iter().enumerate() {
+        for &(a, end, _) in runs.iter().filter(|r| r.2) {
+            for &d in &hw.ranks_on(x)[a..end] {
+                sent_directly[d] = true;
+            }
         }
-    };
+    }
     // As in the all-reduce: only the sends of call e-2 must have landed.
     settle(&hw, &mut w.sent, |epoch| epoch != e.wrapping_sub(1), timeout)?;
-    for d in (0..world).filter(|&d| d != me && !sent_directly(d)) {
+    for d in (0..world).filter(|&d| d != me && !sent_directly[d]) {
         // SAFETY: this rank's stage p holds world blocks of bs >= b bytes; nobody reads it
         // before this rank's ARRIVE and FROM words, nobody still reads it from call e-2, and its
         // sends of call e-2 have landed; the input is contiguous, world blocks of b bytes.
@@ -81,14 +84,13 @@ pub(crate) fn all_to_all(input: &Tensor, out: &Tensor, group: &Group, h: &SymmHa
             for &host in &other_hosts {
                 let theirs = hw.ranks_on(host);
                 let l = theirs[0];
-                let direct = direct_runs(theirs);
                 // The blocks, the signature and the FROM word leave together.
                 hw.batch(l, || -> Result<()> {
                     // Blocks for a run of consecutive ranks of that host are consecutive in the
                     // stage, in the input and in this rank's row of the inbox.
-                    for (a, end) in runs(theirs) {
+                    for &(a, end, direct) in &host_runs[host] {
                         let dst = inbox(my_host, ls, a);
-                        if direct.contains(&(a, end)) {
+                        if direct {
                             let src = h.offset() + theirs[a] * b;
                             let push = |at: usize, n: usize| hw.start_push_from(h, l, src + at, n, dst + at, timeout);
                             from_input.extend(send_pieces_before_signal(&hw, l, (end - a) * b, push)?);

@@ -264,7 +264,8 @@ pub(crate) fn all_to_all_v(
                 ),
             ));
         }
-        let meta_of = |s: usize| values(s, HEADER, m);
+        // Every source's metadata, read once.
+        let metas: Vec<Vec<i64>> = (0..world).map(|s| values(s, HEADER, m)).collect();
         if let Some(oh) = oh {
             let outs = |d: usize| {
                 let v = values(d, 16, 2);
@@ -272,9 +273,9 @@ pub(crate) fn all_to_all_v(
             };
             let done = Words::new(hw.clone(), done_at);
             let ctx = Write { op, kind, align, row, input: (input, h), oh, done: &done, epoch: e, timeout };
-            return ctx.run(w, &meta_of, &outs, &mut from_input, out, out_splits_offsets);
+            return ctx.run(w, &metas, &outs, &mut from_input, out, out_splits_offsets);
         }
-        let Plan { copies, splits_offsets } = plan(op, kind, &meta_of, (me, world), align, input_rows, rows_of(out))?;
+        let Plan { copies, splits_offsets } = plan(op, kind, &metas, (me, world), align, input_rows, rows_of(out))?;
         for (s, first, to, rows) in copies.into_iter().filter(|c| c.3 > 0) {
             // This rank's own rows come from its input, the others' from where their sources
             // staged or sent them.
@@ -323,7 +324,7 @@ impl Write<'_> {
     fn run(
         &self,
         w: &mut Workspace,
-        meta_of: &dyn Fn(usize) -> Vec<i64>,
+        metas: &[Vec<i64>],
         outs: &dyn Fn(usize) -> (i64, i64),
         from_input: &mut Vec<Work>,
         out: &Tensor,
@@ -334,9 +335,10 @@ impl Write<'_> {
         let hw = w.words.h.clone();
         let input_rows = rows_of(input);
         let plan_of =
-            |d: usize, out_rows: i64| plan(self.op, self.kind, meta_of, (d, world), self.align, input_rows, out_rows);
-        // (first row in this rank's input, first row in d's out, rows) for each chunk it sends d.
-        let to = |d: usize| -> Vec<(i64, i64, i64)> {
+            |d: usize, out_rows: i64| plan(self.op, self.kind, metas, (d, world), self.align, input_rows, out_rows);
+        // Where d's out starts in its buffer, and (first row in this rank's input, first row in
+        // d's out, rows) for each chunk this rank sends d.
+        let to = |d: usize| -> (usize, Vec<(i64, i64, i64)>) {
             let (rows, at) = outs(d);
             // d's out must lie in its buffer (the header came from d: checked).
             let fits = usize::try_from(rows)
@@ -345,15 +347,18 @@ impl Write<'_> {
                 .and_then(|(r, a)| r.checked_mul(row)?.checked_add(a))
                 .is_some_and(|end| end <= oh.buffer_size());
             match plan_of(d, rows) {
-                Ok(p) if fits => {
-                    p.copies.into_iter().filter(|c| c.0 == me && c.3 > 0).map(|c| (c.1, c.2, c.3)).collect()
-                }
-                _ => Vec::new(),
+                Ok(p) if fits => (
+                    at as usize,
+                    p.copies.into_iter().filter(|c| c.0 == me && c.3 > 0).map(|c| (c.1, c.2, c.3)).collect(),
+                ),
+                _ => (0, Vec::new()),
             }
         };
+        // A failed send to one rank (no DONE follows it: its rows are not all there) does not
+        // keep the others from theirs; it is reported once every rank's DONE is in.
+        let mut failed = None;
         for d in (1..world).map(|k| (me + k) % world) {
-            let chunks = to(d);
-            let at = outs(d).1 as usize;
+            let (at, chunks) = to(d);
             if hw.is_local(d) {
                 for &(first, into, rows) in &chunks {
                     // SAFETY: the plan checked [first, first+rows) inside this rank's input and
@@ -371,7 +376,7 @@ impl Write<'_> {
                 self.done.publish(d, me, e);
                 continue;
             }
-            hw.batch(d, || -> Result<()> {
+            let sent = hw.batch(d, || -> Result<()> {
                 for &(first, into, rows) in &chunks {
                     let (src, dst) = (h.offset() + first as usize * row, at + into as usize * row);
                     let push = |k: usize, n: usize| oh.start_push_from(h, d, src + k, n, dst + k, timeout);
@@ -379,7 +384,10 @@ impl Write<'_> {
                 }
                 w.sent.push((d, e, self.done.start_remote(d, me, e, timeout)?));
                 Ok(())
-            })?;
+            });
+            if let Err(err) = sent {
+                failed.get_or_insert(err);
+            }
         }
         let mine = plan_of(me, rows_of(out));
         if let Ok(p) = &mine {
@@ -396,9 +404,11 @@ impl Write<'_> {
             }
         }
         let p = hw.patience(timeout);
-        for s in (1..world).map(|k| (me + k) % world) {
-            self.done.wait_for(s, e, s, &p, timeout)?;
+        let waited = (1..world).map(|k| (me + k) % world).try_for_each(|s| self.done.wait_for(s, e, s, &p, timeout));
+        if let Some(err) = failed {
+            return Err(err);
         }
+        waited?;
         out_splits_offsets.copy_from_slice(&mine?.splits_offsets)
     }
 }

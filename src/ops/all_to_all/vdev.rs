@@ -196,13 +196,13 @@ pub(crate) struct Plan {
     pub(crate) splits_offsets: Vec<i64>,
 }
 
-/// Rank `me`'s plan among `ws`, from every source's metadata (`meta(p)`, of the operator's
+/// Rank `me`'s plan among `ws`, from every source's metadata (`meta[p]`, of the operator's
 /// length) and the rows of the inputs and of `out`. The same on every path; every error names the rank or
 /// the sizes at fault, and every sum over metadata from peers is checked.
 pub(crate) fn plan(
     op: &str,
     kind: Kind,
-    meta: &dyn Fn(usize) -> Vec<i64>,
+    meta: &[Vec<i64>],
     (me, ws): (usize, usize),
     align: i64,
     input_rows: i64,
@@ -213,8 +213,8 @@ pub(crate) fn plan(
             let mut out_splits = vec![0i64; ws];
             let mut src_off = vec![0i64; ws];
             for p in 0..ws {
-                let theirs = meta(p);
-                let Some(chunks) = source_chunks(kind, &theirs, ws, input_rows, me) else {
+                let theirs = &meta[p];
+                let Some(chunks) = source_chunks(kind, theirs, ws, input_rows, me) else {
                     return Err(bad(
                         op,
                         format!("rank {p}'s splits {theirs:?} are negative or exceed its {input_rows} rows"),
@@ -237,7 +237,7 @@ pub(crate) fn plan(
             let mut out_splits = vec![0i64; n];
             let mut src_off = vec![0i64; n];
             for src in 0..ws {
-                let Some(chunks) = source_chunks(kind, &meta(src), ws, input_rows, me) else {
+                let Some(chunks) = source_chunks(kind, &meta[src], ws, input_rows, me) else {
                     return Err(bad(
                         op,
                         format!("rank {src}'s splits: their sum is larger than input dim, or a split is negative"),
@@ -274,8 +274,8 @@ pub(crate) fn plan(
             let mut out_splits = vec![0i64; n];
             let mut src_off = vec![0i64; n];
             for src in 0..ws {
-                let m = meta(src);
-                let Some(chunks) = source_chunks(kind, &m, ws, input_rows, me) else {
+                let m = &meta[src];
+                let Some(chunks) = source_chunks(kind, m, ws, input_rows, me) else {
                     let at = |e: usize| (m[e * ws + me], m[n + e * ws + me]);
                     let e = (0..ne).find(|&e| !inside(at(e).0, at(e).1, input_rows)).unwrap_or(0);
                     let (len, off) = at(e);
@@ -354,7 +354,7 @@ fn pull(
     let (me, ws, row) = (h.rank(), h.world_size(), row_bytes(input));
     let outcome = (|| {
         fetch_shared(hs, |_| (0, meta_len * 8))?;
-        let meta = |p: usize| peer_i64(hs, p, 0, meta_len);
+        let meta: Vec<Vec<i64>> = (0..ws).map(|p| peer_i64(hs, p, 0, meta_len)).collect();
         let plan = plan(op, kind, &meta, (me, ws), align, rows_of(input), rows_of(out))?;
         if kind == Kind::V {
             // One chunk per source, contiguous in out: remote ones are read straight into it,

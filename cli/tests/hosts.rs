@@ -198,6 +198,14 @@ fn one_sided(j: &Job) {
     let h = symm::rendezvous(&x, &j.g).unwrap();
     let remote: Vec<usize> = (0..ws).filter(|&r| j.host_of(r) != j.host_of(me)).collect();
     assert_eq!(h.remote_ranks(), remote, "the ranks on other hosts");
+    // Every rank names the backend its links between hosts run on (which the operators choose
+    // their algorithms by): the one forced, else the one picked (ucx only on a fabric); none on
+    // one host.
+    match (j.hosts, std::env::var("SYMMEM_XHOST_BACKEND").ok()) {
+        (1, _) => assert_eq!(h.link_backend(), None),
+        (_, Some(forced)) => assert_eq!(h.link_backend(), Some(forced.as_str())),
+        _ => assert!(matches!(h.link_backend(), Some("tcp" | "ucx")), "{:?}", h.link_backend()),
+    }
     if let Some(&far) = remote.first() {
         let e = h.buffer_ptrs().unwrap_err().to_string();
         assert!(e.contains(&format!("rank {far} is on host host")) && e.contains("cannot be addressed"), "{e}");

@@ -38,9 +38,20 @@ use crate::symm::{self, Device, SymmHandle};
 use crate::tensor::{DType, Tensor};
 use crate::transport::Work;
 
-/// The largest block of a host's inputs this path takes (above, the two-shot algorithm spreads
-/// the work over every rank).
+/// The largest block of a host's inputs this path takes over tcp links (above, the two-shot
+/// algorithm spreads the work over every rank).
 pub(crate) const HOST_BLOCK_MAX: usize = 1 << 20;
+
+/// The same over ucx links, whose messages above UCX's eager limit go by rendezvous (a request,
+/// then the owner fetching the bytes): there the leader's one large message per host loses to
+/// two-shot's spread sooner.
+pub(crate) const UCX_HOST_BLOCK_MAX: usize = 512 << 10;
+
+/// The largest block of a host's inputs host push takes over links of `backend`
+/// ([`crate::symm::SymmHandle::link_backend`]).
+pub(crate) fn host_block_max(backend: Option<&str>) -> usize {
+    if backend == Some("ucx") { UCX_HOST_BLOCK_MAX } else { HOST_BLOCK_MAX }
+}
 
 pub(crate) struct Workspace {
     pub(crate) _tensor: Tensor,
@@ -239,9 +250,10 @@ pub(crate) fn send_pieces_before_signal(
 /// caller's again.
 pub(crate) const DIRECT_MIN: usize = 64 << 10;
 
-/// Whether a message of `bytes` with at most `ranks_per_host` ranks on a host takes this path.
-pub(crate) fn fits_size(bytes: usize, ranks_per_host: usize) -> bool {
-    bytes > 0 && bytes.next_multiple_of(16) * ranks_per_host <= HOST_BLOCK_MAX
+/// Whether a message of `bytes` with at most `ranks_per_host` ranks on a host, over links of
+/// `backend`, takes this path.
+pub(crate) fn fits_size(bytes: usize, ranks_per_host: usize, backend: Option<&str>) -> bool {
+    bytes > 0 && bytes.next_multiple_of(16).saturating_mul(ranks_per_host) <= host_block_max(backend)
 }
 
 /// Up to this many bytes per rank, a host's leader aggregates its host's sends (one message per

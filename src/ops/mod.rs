@@ -47,8 +47,8 @@ pub use all_reduce::{
     two_shot_all_reduce_out,
 };
 pub use all_to_all::{
-    ALL_TO_ALL_PUSH_MAX, VDEV_CARRY_MAX, VDEV_PUSH_MAX, all_to_all, all_to_all_nd, all_to_all_vdev, all_to_all_vdev_2d,
-    all_to_all_vdev_2d_offset,
+    ALL_TO_ALL_PUSH_MAX, UCX_ALL_TO_ALL_PUSH_MAX, VDEV_CARRY_MAX, VDEV_PUSH_MAX, all_to_all, all_to_all_nd,
+    all_to_all_vdev, all_to_all_vdev_2d, all_to_all_vdev_2d_offset,
 };
 pub use broadcast::broadcast_;
 pub use matmul::{fused_all_gather_matmul, fused_matmul_reduce_scatter};

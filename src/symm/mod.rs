@@ -265,6 +265,9 @@ struct PeerSet {
     /// The group's rendezvous step that made it: the same on every rank for one allocation,
     /// different for two.
     step: u64,
+    /// The backend of every link between the group's hosts (the same on every rank), if they
+    /// all share one.
+    link_backend: Option<String>,
 }
 
 impl Drop for PeerSet {
@@ -490,7 +493,11 @@ fn exchange(alloc: &Allocation, tensor: &Tensor, offset: usize, group: &Group, s
     // Confirm: nobody returns (and may free its segment) before everyone has mapped, and a
     // failure on one rank becomes an error on all. Descriptors for remote peers and the shared
     // mirrors ride along.
-    let confirm = Confirm { failure, offers, mirrors: mirror_offers };
+    // The backend of this rank's links to other hosts, if they share one.
+    let mut names = remote.iter().map(|r| links[r].transport.backend_name().to_string());
+    let first = names.next().unwrap_or_default();
+    let link_backend = if names.all(|n| n == first) { first } else { MIXED.to_string() };
+    let confirm = Confirm { failure, offers, mirrors: mirror_offers, links: link_backend };
     let raw = serde_json::to_vec(&confirm).map_err(|e| Error::Rendezvous(format!("encoding the confirmation: {e}")))?;
     let verdicts = group.exchange_bytes(&format!("symm/{step}/mapped"), &raw, timeout)?;
     let verdicts = verdicts
@@ -541,6 +548,10 @@ fn exchange(alloc: &Allocation, tensor: &Tensor, offset: usize, group: &Group, s
         })?;
         peers.push(Peer::Remote(Box::new(Remote::new(links[&r].clone(), pad, data, mirror))));
     }
+    // The backend of every link between hosts, as every rank reads it from the same
+    // confirmations (so choices made by it agree): none on one host, or when they differ.
+    let mut backends = verdicts.iter().map(|v| v.links.as_str()).filter(|b| !b.is_empty());
+    let link_backend = backends.next().filter(|&b| b != MIXED && backends.all(|o| o == b)).map(str::to_string);
     let lock = state.lock.clone();
     let mut ranks_of_host = vec![Vec::new(); distinct.len()];
     for (r, &h) in host_of.iter().enumerate() {
@@ -563,6 +574,7 @@ fn exchange(alloc: &Allocation, tensor: &Tensor, offset: usize, group: &Group, s
         lock,
         crowded,
         step,
+        link_backend,
     })
 }
 
@@ -589,7 +601,13 @@ struct Confirm {
     failure: String,
     offers: Vec<Offer>,
     mirrors: Vec<MirrorOffer>,
+    /// The backend of this rank's links to other hosts: empty without any, [`MIXED`] when
+    /// they differ.
+    links: String,
 }
+
+/// In a confirmation: this rank's links to other hosts are not all on one backend.
+const MIXED: &str = "mixed";
 
 impl SymmHandle {
     /// This rank's index in the group.
@@ -965,6 +983,13 @@ impl SymmHandle {
     /// and the small all-reduce takes more sizes. Every rank of a host gets the same answer.
     pub fn crowded(&self) -> bool {
         self.peers.crowded
+    }
+
+    /// The transport backend (`"tcp"`, `"ucx"`) of every link between the group's hosts, the
+    /// same on every rank: `None` on one host, or when the links do not all share one. The
+    /// operators choose their algorithms by it across hosts.
+    pub fn link_backend(&self) -> Option<&str> {
+        self.peers.link_backend.as_deref()
     }
 
     /// The allocation's identity in its group: the rendezvous step that made it, the same on

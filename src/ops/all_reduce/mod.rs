@@ -47,15 +47,18 @@ impl Algo {
 
 /// The one selection: the algorithm [`all_reduce`] uses for `bytes`, at most `ranks_per_host`
 /// ranks on a host, spanning `hosts` hosts, `crowded` when a host's ranks outnumber the CPUs
-/// they may use ([`crate::symm::SymmHandle::crowded`], the same on every rank). On one host:
-/// one-shot up to 1 KiB, or up to 8 KiB when crowded (then every extra synchronization costs a
-/// context switch), two-shot above (measured crossovers on 2 cores: 2 ranks ~1 KiB, 4 ranks
-/// ~8 KiB). Across hosts: host-push while a host's inputs fit in 1 MiB, two-shot above
-/// (measured on 2 played hosts: 4 ranks, host push ahead up to 512 KiB each and two-shot from
-/// 768 KiB; 2 ranks, even at 1 MiB and two-shot 2.5x ahead at 2 MiB).
-pub fn select(bytes: usize, crowded: bool, ranks_per_host: usize, hosts: usize) -> Algo {
+/// they may use ([`crate::symm::SymmHandle::crowded`], the same on every rank of a host), over
+/// links between hosts of backend `link` ([`crate::symm::SymmHandle::link_backend`], the same
+/// on every rank). On one host: one-shot up to 1 KiB, or up to 8 KiB when crowded (then every
+/// extra synchronization costs a context switch), two-shot above (measured crossovers on 2
+/// cores: 2 ranks ~1 KiB, 4 ranks ~8 KiB). Across hosts: host-push while a host's inputs fit in
+/// 1 MiB (512 KiB over ucx), two-shot above (measured on 2 played hosts, 4 ranks: over tcp host
+/// push ahead up to 512 KiB each and two-shot from 768 KiB; over ucx host push ahead at 256 KiB
+/// each, 422-480 vs 518-623 us, and two-shot at 512 KiB, 715-785 vs 1057-1078 us; 2 ranks over
+/// tcp, host push even at 1 MiB and two-shot 2.5x ahead at 2 MiB).
+pub fn select(bytes: usize, crowded: bool, ranks_per_host: usize, hosts: usize, link: Option<&str>) -> Algo {
     if hosts > 1 {
-        return if hostpush::fits_size(bytes, ranks_per_host) { Algo::HostPush } else { Algo::TwoShot };
+        return if hostpush::fits_size(bytes, ranks_per_host, link) { Algo::HostPush } else { Algo::TwoShot };
     }
     let max = if crowded { ONE_SHOT_MAX } else { 1024 };
     if bytes <= max { Algo::Small } else { Algo::TwoShot }
@@ -258,7 +261,7 @@ pub fn all_reduce(tensor: &Tensor, op: ReduceOp, group: &Group) -> Result<()> {
     }
     let h = symm::rendezvous(tensor, group)?;
     let hosts = if h.all_local() { 1 } else { 2 };
-    match select(tensor.nbytes(), h.crowded(), h.max_ranks_per_host(), hosts) {
+    match select(tensor.nbytes(), h.crowded(), h.max_ranks_per_host(), hosts, h.link_backend()) {
         Algo::Small => small::all_reduce(tensor, op, group, timeout()),
         Algo::HostPush => host_push::all_reduce(tensor, op, group, timeout()),
         Algo::TwoShot => {
@@ -268,5 +271,28 @@ pub fn all_reduce(tensor: &Tensor, op: ReduceOp, group: &Group) -> Result<()> {
             enter_on(TWO, tensor, group, &h, &[op.code()])?;
             two_shot_in_place(tensor, op, &h)
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn host_push_takes_a_hosts_inputs_up_to_a_limit_of_its_links() {
+        let k = 1 << 10;
+        // 2 ranks per host: a host's inputs are twice a rank's.
+        for (bytes, tcp, ucx) in [
+            (8, Algo::HostPush, Algo::HostPush),
+            (256 * k, Algo::HostPush, Algo::HostPush),
+            (256 * k + 16, Algo::HostPush, Algo::TwoShot),
+            (512 * k, Algo::HostPush, Algo::TwoShot),
+            (512 * k + 16, Algo::TwoShot, Algo::TwoShot),
+        ] {
+            assert_eq!(select(bytes, false, 2, 2, Some("tcp")), tcp, "{bytes} bytes over tcp");
+            assert_eq!(select(bytes, false, 2, 2, None), tcp, "{bytes} bytes over mixed links");
+            assert_eq!(select(bytes, false, 2, 2, Some("ucx")), ucx, "{bytes} bytes over ucx");
+        }
+        assert_eq!(select(8, false, 2, 1, None), Algo::Small, "one host");
     }
 }

@@ -197,7 +197,7 @@ pub(crate) fn all_reduce_on_host(
     let mut slot = state.0.lock().unwrap_or_else(|p| p.into_inner());
     let ws = slot.as_mut().filter(|ws| {
         let h = &ws.lines.handle;
-        h.all_local() && super::select(tensor.nbytes(), h.crowded(), 1, 1) == super::Algo::Small
+        h.all_local() && super::select(tensor.nbytes(), h.crowded(), 1, 1, None) == super::Algo::Small
     })?;
     ws.epoch += 1;
     let (k, lines) = (ws.epoch, ws.lines.clone());

@@ -39,10 +39,12 @@ impl Algo {
     }
 }
 
-/// The one selection: host-push across hosts up to [`ALL_TO_ALL_PUSH_MAX`] bytes per rank,
-/// pull otherwise.
-pub fn select(bytes: usize, hosts: usize) -> Algo {
-    if hosts > 1 && bytes <= ALL_TO_ALL_PUSH_MAX { Algo::HostPush } else { Algo::Pull }
+/// The one selection: host-push across hosts up to [`ALL_TO_ALL_PUSH_MAX`] bytes per rank
+/// ([`UCX_ALL_TO_ALL_PUSH_MAX`] when the links between hosts are ucx, `link` being
+/// [`crate::symm::SymmHandle::link_backend`], the same on every rank), pull otherwise.
+pub fn select(bytes: usize, hosts: usize, link: Option<&str>) -> Algo {
+    let max = if link == Some("ucx") { UCX_ALL_TO_ALL_PUSH_MAX } else { ALL_TO_ALL_PUSH_MAX };
+    if hosts > 1 && bytes <= max { Algo::HostPush } else { Algo::Pull }
 }
 
 /// Across hosts, [`all_to_all`] inputs up to this size (per rank) go hierarchically, one
@@ -51,6 +53,12 @@ pub fn select(bytes: usize, hosts: usize) -> Algo {
 /// into its `out` and copies its own host's while they travel), which spreads the copying
 /// over every rank and flow.
 pub const ALL_TO_ALL_PUSH_MAX: usize = 1 << 20;
+
+/// [`ALL_TO_ALL_PUSH_MAX`] over ucx links, whose large messages go by rendezvous: measured on 2
+/// played hosts, 4 ranks, 3 alternated rounds, pulling took 744-819 us at 1 MiB where pushing
+/// took 1067-1097 (over tcp, pushing still led: 568-614 vs 620-737), and pushing led at
+/// 512 KiB (400/439/569 vs 494/531/513 us).
+pub const UCX_ALL_TO_ALL_PUSH_MAX: usize = 512 << 10;
 
 /// Equal-split all-to-all: `input` and `out` have the same shape, the first dimension divisible
 /// by the world size, and share no byte (in place is refused); block j of rank i's `out` is
@@ -88,7 +96,7 @@ pub fn all_to_all(input: &Tensor, out: &Tensor, group: &Group) -> Result<()> {
         return Ok(());
     }
     let block = input.nbytes() / ws;
-    if select(input.nbytes(), if h.all_local() { 1 } else { 2 }) == Algo::HostPush {
+    if select(input.nbytes(), if h.all_local() { 1 } else { 2 }, h.link_backend()) == Algo::HostPush {
         // Host push checks the ranks' arguments itself, in its one exchange (no entry barrier).
         return host_push::all_to_all(input, out, group, &h, timeout());
     }
@@ -206,4 +214,26 @@ pub fn all_to_all_nd(input: &Tensor, out: &Tensor, scatter_dim: usize, gather_di
         }
     }
     barrier(&h)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn host_push_stops_sooner_over_ucx_links() {
+        let k = 1 << 10;
+        assert_eq!(select(1 << 20, 1, None), Algo::Pull, "one host always pulls");
+        for (bytes, tcp, ucx) in [
+            (16, Algo::HostPush, Algo::HostPush),
+            (512 * k, Algo::HostPush, Algo::HostPush),
+            (512 * k + 16, Algo::HostPush, Algo::Pull),
+            (1 << 20, Algo::HostPush, Algo::Pull),
+            ((1 << 20) + 16, Algo::Pull, Algo::Pull),
+        ] {
+            assert_eq!(select(bytes, 2, Some("tcp")), tcp, "{bytes} bytes over tcp");
+            assert_eq!(select(bytes, 2, None), tcp, "{bytes} bytes over mixed links");
+            assert_eq!(select(bytes, 2, Some("ucx")), ucx, "{bytes} bytes over ucx");
+        }
+    }
 }

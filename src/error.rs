@@ -102,7 +102,9 @@ pub enum Error {
     },
 
     /// Ranks disagree in a collective setup step (allocation order, shapes, dtypes), or a peer
-    /// cannot be reached; every rank gets the same error.
+    /// cannot be reached; every rank gets the same error. Also: an operator across hosts
+    /// refused on a group where an earlier call of it failed part-way, its ranks being
+    /// possibly out of step.
     #[error("{0}")]
     Rendezvous(String),
 

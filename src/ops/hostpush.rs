@@ -31,7 +31,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::group::Group;
 use crate::symm::hostsync::{Sent, Words};
 use crate::symm::{self, Device, SymmHandle};
@@ -172,7 +172,34 @@ pub(crate) fn exchange_and_judge(
 /// A group's workspaces per operator, each locked for the length of a call; the map itself only
 /// for a lookup. Kept in the group, so they go with it.
 #[derive(Default)]
-pub(crate) struct Workspaces(Mutex<HashMap<&'static str, Arc<Mutex<Workspace>>>>);
+pub(crate) struct Workspaces(Mutex<Kinds>);
+
+#[derive(Default)]
+pub(crate) struct Kinds {
+    made: HashMap<&'static str, Arc<Mutex<Workspace>>>,
+    /// Operators whose ranks may be out of step, and why: refused from then on ([`guarded`]).
+    out_of_step: HashMap<&'static str, String>,
+}
+
+/// Runs one call of operator `kind` across hosts on `group` (`call`, which takes the kind's
+/// workspace). A call that fails part-way (a wait that timed out, a transfer that failed, a
+/// workspace not made) may have left its ranks at different points of the protocol: one
+/// waiting in a collective allocation that the others never entered, one that sent its data
+/// and signal for a call its peer never ran. Their call numbers and buffers then disagree,
+/// and a later call could take data left from the failed one as its own. So from then on
+/// every call of the kind on the group is refused at once, naming the failure; the group's
+/// other operators, and other groups, go on. A disagreement found by the signatures
+/// (`InvalidArgument`) ends the call on every rank at the same point, and changes nothing.
+pub(crate) fn guarded<T>(group: &Group, kind: &'static str, call: impl FnOnce() -> Result<T>) -> Result<T> {
+    let r = call();
+    if let Err(e) = &r
+        && !matches!(e, Error::InvalidArgument(_))
+    {
+        let state = group.state::<Workspaces>();
+        lock(&state.0).out_of_step.entry(kind).or_insert_with(|| e.to_string());
+    }
+    r
+}
 
 pub(crate) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
@@ -190,7 +217,15 @@ pub(crate) fn workspace(
 ) -> Result<Arc<Mutex<Workspace>>> {
     let state = group.state::<Workspaces>();
     let mut all = lock(&state.0);
-    if let Some(w) = all.get(kind)
+    if let Some(why) = all.out_of_step.get(kind) {
+        return Err(Error::Rendezvous(format!(
+            "{kind} across hosts on group {:?} is out of step: an earlier call failed part-way ({why}); its ranks may \
+             have left that call at different points, and a later call could take another call's data, so every \
+             later call is refused. Make a new group (Group::split) to go on",
+            group.name()
+        )));
+    }
+    if let Some(w) = all.made.get(kind)
         && lock(w).cap >= cap
     {
         return Ok(w.clone());
@@ -202,7 +237,7 @@ pub(crate) fn workspace(
     handle.barrier(0, timeout)?;
     let words = Words::new(handle, 0);
     let w = Arc::new(Mutex::new(Workspace { _tensor: t, words, cap, epoch: 0, sent: Vec::new() }));
-    all.insert(kind, w.clone());
+    all.made.insert(kind, w.clone());
     Ok(w)
 }
 

@@ -12,6 +12,10 @@ use crate::tensor::Tensor;
 
 /// In-place all-reduce of a small message on a group that spans hosts (see the module docs).
 pub(crate) fn all_reduce(tensor: &Tensor, op: ReduceOp, group: &Group, timeout: Duration) -> Result<()> {
+    guarded(group, "all_reduce", || call(tensor, op, group, timeout))
+}
+
+fn call(tensor: &Tensor, op: ReduceOp, group: &Group, timeout: Duration) -> Result<()> {
     let n = tensor.nbytes();
     let gathered = n <= GATHERED_MAX;
     let stride = n.next_multiple_of(16);

@@ -19,6 +19,10 @@ use crate::tensor::Tensor;
 /// blocks from its input, the stages of the other ranks on its host and its leader's inbox.
 /// The buffers alternate as in the all-reduce, with the same argument.
 pub(crate) fn all_to_all(input: &Tensor, out: &Tensor, group: &Group, h: &SymmHandle, timeout: Duration) -> Result<()> {
+    guarded(group, "all_to_all", || call(input, out, group, h, timeout))
+}
+
+fn call(input: &Tensor, out: &Tensor, group: &Group, h: &SymmHandle, timeout: Duration) -> Result<()> {
     let (me, world) = (group.rank(), group.world_size());
     let gathered = input.nbytes() <= GATHERED_MAX;
     let b = input.nbytes() / world;

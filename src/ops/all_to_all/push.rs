@@ -120,6 +120,23 @@ pub(crate) fn all_to_all_v(
     group: &Group,
     timeout: Duration,
 ) -> Result<()> {
+    guarded(group, "all_to_all_vdev", || {
+        call(op, kind, meta, align, (input, h), (out, oh), out_splits_offsets, group, timeout)
+    })
+}
+
+#[allow(clippy::too_many_arguments)]
+fn call(
+    op: &str,
+    kind: Kind,
+    meta: &[i64],
+    align: i64,
+    (input, h): (&Tensor, &SymmHandle),
+    (out, oh): (&Tensor, Option<&SymmHandle>),
+    out_splits_offsets: &Tensor,
+    group: &Group,
+    timeout: Duration,
+) -> Result<()> {
     let (me, world) = (group.rank(), group.world_size());
     let (row, m, input_rows) = (row_bytes(input), meta.len(), rows_of(input));
     let rows_at = rows_at(m);

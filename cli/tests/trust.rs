@@ -1189,30 +1189,73 @@ fn ranks_on_two_hosts_that_disagree_get_the_same_error() {
     }
 }
 
-// Ranks that pass different sizes to an operator across hosts can leave it at different points:
-// a rank whose size needs a larger workspace waits in its collective allocation while the
-// others wait for its data, and both time out. Their protocol state (each call's number,
-// what landed in whose buffers) then differs, and a later call could take data left from the
-// failed one as its own. Every later call of that operator on the group is refused instead,
-// at once and on every rank; other groups, and this group's other operators, work on.
+// Across hosts, ranks that pass sizes needing different workspaces (one must grow it) or
+// sending in different ways (a leader gathering its host's small messages, ranks sending their
+// own larger ones) get the same disagreement error at once, and the group goes on. Ranks that
+// take different algorithms (sizes on either side of host push's limit) can only time out, and
+// leave the call at different points: their protocol state (each call's number, what landed in
+// whose buffers) then differs, and a later call could take data left from the failed one as
+// its own. Every later call of that operator on the group is refused instead, at once and on
+// every rank; a new group works.
 #[test]
 #[ignore = "a rank program; run by ranks_out_of_step_across_hosts_are_refused_not_mixed"]
 fn rank_out_of_step() {
     use symmem::ops::ReduceOp;
     let Some(g) = in_job() else { return };
     let (me, ws) = (g.rank(), g.world_size());
-    let x = symm::empty(&[16384], DType::F32, Device::Cpu).unwrap();
+    let x = symm::empty(&[1 << 20], DType::F32, Device::Cpu).unwrap();
     let small = x.narrow(0, 0, 64).unwrap();
-    small.fill((me + 1) as f32).unwrap();
-    ops::all_reduce(&small, ReduceOp::Sum, &g).unwrap();
     let want = (ws * (ws + 1) / 2) as f32;
-    assert!(small.to_vec::<f32>().unwrap().iter().all(|&v| v == want));
-    // Rank 1 passes 32 KiB (its host-push workspace must grow), the others 256 bytes.
+    let agree = |n: usize| {
+        let v = x.narrow(0, 0, n).unwrap();
+        v.fill((me + 1) as f32).unwrap();
+        ops::all_reduce(&v, ReduceOp::Sum, &g).unwrap();
+        assert!(v.to_vec::<f32>().unwrap().iter().all(|&v| v == want), "{n} floats");
+    };
+    let disagree = |what: &str, r: symmem::Result<()>| {
+        let t = std::time::Instant::now();
+        let e = r.unwrap_err().to_string();
+        assert!(e.contains("disagree") && e.contains("rank 1 pass"), "{what}: {e}");
+        assert!(t.elapsed() < Duration::from_secs(2), "{what}: after {:?}: {e}", t.elapsed());
+    };
+    agree(64);
+    // Rank 1 passes 32 KiB (its host-push workspace must grow, and it sends its own data),
+    // the others 256 bytes (their leaders gather).
     let n = if me == 1 { 8192 } else { 64 };
     let t = std::time::Instant::now();
+    disagree("all_reduce, growing", ops::all_reduce(&x.narrow(0, 0, n).unwrap(), ReduceOp::Sum, &g));
+    assert!(t.elapsed() < Duration::from_secs(2));
+    agree(64);
+    agree(8192);
+    // Within the grown workspace, only the ways of sending differ: rank 0, a leader, sends its
+    // own 32 KiB and waits for every remote rank's; the other host's leader gathers.
+    let n = if me == 0 { 8192 } else { 64 };
+    disagree("all_reduce, gathered or not", ops::all_reduce(&x.narrow(0, 0, n).unwrap(), ReduceOp::Sum, &g));
+    agree(64);
+    // All-to-all and the all-to-all-v family, growing on rank 1 only.
+    let rows = if me == 1 { ws * 1024 } else { ws };
+    let a2a_in = x.narrow(0, 0, rows * 8).unwrap().view(&[rows, 8]).unwrap();
+    let a2a_out = Tensor::zeros(&[rows, 8], DType::F32).unwrap();
+    disagree("all_to_all, growing", ops::all_to_all(&a2a_in, &a2a_out, &g));
+    let splits = i64_symm(&vec![1; ws], &[ws]);
+    let oso = Tensor::zeros(&[2, ws], DType::I64).unwrap();
+    let v_rows = if me == 1 { 1024 } else { ws };
+    let v_in = x.narrow(0, 0, v_rows * 8).unwrap().view(&[v_rows, 8]).unwrap();
+    let v_out = Tensor::zeros(&[ws, 8], DType::F32).unwrap();
+    disagree("all_to_all_vdev, growing", ops::all_to_all_vdev(&v_in, &v_out, &splits, &oso, &g));
+    let v_same = x.narrow(0, 0, ws * 8).unwrap().view(&[ws, 8]).unwrap();
+    v_same.fill(me as f32).unwrap();
+    ops::all_to_all_vdev(&v_same, &v_out, &splits, &oso, &g).unwrap();
+    let got = v_out.to_vec::<f32>().unwrap();
+    assert!((0..ws).all(|r| got[r * 8..r * 8 + 8].iter().all(|&v| v == r as f32)), "{got:?}");
+
+    // Rank 1 passes 4 MiB (two-shot), the others 256 bytes (host push): both time out.
+    let n = if me == 1 { 1 << 20 } else { 64 };
+    x.narrow(0, 0, n).unwrap().fill(1000.0f32).unwrap();
+    let t = std::time::Instant::now();
     let e = ops::all_reduce(&x.narrow(0, 0, n).unwrap(), ReduceOp::Sum, &g).unwrap_err().to_string();
-    assert!(t.elapsed() < Duration::from_secs(20), "{e}");
-    // Every later all-reduce across hosts on the group is refused at once, never mixed.
+    assert!(e.contains("timed out") && t.elapsed() < Duration::from_secs(20), "{e}");
+    // Every later all-reduce on the group is refused at once, never mixed.
     for _ in 0..3 {
         small.fill((me + 1) as f32).unwrap();
         let t = std::time::Instant::now();
@@ -1220,22 +1263,13 @@ fn rank_out_of_step() {
         assert!(e.contains("out of step") && e.contains("all_reduce") && e.contains("new group"), "{e}");
         assert!(t.elapsed() < Duration::from_secs(1), "refused after {:?}: {e}", t.elapsed());
     }
-    // Another operator of the group gives the right result or an error: here rank 1's
-    // allocation that timed out took a rendezvous step the others never took, so the group's
-    // next allocation (this all-to-all's first workspace) fails (refused where a rank finds
-    // the step taken by another allocation, timed out where it waits at the next).
+    // The group's other operators work on; so does a new group.
     let a2a_in = x.narrow(0, 0, ws * 8).unwrap().view(&[ws, 8]).unwrap();
     a2a_in.fill(me as f32).unwrap();
     let a2a_out = Tensor::zeros(&[ws, 8], DType::F32).unwrap();
-    match ops::all_to_all(&a2a_in, &a2a_out, &g) {
-        Ok(()) => {
-            let got = a2a_out.to_vec::<f32>().unwrap();
-            assert!((0..ws).all(|r| got[r * 8..r * 8 + 8].iter().all(|&v| v == r as f32)), "{got:?}");
-        }
-        Err(e) => assert!(e.to_string().contains("symmetric rendezvous step"), "{e}"),
-    }
-    // A new group works (once every rank is done with the old one's errors).
-    g.barrier(Duration::from_secs(30)).unwrap();
+    ops::all_to_all(&a2a_in, &a2a_out, &g).unwrap();
+    let got = a2a_out.to_vec::<f32>().unwrap();
+    assert!((0..ws).all(|r| got[r * 8..r * 8 + 8].iter().all(|&v| v == r as f32)), "{got:?}");
     let fresh = g.split(&(0..ws).collect::<Vec<_>>()).unwrap().unwrap();
     let y = symm::empty(&[64], DType::F32, Device::Cpu).unwrap();
     y.fill((me + 1) as f32).unwrap();

@@ -16,7 +16,11 @@
 //!   all-to-all: the same, with each rank sending the blocks for another host's ranks, and
 //!   every rank copying its blocks from its host's ranks' stages and its leader's inbox
 //!   tiny messages (up to 16 KiB per rank): the leader gathers its host's data first and sends
-//!   one message per other host (FROM words then count leaders, not ranks)
+//!   one message per other host, raising the FROM word of each of its host's ranks, so that a
+//!   leader always waits for every remote rank's FROM word whichever way each host sent (ranks
+//!   whose sizes differ in kind then still see every signature, and all disagree)
+//!   a call that needs a larger workspace: first a vote, a call of signatures only on the
+//!   workspace the ranks have; if they agree they all need the same size and grow it together
 //! ```
 //!
 //! Buffers alternate, so nothing is overwritten while still read: a rank writes a leader's
@@ -33,7 +37,7 @@ use std::time::Duration;
 
 use crate::error::{Error, Result};
 use crate::group::Group;
-use crate::symm::hostsync::{Sent, Words};
+use crate::symm::hostsync::{Sent, Words, settle};
 use crate::symm::{self, Device, SymmHandle};
 use crate::tensor::{DType, Tensor};
 use crate::transport::Work;
@@ -181,8 +185,8 @@ pub(crate) struct Kinds {
     out_of_step: HashMap<&'static str, String>,
 }
 
-/// Runs one call of operator `kind` across hosts on `group` (`call`, which takes the kind's
-/// workspace). A call that fails part-way (a wait that timed out, a transfer that failed, a
+/// Runs one call of operator `kind` across hosts on `group` (`call`, whichever algorithm it
+/// takes; for the host-push ones, `kind` names their workspace). A call that fails part-way (a wait that timed out, a transfer that failed, a
 /// workspace not made) may have left its ranks at different points of the protocol: one
 /// waiting in a collective allocation that the others never entered, one that sent its data
 /// and signal for a call its peer never ran. Their call numbers and buffers then disagree,
@@ -191,6 +195,15 @@ pub(crate) struct Kinds {
 /// other operators, and other groups, go on. A disagreement found by the signatures
 /// (`InvalidArgument`) ends the call on every rank at the same point, and changes nothing.
 pub(crate) fn guarded<T>(group: &Group, kind: &'static str, call: impl FnOnce() -> Result<T>) -> Result<T> {
+    let state = group.state::<Workspaces>();
+    if let Some(why) = lock(&state.0).out_of_step.get(kind) {
+        return Err(Error::Rendezvous(format!(
+            "{kind} across hosts on group {:?} is out of step: an earlier call failed part-way ({why}); its ranks may \
+             have left that call at different points, and a later call could take another call's data, so every \
+             later call is refused. Make a new group (Group::split) to go on",
+            group.name()
+        )));
+    }
     let r = call();
     if let Err(e) = &r
         && !matches!(e, Error::InvalidArgument(_))
@@ -205,40 +218,133 @@ pub(crate) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
+/// A workspace's first size (bytes per message), whatever the call that makes it: every rank
+/// makes it at the same call, the kind's first, and so at the same size whatever sizes they
+/// pass. Larger calls grow it after a vote ([`vote`]).
+const FIRST_CAP: usize = 4096;
+
 /// The workspace of `kind` on `group` for messages of up to `cap` bytes, `bytes(cap)` after
-/// the words; made (or grown) collectively, which every rank does at the same call since the
-/// sizes are the same everywhere.
+/// the words; made collectively at the kind's first call, at [`FIRST_CAP`]. A call that needs
+/// more first has the ranks vote with their signatures (`sig`) on the workspace they have:
+/// ranks that pass the same arguments all need the same size, and grow it together; ranks that
+/// disagree all get the same error from `disagree(rank 0's, first rank that differs, its)`,
+/// instead of one rank waiting in the growth's allocation while the others wait for its data.
 pub(crate) fn workspace(
     group: &Group,
     kind: &'static str,
     cap: usize,
     bytes: impl Fn(usize) -> usize,
+    sig: [u64; 2],
+    disagree: impl Fn([u64; 2], usize, [u64; 2]) -> Error,
     timeout: Duration,
 ) -> Result<Arc<Mutex<Workspace>>> {
     let state = group.state::<Workspaces>();
     let mut all = lock(&state.0);
-    if let Some(why) = all.out_of_step.get(kind) {
-        return Err(Error::Rendezvous(format!(
-            "{kind} across hosts on group {:?} is out of step: an earlier call failed part-way ({why}); its ranks may \
-             have left that call at different points, and a later call could take another call's data, so every \
-             later call is refused. Make a new group (Group::split) to go on",
-            group.name()
-        )));
+    let w = match all.made.get(kind) {
+        Some(w) => w.clone(),
+        None => {
+            let w = make(group, FIRST_CAP, &bytes, timeout)?;
+            all.made.insert(kind, w.clone());
+            w
+        }
+    };
+    if lock(&w).cap >= cap {
+        return Ok(w);
     }
-    if let Some(w) = all.made.get(kind)
-        && lock(w).cap >= cap
-    {
-        return Ok(w.clone());
-    }
-    let cap = cap.max(4096).next_power_of_two();
+    vote(&mut lock(&w), sig, disagree, timeout)?;
+    // Every rank voted for this size: they grow together. The vote's messages landed before
+    // the new workspace's barrier (the links keep order), so the old one goes unwritten.
+    let w = make(group, cap, &bytes, timeout)?;
+    all.made.insert(kind, w.clone());
+    Ok(w)
+}
+
+/// A new workspace for messages of up to `cap` bytes (rounded up), made collectively.
+fn make(group: &Group, cap: usize, bytes: impl Fn(usize) -> usize, timeout: Duration) -> Result<Arc<Mutex<Workspace>>> {
+    let cap = cap.max(FIRST_CAP).next_power_of_two();
     let world = group.world_size();
     let t = symm::empty(&[words_bytes(world) + sigs_bytes(world) + bytes(cap)], DType::U8, Device::Cpu)?;
     let handle = symm::rendezvous(&t, group)?;
     handle.barrier(0, timeout)?;
     let words = Words::new(handle, 0);
-    let w = Arc::new(Mutex::new(Workspace { _tensor: t, words, cap, epoch: 0, sent: Vec::new() }));
-    all.made.insert(kind, w.clone());
-    Ok(w)
+    Ok(Arc::new(Mutex::new(Workspace { _tensor: t, words, cap, epoch: 0, sent: Vec::new() })))
+}
+
+/// A call of the workspace's protocol that carries only the signatures: what a rank whose call
+/// needs a larger workspace runs instead of its call, on the workspace it has. To every other
+/// rank it looks like a call of either mode (its signature and FROM word go to every other
+/// host's leader; a leader forwards its host's signatures and raises each one's FROM word, as
+/// a gathering leader does), so a rank in a call of the usual kind ends it with the same
+/// verdict: they disagree.
+fn vote(
+    w: &mut Workspace,
+    sig: [u64; 2],
+    disagree: impl Fn([u64; 2], usize, [u64; 2]) -> Error,
+    timeout: Duration,
+) -> Result<()> {
+    let hw = w.words.h.clone();
+    let (me, world) = (hw.rank(), hw.world_size());
+    let e = w.epoch.wrapping_add(1);
+    let sigs = Sigs::new(hw.offset(), world, (e % 2) as usize);
+    let leader = hw.local_ranks()[0];
+    settle(&hw, &mut w.sent, |epoch| epoch != e.wrapping_sub(1), timeout)?;
+    for (i, v) in sig.into_iter().enumerate() {
+        // Relaxed: published by ARRIVE here and by FROM on other hosts.
+        word(&hw, me, sigs.slot(me) + 8 * i).store(v, Ordering::Relaxed);
+    }
+    if me != leader {
+        for l in hw.leaders().filter(|&l| l != leader) {
+            let from = world + 1 + me;
+            hw.batch(l, || -> Result<()> {
+                w.sent.push((l, e, hw.start_push(l, sigs.slot(me), 16, sigs.slot(me), timeout)?));
+                w.sent.push((l, e, w.words.start_remote(l, from, e, timeout)?));
+                Ok(())
+            })?;
+        }
+    }
+    let remote: Vec<usize> = (0..world).filter(|&r| !hw.is_local(r)).collect();
+    let forward = |w: &mut Workspace| -> Result<()> {
+        gather_sigs(&hw, &sigs);
+        for l in hw.leaders().filter(|&l| l != leader) {
+            hw.batch(l, || send_host_sigs(w, l, e, &sigs, timeout))?;
+        }
+        Ok(())
+    };
+    let verdict = exchange_and_judge(w, e, &sigs, remote.into_iter(), forward, timeout)?;
+    if verdict != 0 {
+        let r = (verdict - 1) as usize;
+        let of = |r: usize| read_sig(&hw, if hw.is_local(r) { r } else { leader }, sigs.slot(r));
+        return Err(disagree(of(0), r, of(r)));
+    }
+    Ok(())
+}
+
+/// On a leader: copies its host's other ranks' signatures into its own workspace's slots.
+pub(crate) fn gather_sigs(hw: &SymmHandle, sigs: &Sigs) {
+    let me = hw.rank();
+    for &r in &hw.local_ranks()[1..] {
+        for (i, v) in read_sig(hw, r, sigs.slot(r)).into_iter().enumerate() {
+            // Relaxed: r's slot was published by its ARRIVE (seen with Acquire); these go out
+            // before the FROM words that publish them.
+            word(hw, me, sigs.slot(r) + 8 * i).store(v, Ordering::Relaxed);
+        }
+    }
+}
+
+/// On a leader, inside a batch to leader `l` of another host: its host's signatures (gathered
+/// by [`gather_sigs`]), then the FROM word of each of its host's ranks, so that `l` may wait
+/// for every remote rank whatever way each sent (a rank that sends its own raises it too).
+pub(crate) fn send_host_sigs(w: &mut Workspace, l: usize, e: u32, sigs: &Sigs, timeout: Duration) -> Result<()> {
+    let hw = w.words.h.clone();
+    let locals = hw.local_ranks();
+    for (a, end) in runs(locals) {
+        let at = sigs.slot(locals[a]);
+        w.sent.push((l, e, hw.start_push(l, at, (end - a) * 16, at, timeout)?));
+    }
+    for &r in locals {
+        w.sent.push((l, e, w.words.start_remote(l, hw.world_size() + 1 + r, e, timeout)?));
+    }
+    Ok(())
 }
 
 /// Above this, a block goes as one striped write (every flow of the link) that is waited for

@@ -12,15 +12,13 @@ use crate::tensor::Tensor;
 
 /// In-place all-reduce of a small message on a group that spans hosts (see the module docs).
 pub(crate) fn all_reduce(tensor: &Tensor, op: ReduceOp, group: &Group, timeout: Duration) -> Result<()> {
-    guarded(group, "all_reduce", || call(tensor, op, group, timeout))
-}
-
-fn call(tensor: &Tensor, op: ReduceOp, group: &Group, timeout: Duration) -> Result<()> {
     let n = tensor.nbytes();
     let gathered = n <= GATHERED_MAX;
     let stride = n.next_multiple_of(16);
     let (me, world) = (group.rank(), group.world_size());
-    let ws = workspace(group, "all_reduce", stride, |cap| 2 * world * cap + 2 * cap, timeout)?;
+    let sig = crate::ops::check::counts(tensor, Some(op));
+    let disagree = |f, r, t| crate::ops::check::counts_disagree("all_reduce", f, r, t);
+    let ws = workspace(group, "all_reduce", stride, |cap| 2 * world * cap + 2 * cap, sig, disagree, timeout)?;
     let mut guard = lock(&ws);
     let w = &mut *guard;
     let e = w.epoch.wrapping_add(1);
@@ -29,8 +27,9 @@ fn call(tensor: &Tensor, op: ReduceOp, group: &Group, timeout: Duration) -> Resu
     let parity = (e % 2) as usize;
     let sigs = Sigs::new(hw.offset(), world, parity);
     let base = hw.offset() + words_bytes(world) + sigs_bytes(world);
-    let inbox = |r: usize| base + parity * world * w.cap + r * stride;
-    let result = base + 2 * world * w.cap + parity * w.cap;
+    let cap = w.cap;
+    let inbox = |r: usize| base + parity * world * cap + r * stride;
+    let result = base + 2 * world * cap + parity * cap;
     let own = |at: usize| (hw.read_ptr(me) + at) as *mut u8;
     let (arrive, release, from) = (|r: usize| r, world, |r: usize| world + 1 + r);
     let locals = hw.local_ranks();
@@ -44,7 +43,7 @@ fn call(tensor: &Tensor, op: ReduceOp, group: &Group, timeout: Duration) -> Resu
     // bytes per slot); nobody reads it before this rank's ARRIVE and FROM below, nobody still
     // reads it from call e-2, and its sends of call e-2 have landed (above).
     unsafe { std::ptr::copy_nonoverlapping(tensor.data_ptr().cast_const(), own(inbox(me)), n) };
-    for (i, v) in crate::ops::check::counts(tensor, Some(op)).into_iter().enumerate() {
+    for (i, v) in sig.into_iter().enumerate() {
         // Relaxed: published with the input, by ARRIVE here and by FROM on other hosts.
         word(&hw, me, sigs.slot(me) + 8 * i).store(v, Ordering::Relaxed);
     }
@@ -87,29 +86,24 @@ fn call(tensor: &Tensor, op: ReduceOp, group: &Group, timeout: Duration) -> Resu
             // for call e+2, after this leader's RELEASE e+1; this leader's copy of it is sent
             // from and rewritten only after the sends of call e-2 landed (settled above).
             unsafe { std::ptr::copy_nonoverlapping((hw.read_ptr(r) + inbox(r)) as *const u8, own(inbox(r)), n) };
-            let sig = read_sig(&hw, r, sigs.slot(r));
-            for (i, v) in sig.into_iter().enumerate() {
-                word(&hw, me, sigs.slot(r) + 8 * i).store(v, Ordering::Relaxed);
-            }
         }
+        gather_sigs(&hw, &sigs);
         for &l in &other_leaders {
-            // The host's data, their signatures and the FROM word leave together.
+            // The host's data, their signatures and FROM words leave together.
             hw.batch(l, || -> Result<()> {
                 for (a, b) in runs(locals) {
                     let (first, len) = (locals[a], (b - a - 1) * stride + n);
                     for work in send_before_signal(&hw, l, inbox(first), inbox(first), len, timeout)? {
                         w.sent.push((l, e, work));
                     }
-                    let at = sigs.slot(first);
-                    w.sent.push((l, e, hw.start_push(l, at, (b - a) * 16, at, timeout)?));
                 }
-                w.sent.push((l, e, w.words.start_remote(l, from(leader), e, timeout)?));
-                Ok(())
+                send_host_sigs(w, l, e, &sigs, timeout)
             })?;
         }
     }
-    let senders: Vec<usize> = if gathered { other_leaders } else { (0..world).filter(|&r| !hw.is_local(r)).collect() };
-    for r in senders {
+    // Every remote rank's FROM word, whichever way its host sent (a gathering leader raises
+    // its host's): ranks whose sizes differ in kind still all see every signature.
+    for r in (0..world).filter(|&r| !hw.is_local(r)) {
         w.words.wait_for(from(r), e, r, &p, timeout)?;
     }
     // Every leader holds every rank's signature and reaches the same verdict; its host learns

@@ -261,7 +261,7 @@ pub fn all_reduce(tensor: &Tensor, op: ReduceOp, group: &Group) -> Result<()> {
     }
     let h = symm::rendezvous(tensor, group)?;
     let hosts = if h.all_local() { 1 } else { 2 };
-    match select(tensor.nbytes(), h.crowded(), h.max_ranks_per_host(), hosts, h.link_backend()) {
+    let call = || match select(tensor.nbytes(), h.crowded(), h.max_ranks_per_host(), hosts, h.link_backend()) {
         Algo::Small => small::all_reduce(tensor, op, group, timeout()),
         Algo::HostPush => host_push::all_reduce(tensor, op, group, timeout()),
         Algo::TwoShot => {
@@ -271,7 +271,10 @@ pub fn all_reduce(tensor: &Tensor, op: ReduceOp, group: &Group) -> Result<()> {
             enter_on(TWO, tensor, group, &h, &[op.code()])?;
             two_shot_in_place(tensor, op, &h)
         }
-    }
+    };
+    // Across hosts, ranks that took different algorithms (sizes on either side of a limit) or
+    // left a call at different points are out of step: refused from then on.
+    if hosts > 1 { hostpush::guarded(group, OP, call) } else { call() }
 }
 
 #[cfg(test)]

@@ -19,10 +19,6 @@ use crate::tensor::Tensor;
 /// blocks from its input, the stages of the other ranks on its host and its leader's inbox.
 /// The buffers alternate as in the all-reduce, with the same argument.
 pub(crate) fn all_to_all(input: &Tensor, out: &Tensor, group: &Group, h: &SymmHandle, timeout: Duration) -> Result<()> {
-    guarded(group, "all_to_all", || call(input, out, group, h, timeout))
-}
-
-fn call(input: &Tensor, out: &Tensor, group: &Group, h: &SymmHandle, timeout: Duration) -> Result<()> {
     let (me, world) = (group.rank(), group.world_size());
     let gathered = input.nbytes() <= GATHERED_MAX;
     let b = input.nbytes() / world;
@@ -32,7 +28,9 @@ fn call(input: &Tensor, out: &Tensor, group: &Group, h: &SymmHandle, timeout: Du
     // [host][sender][receiver] (the inbox by source host, the outbox by destination host).
     let boxes = move |cap: usize| hosts * lmax * lmax * cap;
     let per = move |cap: usize| world * cap + 2 * boxes(cap);
-    let ws = workspace(group, "all_to_all", bs, move |cap| 2 * per(cap), timeout)?;
+    let sig = crate::ops::check::counts(input, None);
+    let disagree = |f, r, t| crate::ops::check::counts_disagree("all_to_all", f, r, t);
+    let ws = workspace(group, "all_to_all", bs, move |cap| 2 * per(cap), sig, disagree, timeout)?;
     let mut guard = lock(&ws);
     let w = &mut *guard;
     let e = w.epoch.wrapping_add(1);
@@ -77,7 +75,7 @@ fn call(input: &Tensor, out: &Tensor, group: &Group, h: &SymmHandle, timeout: Du
         // sends of call e-2 have landed; the input is contiguous, world blocks of b bytes.
         unsafe { std::ptr::copy_nonoverlapping(input.data_ptr().add(d * b).cast_const(), at(me, stage(d)), b) };
     }
-    for (i, v) in crate::ops::check::counts(input, None).into_iter().enumerate() {
+    for (i, v) in sig.into_iter().enumerate() {
         // Relaxed: published with the stage, by ARRIVE here and by FROM on other hosts.
         word(&hw, me, sigs.slot(me) + 8 * i).store(v, Ordering::Relaxed);
     }
@@ -111,21 +109,14 @@ fn call(input: &Tensor, out: &Tensor, group: &Group, h: &SymmHandle, timeout: Du
                 })?;
             }
         }
-        let senders: Vec<usize> = if gathered {
-            other_hosts.iter().map(|&host| hw.ranks_on(host)[0]).collect()
-        } else {
-            (0..world).filter(|&r| !hw.is_local(r)).collect()
-        };
+        // Every remote rank's FROM word, whichever way its host sent (a gathering leader
+        // raises its host's): ranks whose sizes differ in kind still all see every signature.
+        let senders: Vec<usize> = (0..world).filter(|&r| !hw.is_local(r)).collect();
         let gather = |w: &mut Workspace| -> Result<()> {
             if !gathered {
                 return Ok(());
             }
-            for &r in &locals[1..] {
-                let sig = read_sig(&hw, r, sigs.slot(r));
-                for (i, v) in sig.into_iter().enumerate() {
-                    word(&hw, me, sigs.slot(r) + 8 * i).store(v, Ordering::Relaxed);
-                }
-            }
+            gather_sigs(&hw, &sigs);
             for &host in &other_hosts {
                 let theirs = hw.ranks_on(host);
                 for (ls, &s) in locals.iter().enumerate() {
@@ -140,17 +131,12 @@ fn call(input: &Tensor, out: &Tensor, group: &Group, h: &SymmHandle, timeout: Du
                 }
                 let l = theirs[0];
                 let (src, dst, len) = (outbox(host, 0, 0), inbox(my_host, 0, 0), lmax * lmax * bs);
-                // The host's blocks, their signatures and the FROM word leave together.
+                // The host's blocks, their signatures and FROM words leave together.
                 hw.batch(l, || -> Result<()> {
                     for work in send_before_signal(&hw, l, src, dst, len, timeout)? {
                         w.sent.push((l, e, work));
                     }
-                    for (a, end) in runs(locals) {
-                        let at = sigs.slot(locals[a]);
-                        w.sent.push((l, e, hw.start_push(l, at, (end - a) * 16, at, timeout)?));
-                    }
-                    w.sent.push((l, e, w.words.start_remote(l, from(leader), e, timeout)?));
-                    Ok(())
+                    send_host_sigs(w, l, e, &sigs, timeout)
                 })?;
             }
             Ok(())

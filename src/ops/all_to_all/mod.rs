@@ -14,6 +14,8 @@ pub use vdev::{
 use crate::error::Result;
 use crate::group::Group;
 use crate::ops::common::*;
+use crate::ops::hostpush;
+use crate::symm::SymmHandle;
 use crate::tensor::Tensor;
 
 /// The algorithms of [`all_to_all`].
@@ -95,17 +97,30 @@ pub fn all_to_all(input: &Tensor, out: &Tensor, group: &Group) -> Result<()> {
     if input.numel() == 0 {
         return Ok(());
     }
-    let block = input.nbytes() / ws;
-    if select(input.nbytes(), if h.all_local() { 1 } else { 2 }, h.link_backend()) == Algo::HostPush {
-        // Host push checks the ranks' arguments itself, in its one exchange (no entry barrier).
-        return host_push::all_to_all(input, out, group, &h, timeout());
+    if h.all_local() {
+        return pulled(input, out, group, &h);
     }
-    enter_on(OP, input, group, &h, &[])?;
+    // Across hosts, ranks that took different algorithms (sizes on either side of a limit) or
+    // left a call at different points are out of step: refused from then on.
+    hostpush::guarded(group, OP, || {
+        if select(input.nbytes(), 2, h.link_backend()) == Algo::HostPush {
+            // Host push checks the ranks' arguments itself, in its one exchange (no entry barrier).
+            return host_push::all_to_all(input, out, group, &h, timeout());
+        }
+        pulled(input, out, group, &h)
+    })
+}
+
+/// The pull path of [`all_to_all`]: every rank reads its blocks from every rank.
+fn pulled(input: &Tensor, out: &Tensor, group: &Group, h: &SymmHandle) -> Result<()> {
+    const OP: &str = "all_to_all";
+    let (ws, block) = (group.world_size(), input.nbytes() / group.world_size());
+    enter_on(OP, input, group, h, &[])?;
     // Blocks of ranks on other hosts are read straight into `out`; those of this host's ranks
     // are copied while the reads travel.
     let me = h.rank();
     let copy_local = || {
-        let from = peers(&h, me * block);
+        let from = peers(h, me * block);
         for j in (0..ws).map(|k| (me + k) % ws).filter(|&j| h.is_local(j)) {
             let src = from[j];
             // SAFETY: inputs are not written between the barriers; out has ws blocks, and does
@@ -114,7 +129,7 @@ pub fn all_to_all(input: &Tensor, out: &Tensor, group: &Group) -> Result<()> {
         }
     };
     h.fetch_into(out, &|r| (h.offset() + me * block, block, r * block), timeout(), copy_local)?;
-    barrier(&h)
+    barrier(h)
 }
 
 /// All-to-all between dimensions of a symmetric input with `G = world size` blocks:

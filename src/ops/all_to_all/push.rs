@@ -120,28 +120,14 @@ pub(crate) fn all_to_all_v(
     group: &Group,
     timeout: Duration,
 ) -> Result<()> {
-    guarded(group, "all_to_all_vdev", || {
-        call(op, kind, meta, align, (input, h), (out, oh), out_splits_offsets, group, timeout)
-    })
-}
-
-#[allow(clippy::too_many_arguments)]
-fn call(
-    op: &str,
-    kind: Kind,
-    meta: &[i64],
-    align: i64,
-    (input, h): (&Tensor, &SymmHandle),
-    (out, oh): (&Tensor, Option<&SymmHandle>),
-    out_splits_offsets: &Tensor,
-    group: &Group,
-    timeout: Duration,
-) -> Result<()> {
     let (me, world) = (group.rank(), group.world_size());
     let (row, m, input_rows) = (row_bytes(input), meta.len(), rows_of(input));
     let rows_at = rows_at(m);
     let carried = if oh.is_some() { 0 } else { input.nbytes() };
-    let ws = workspace(group, "all_to_all_vdev", slot(carried, m), move |cap| workspace_bytes(cap, world), timeout)?;
+    let sig = signature(kind, input, m, oh.is_some());
+    let bytes = move |cap| workspace_bytes(cap, world);
+    let ws =
+        workspace(group, "all_to_all_vdev", slot(carried, m), bytes, sig, |f, r, t| disagree(op, f, r, t), timeout)?;
     let mut guard = lock(&ws);
     let w = &mut *guard;
     let e = w.epoch.wrapping_add(1);
@@ -202,7 +188,7 @@ fn call(
             std::ptr::copy_nonoverlapping(input.data_ptr().add(a).cast_const(), s.add(rows_at + a), b - a);
         }
     }
-    for (i, v) in signature(kind, input, m, oh.is_some()).into_iter().enumerate() {
+    for (i, v) in sig.into_iter().enumerate() {
         // Relaxed: published with the stage, by ARRIVE here and by FROM on other hosts.
         word(&hw, me, sigs.slot(me) + 8 * i).store(v, Ordering::Relaxed);
     }

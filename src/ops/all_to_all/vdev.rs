@@ -319,6 +319,9 @@ pub fn select_v(bytes: usize, meta_len: usize, world: usize, hosts: usize, out_s
     }
 }
 
+/// The family's name where its calls across hosts are refused once out of step.
+const FAMILY: &str = "all_to_all_vdev";
+
 /// The way a call of the family goes, and `out`'s handle when it is written into.
 fn route(op: &str, h: &SymmHandle, input: &Tensor, out: &Tensor, meta_len: usize, group: &Group) -> Result<Route> {
     let out_symmetric = crate::symm::is_symm_mem_tensor(out) && out.is_contiguous();
@@ -423,23 +426,28 @@ pub fn all_to_all_vdev(
     check_splits(OP, out_splits_offsets, &[2, ws])?;
     let hs = symmetric(OP, in_splits, group)?;
     let h = symmetric(OP, input, group)?;
-    if let Route::Push(oh) = route(OP, &h, input, out, ws, group)? {
-        let meta = in_splits.to_vec::<i64>()?;
-        return super::push::all_to_all_v(
-            OP,
-            Kind::V,
-            &meta,
-            1,
-            (input, &h),
-            (out, oh.as_deref()),
-            out_splits_offsets,
-            group,
-            timeout(),
-        );
-    }
-    // Not `prologue`: an empty input still receives (zero) splits and offsets.
-    enter(group, &h, &Stamp::new(OP, input, h.offset(), &[hs.offset() as u64, in_splits.numel() as u64]))?;
-    pull(OP, Kind::V, &h, &hs, ws, 1, input, out, out_splits_offsets)
+    let call = || -> Result<()> {
+        if let Route::Push(oh) = route(OP, &h, input, out, ws, group)? {
+            let meta = in_splits.to_vec::<i64>()?;
+            return super::push::all_to_all_v(
+                OP,
+                Kind::V,
+                &meta,
+                1,
+                (input, &h),
+                (out, oh.as_deref()),
+                out_splits_offsets,
+                group,
+                timeout(),
+            );
+        }
+        // Not `prologue`: an empty input still receives (zero) splits and offsets.
+        enter(group, &h, &Stamp::new(OP, input, h.offset(), &[hs.offset() as u64, in_splits.numel() as u64]))?;
+        pull(OP, Kind::V, &h, &hs, ws, 1, input, out, out_splits_offsets)
+    };
+    // Across hosts, ranks that took different ways or left a call at different points are
+    // out of step: refused from then on (the family shares one workspace).
+    if h.all_local() { call() } else { crate::ops::hostpush::guarded(group, FAMILY, call) }
 }
 
 /// All-to-all-v for mixture-of-experts dispatch: `ne = in_splits.numel() / ws` experts per
@@ -491,24 +499,29 @@ pub fn all_to_all_vdev_2d(
     check_splits(OP, out_splits_offsets, &[2, n])?;
     let hs = symmetric(OP, in_splits, group)?;
     let h = symmetric(OP, input, group)?;
-    if let Route::Push(oh) = route(OP, &h, input, out, n, group)? {
-        let meta = in_splits.to_vec::<i64>()?;
-        return super::push::all_to_all_v(
-            OP,
-            kind,
-            &meta,
-            align,
-            (input, &h),
-            (out, oh.as_deref()),
-            out_splits_offsets,
-            group,
-            timeout(),
-        );
-    }
-    let args = [hs.offset() as u64, n as u64, align as u64];
-    // Not `prologue`: an empty input still receives (zero) splits and offsets.
-    enter(group, &h, &Stamp::new(OP, input, h.offset(), &args))?;
-    pull(OP, kind, &h, &hs, n, align, input, out, out_splits_offsets)
+    let call = || -> Result<()> {
+        if let Route::Push(oh) = route(OP, &h, input, out, n, group)? {
+            let meta = in_splits.to_vec::<i64>()?;
+            return super::push::all_to_all_v(
+                OP,
+                kind,
+                &meta,
+                align,
+                (input, &h),
+                (out, oh.as_deref()),
+                out_splits_offsets,
+                group,
+                timeout(),
+            );
+        }
+        let args = [hs.offset() as u64, n as u64, align as u64];
+        // Not `prologue`: an empty input still receives (zero) splits and offsets.
+        enter(group, &h, &Stamp::new(OP, input, h.offset(), &args))?;
+        pull(OP, kind, &h, &hs, n, align, input, out, out_splits_offsets)
+    };
+    // Across hosts, ranks that took different ways or left a call at different points are
+    // out of step: refused from then on (the family shares one workspace).
+    if h.all_local() { call() } else { crate::ops::hostpush::guarded(group, FAMILY, call) }
 }
 
 /// The combine of [`all_to_all_vdev_2d`]: the input is expert-major (split `e·ws + dst`) at the
@@ -554,21 +567,26 @@ pub fn all_to_all_vdev_2d_offset(
     check_splits(OP, out_splits_offsets, &[2, n])?;
     let hs = symmetric(OP, in_splits_offsets, group)?;
     let h = symmetric(OP, input, group)?;
-    if let Route::Push(oh) = route(OP, &h, input, out, 2 * n, group)? {
-        let meta = in_splits_offsets.to_vec::<i64>()?;
-        return super::push::all_to_all_v(
-            OP,
-            kind,
-            &meta,
-            1,
-            (input, &h),
-            (out, oh.as_deref()),
-            out_splits_offsets,
-            group,
-            timeout(),
-        );
-    }
-    // Not `prologue`: an empty input still receives (zero) splits and offsets.
-    enter(group, &h, &Stamp::new(OP, input, h.offset(), &[hs.offset() as u64, n as u64]))?;
-    pull(OP, kind, &h, &hs, 2 * n, 1, input, out, out_splits_offsets)
+    let call = || -> Result<()> {
+        if let Route::Push(oh) = route(OP, &h, input, out, 2 * n, group)? {
+            let meta = in_splits_offsets.to_vec::<i64>()?;
+            return super::push::all_to_all_v(
+                OP,
+                kind,
+                &meta,
+                1,
+                (input, &h),
+                (out, oh.as_deref()),
+                out_splits_offsets,
+                group,
+                timeout(),
+            );
+        }
+        // Not `prologue`: an empty input still receives (zero) splits and offsets.
+        enter(group, &h, &Stamp::new(OP, input, h.offset(), &[hs.offset() as u64, n as u64]))?;
+        pull(OP, kind, &h, &hs, 2 * n, 1, input, out, out_splits_offsets)
+    };
+    // Across hosts, ranks that took different ways or left a call at different points are
+    // out of step: refused from then on (the family shares one workspace).
+    if h.all_local() { call() } else { crate::ops::hostpush::guarded(group, FAMILY, call) }
 }

@@ -1284,4 +1284,12 @@ fn ranks_out_of_step_across_hosts_are_refused_not_mixed() {
     for per_host in [1, 2] {
         two_hosts_job_with(per_host, "rank_out_of_step", &[("SYMMEM_OP_TIMEOUT", "3")]);
     }
+    // The same over ucx links (UCX's tcp transport here).
+    match symmem::transport::ucx::available() {
+        Ok(()) => {
+            let ucx = [("SYMMEM_OP_TIMEOUT", "3"), ("SYMMEM_XHOST_BACKEND", "ucx"), ("UCX_TLS", "tcp")];
+            two_hosts_job_with(2, "rank_out_of_step", &ucx);
+        }
+        Err(why) => eprintln!("SKIPPED over ucx: no ucx here ({why})"),
+    }
 }

@@ -1048,3 +1048,40 @@ fn descriptors_of_another_endpoint_are_refused_before_anything_moves() {
         assert!(err.contains("bad endpoint id"), "{:?}: {err}", String::from_utf8_lossy(bad));
     }
 }
+
+/// The ucx suite above runs on the transports UCX picks by itself, shared memory between these
+/// in-process peers; this runs it again, in a child with `UCX_TLS=tcp`, on UCX's tcp (what hosts
+/// without RDMA use), with the peer-killed case.
+#[test]
+fn the_ucx_suite_passes_on_ucxs_tcp_transport_too() {
+    if std::env::var_os("UCX_TLS").is_some() || !runs_here("ucx") {
+        return;
+    }
+    let out = Command::new(std::env::current_exe().unwrap())
+        .args(["ucx::", "a_ucx_peer_killed_mid_transfer_fails_pending_work", "ucx_uses_what_ucx_tls_allows"])
+        .arg("--test-threads=2")
+        .env("UCX_TLS", "tcp")
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    let passed = text
+        .lines()
+        .find_map(|l| l.strip_prefix("test result: ok. ")?.split(' ').next()?.parse::<usize>().ok())
+        .unwrap_or(0);
+    assert!(
+        out.status.success() && passed >= 11 && text.contains("ucx_uses_what_ucx_tls_allows ... ok"),
+        "{passed} passed:\n{text}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// Run in the child of `the_ucx_suite_passes_on_ucxs_tcp_transport_too`: UCX there has tcp only.
+#[test]
+fn ucx_uses_what_ucx_tls_allows() {
+    let Ok(tls) = std::env::var("UCX_TLS") else { return };
+    if tls != "tcp" || !runs_here("ucx") {
+        return;
+    }
+    let used: Vec<String> = transport::ucx::resources().unwrap().into_iter().map(|r| r.tl).collect();
+    assert!(!used.is_empty() && used.iter().all(|t| t == "tcp"), "{used:?}");
+}

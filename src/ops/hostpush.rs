@@ -183,6 +183,11 @@ pub(crate) struct Kinds {
     made: HashMap<&'static str, Arc<Mutex<Workspace>>>,
     /// Operators whose ranks may be out of step, and why: refused from then on ([`guarded`]).
     out_of_step: HashMap<&'static str, String>,
+    /// Workspaces outgrown, kept with the group: a rank's messages of the last call on one
+    /// may still be on their way when its peer has moved to the next (a leader forwards its
+    /// host's FROM words, which can overtake a rank's own on another link), and must find the
+    /// memory they were sent to still exposed; a refused posted write would end the link.
+    retired: Vec<Arc<Mutex<Workspace>>>,
 }
 
 /// Runs one call of operator `kind` across hosts on `group` (`call`, whichever algorithm it
@@ -252,10 +257,11 @@ pub(crate) fn workspace(
         return Ok(w);
     }
     vote(&mut lock(&w), sig, disagree, timeout)?;
-    // Every rank voted for this size: they grow together. The vote's messages landed before
-    // the new workspace's barrier (the links keep order), so the old one goes unwritten.
+    // Every rank voted for this size: they grow together.
     let w = make(group, cap, &bytes, timeout)?;
-    all.made.insert(kind, w.clone());
+    if let Some(old) = all.made.insert(kind, w.clone()) {
+        all.retired.push(old);
+    }
     Ok(w)
 }
 

@@ -1189,11 +1189,10 @@ fn ranks_on_two_hosts_that_disagree_get_the_same_error() {
     }
 }
 
-// Across hosts, ranks that pass sizes needing different workspaces (one must grow it) or
-// sending in different ways (a leader gathering its host's small messages, ranks sending their
-// own larger ones) get the same disagreement error at once, and the group goes on. Ranks that
-// take different algorithms (sizes on either side of host push's limit) can only time out, and
-// leave the call at different points: their protocol state (each call's number, what landed in
+// Across hosts, ranks that pass sizes needing different workspaces (one must grow it) get the
+// same disagreement error at once, and the group goes on. Ranks that take different algorithms
+// (sizes on either side of host push's limit) can only time out, and leave the call at
+// different points: their protocol state (each call's number, what landed in
 // whose buffers) then differs, and a later call could take data left from the failed one as
 // its own. Every later call of that operator on the group is refused instead, at once and on
 // every rank; a new group works.
@@ -1227,11 +1226,18 @@ fn rank_out_of_step() {
     assert!(t.elapsed() < Duration::from_secs(2));
     agree(64);
     agree(8192);
-    // Within the grown workspace, only the ways of sending differ: rank 0, a leader, sends its
-    // own 32 KiB and waits for every remote rank's; the other host's leader gathers.
-    let n = if me == 0 { 8192 } else { 64 };
-    disagree("all_reduce, gathered or not", ops::all_reduce(&x.narrow(0, 0, n).unwrap(), ReduceOp::Sum, &g));
     agree(64);
+    // Agreeing calls that switch between a leader gathering its host's messages and every rank
+    // sending its own: each call's data must be its own (a FROM word raised for a rank by its
+    // leader could overtake that rank's own message of the call before).
+    for i in 0..300 {
+        let n = if i % 2 == 0 { 8192 } else { 64 };
+        let v = x.narrow(0, 0, n).unwrap();
+        v.fill(((me + 1) * (i + 1)) as f32).unwrap();
+        ops::all_reduce(&v, ReduceOp::Sum, &g).unwrap();
+        let want = (ws * (ws + 1) / 2 * (i + 1)) as f32;
+        assert!(v.to_vec::<f32>().unwrap().iter().all(|&v| v == want), "call {i}: {n} floats");
+    }
     // All-to-all and the all-to-all-v family, growing on rank 1 only.
     let rows = if me == 1 { ws * 1024 } else { ws };
     let a2a_in = x.narrow(0, 0, rows * 8).unwrap().view(&[rows, 8]).unwrap();

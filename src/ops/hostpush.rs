@@ -16,9 +16,8 @@
 //!   all-to-all: the same, with each rank sending the blocks for another host's ranks, and
 //!   every rank copying its blocks from its host's ranks' stages and its leader's inbox
 //!   tiny messages (up to 16 KiB per rank): the leader gathers its host's data first and sends
-//!   one message per other host, raising the FROM word of each of its host's ranks, so that a
-//!   leader always waits for every remote rank's FROM word whichever way each host sent (ranks
-//!   whose sizes differ in kind then still see every signature, and all disagree)
+//!   one message per other host (FROM words then count leaders, not ranks; a FROM word is only
+//!   ever raised by its own rank, so it never overtakes that rank's data on another link)
 //!   a call that needs a larger workspace: first a vote, a call of signatures only on the
 //!   workspace the ranks have; if they agree they all need the same size and grow it together
 //! ```
@@ -278,10 +277,11 @@ fn make(group: &Group, cap: usize, bytes: impl Fn(usize) -> usize, timeout: Dura
 
 /// A call of the workspace's protocol that carries only the signatures: what a rank whose call
 /// needs a larger workspace runs instead of its call, on the workspace it has. To every other
-/// rank it looks like a call of either mode (its signature and FROM word go to every other
-/// host's leader; a leader forwards its host's signatures and raises each one's FROM word, as
-/// a gathering leader does), so a rank in a call of the usual kind ends it with the same
-/// verdict: they disagree.
+/// rank it looks like a call of either mode (a rank's signature and FROM word go to every
+/// other host's leader, as when it sends its own; a leader also forwards its host's
+/// signatures, as when it gathers), and a leader waits for the other leaders, each of which
+/// forwarded its host's signatures before its FROM word: with every rank voting, every leader
+/// has every signature. A rank in a call of the usual kind ends it with them: they disagree.
 fn vote(
     w: &mut Workspace,
     sig: [u64; 2],
@@ -308,7 +308,7 @@ fn vote(
             })?;
         }
     }
-    let remote: Vec<usize> = (0..world).filter(|&r| !hw.is_local(r)).collect();
+    let remote: Vec<usize> = hw.leaders().filter(|&l| l != leader).collect();
     let forward = |w: &mut Workspace| -> Result<()> {
         gather_sigs(&hw, &sigs);
         for l in hw.leaders().filter(|&l| l != leader) {
@@ -338,8 +338,10 @@ pub(crate) fn gather_sigs(hw: &SymmHandle, sigs: &Sigs) {
 }
 
 /// On a leader, inside a batch to leader `l` of another host: its host's signatures (gathered
-/// by [`gather_sigs`]), then the FROM word of each of its host's ranks, so that `l` may wait
-/// for every remote rank whatever way each sent (a rank that sends its own raises it too).
+/// by [`gather_sigs`]), then its own FROM word, which tells `l` they landed (the link keeps
+/// them in order). A FROM word is only ever raised by its own rank, on its own link: a word
+/// raised for a rank by another could overtake, on another link, that rank's message of the
+/// same call, and a leader still waiting in that call would read its slot too soon.
 pub(crate) fn send_host_sigs(w: &mut Workspace, l: usize, e: u32, sigs: &Sigs, timeout: Duration) -> Result<()> {
     let hw = w.words.h.clone();
     let locals = hw.local_ranks();
@@ -347,9 +349,7 @@ pub(crate) fn send_host_sigs(w: &mut Workspace, l: usize, e: u32, sigs: &Sigs, t
         let at = sigs.slot(locals[a]);
         w.sent.push((l, e, hw.start_push(l, at, (end - a) * 16, at, timeout)?));
     }
-    for &r in locals {
-        w.sent.push((l, e, w.words.start_remote(l, hw.world_size() + 1 + r, e, timeout)?));
-    }
+    w.sent.push((l, e, w.words.start_remote(l, hw.world_size() + 1 + hw.rank(), e, timeout)?));
     Ok(())
 }
 

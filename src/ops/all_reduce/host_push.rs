@@ -101,9 +101,8 @@ pub(crate) fn all_reduce(tensor: &Tensor, op: ReduceOp, group: &Group, timeout: 
             })?;
         }
     }
-    // Every remote rank's FROM word, whichever way its host sent (a gathering leader raises
-    // its host's): ranks whose sizes differ in kind still all see every signature.
-    for r in (0..world).filter(|&r| !hw.is_local(r)) {
+    let senders: Vec<usize> = if gathered { other_leaders } else { (0..world).filter(|&r| !hw.is_local(r)).collect() };
+    for r in senders {
         w.words.wait_for(from(r), e, r, &p, timeout)?;
     }
     // Every leader holds every rank's signature and reaches the same verdict; its host learns

@@ -109,9 +109,11 @@ pub(crate) fn all_to_all(input: &Tensor, out: &Tensor, group: &Group, h: &SymmHa
                 })?;
             }
         }
-        // Every remote rank's FROM word, whichever way its host sent (a gathering leader
-        // raises its host's): ranks whose sizes differ in kind still all see every signature.
-        let senders: Vec<usize> = (0..world).filter(|&r| !hw.is_local(r)).collect();
+        let senders: Vec<usize> = if gathered {
+            other_hosts.iter().map(|&host| hw.ranks_on(host)[0]).collect()
+        } else {
+            (0..world).filter(|&r| !hw.is_local(r)).collect()
+        };
         let gather = |w: &mut Workspace| -> Result<()> {
             if !gathered {
                 return Ok(());

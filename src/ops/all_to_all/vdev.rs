@@ -322,6 +322,57 @@ pub fn select_v(bytes: usize, meta_len: usize, world: usize, hosts: usize, out_s
 /// The family's name where its calls across hosts are refused once out of step.
 const FAMILY: &str = "all_to_all_vdev";
 
+/// One call of the family, once its arguments are checked: what it is and its metadata (the
+/// splits, and for the combine their offsets).
+struct Call<'a> {
+    op: &'static str,
+    kind: Kind,
+    meta: &'a Tensor,
+    meta_len: usize,
+    align: i64,
+}
+
+impl Call<'_> {
+    /// Runs it on the input's handle `h` and the metadata's `hs`, host-pushed or pulled (see
+    /// [`route`]; `stamp`: the pull's entry check's arguments). Across hosts, ranks that took
+    /// different ways or left a call at different points are out of step: refused from then on
+    /// (the family shares one workspace).
+    #[allow(clippy::too_many_arguments)]
+    fn run(
+        &self,
+        h: &SymmHandle,
+        hs: &SymmHandle,
+        stamp: &[u64],
+        input: &Tensor,
+        out: &Tensor,
+        out_splits_offsets: &Tensor,
+        group: &Group,
+    ) -> Result<()> {
+        let (op, kind, m, align) = (self.op, self.kind, self.meta_len, self.align);
+        let call = || -> Result<()> {
+            if let Route::Push(oh) = route(op, h, input, out, m, group)? {
+                let meta = self.meta.to_vec::<i64>()?;
+                let (input, out) = ((input, h), (out, oh.as_deref()));
+                return super::push::all_to_all_v(
+                    op,
+                    kind,
+                    &meta,
+                    align,
+                    input,
+                    out,
+                    out_splits_offsets,
+                    group,
+                    timeout(),
+                );
+            }
+            // Not `prologue`: an empty input still receives (zero) splits and offsets.
+            enter(group, h, &Stamp::new(op, input, h.offset(), stamp))?;
+            pull(op, kind, h, hs, m, align, input, out, out_splits_offsets)
+        };
+        if h.all_local() { call() } else { crate::ops::hostpush::guarded(group, FAMILY, call) }
+    }
+}
+
 /// The way a call of the family goes, and `out`'s handle when it is written into.
 fn route(op: &str, h: &SymmHandle, input: &Tensor, out: &Tensor, meta_len: usize, group: &Group) -> Result<Route> {
     let out_symmetric = crate::symm::is_symm_mem_tensor(out) && out.is_contiguous();
@@ -426,28 +477,8 @@ pub fn all_to_all_vdev(
     check_splits(OP, out_splits_offsets, &[2, ws])?;
     let hs = symmetric(OP, in_splits, group)?;
     let h = symmetric(OP, input, group)?;
-    let call = || -> Result<()> {
-        if let Route::Push(oh) = route(OP, &h, input, out, ws, group)? {
-            let meta = in_splits.to_vec::<i64>()?;
-            return super::push::all_to_all_v(
-                OP,
-                Kind::V,
-                &meta,
-                1,
-                (input, &h),
-                (out, oh.as_deref()),
-                out_splits_offsets,
-                group,
-                timeout(),
-            );
-        }
-        // Not `prologue`: an empty input still receives (zero) splits and offsets.
-        enter(group, &h, &Stamp::new(OP, input, h.offset(), &[hs.offset() as u64, in_splits.numel() as u64]))?;
-        pull(OP, Kind::V, &h, &hs, ws, 1, input, out, out_splits_offsets)
-    };
-    // Across hosts, ranks that took different ways or left a call at different points are
-    // out of step: refused from then on (the family shares one workspace).
-    if h.all_local() { call() } else { crate::ops::hostpush::guarded(group, FAMILY, call) }
+    let call = Call { op: OP, kind: Kind::V, meta: in_splits, meta_len: ws, align: 1 };
+    call.run(&h, &hs, &[hs.offset() as u64, in_splits.numel() as u64], input, out, out_splits_offsets, group)
 }
 
 /// All-to-all-v for mixture-of-experts dispatch: `ne = in_splits.numel() / ws` experts per
@@ -499,29 +530,9 @@ pub fn all_to_all_vdev_2d(
     check_splits(OP, out_splits_offsets, &[2, n])?;
     let hs = symmetric(OP, in_splits, group)?;
     let h = symmetric(OP, input, group)?;
-    let call = || -> Result<()> {
-        if let Route::Push(oh) = route(OP, &h, input, out, n, group)? {
-            let meta = in_splits.to_vec::<i64>()?;
-            return super::push::all_to_all_v(
-                OP,
-                kind,
-                &meta,
-                align,
-                (input, &h),
-                (out, oh.as_deref()),
-                out_splits_offsets,
-                group,
-                timeout(),
-            );
-        }
-        let args = [hs.offset() as u64, n as u64, align as u64];
-        // Not `prologue`: an empty input still receives (zero) splits and offsets.
-        enter(group, &h, &Stamp::new(OP, input, h.offset(), &args))?;
-        pull(OP, kind, &h, &hs, n, align, input, out, out_splits_offsets)
-    };
-    // Across hosts, ranks that took different ways or left a call at different points are
-    // out of step: refused from then on (the family shares one workspace).
-    if h.all_local() { call() } else { crate::ops::hostpush::guarded(group, FAMILY, call) }
+    let args = [hs.offset() as u64, n as u64, align as u64];
+    let call = Call { op: OP, kind, meta: in_splits, meta_len: n, align };
+    call.run(&h, &hs, &args, input, out, out_splits_offsets, group)
 }
 
 /// The combine of [`all_to_all_vdev_2d`]: the input is expert-major (split `e·ws + dst`) at the
@@ -567,26 +578,6 @@ pub fn all_to_all_vdev_2d_offset(
     check_splits(OP, out_splits_offsets, &[2, n])?;
     let hs = symmetric(OP, in_splits_offsets, group)?;
     let h = symmetric(OP, input, group)?;
-    let call = || -> Result<()> {
-        if let Route::Push(oh) = route(OP, &h, input, out, 2 * n, group)? {
-            let meta = in_splits_offsets.to_vec::<i64>()?;
-            return super::push::all_to_all_v(
-                OP,
-                kind,
-                &meta,
-                1,
-                (input, &h),
-                (out, oh.as_deref()),
-                out_splits_offsets,
-                group,
-                timeout(),
-            );
-        }
-        // Not `prologue`: an empty input still receives (zero) splits and offsets.
-        enter(group, &h, &Stamp::new(OP, input, h.offset(), &[hs.offset() as u64, n as u64]))?;
-        pull(OP, kind, &h, &hs, 2 * n, 1, input, out, out_splits_offsets)
-    };
-    // Across hosts, ranks that took different ways or left a call at different points are
-    // out of step: refused from then on (the family shares one workspace).
-    if h.all_local() { call() } else { crate::ops::hostpush::guarded(group, FAMILY, call) }
+    let call = Call { op: OP, kind, meta: in_splits_offsets, meta_len: 2 * n, align: 1 };
+    call.run(&h, &hs, &[hs.offset() as u64, n as u64], input, out, out_splits_offsets, group)
 }

@@ -177,21 +177,25 @@ pub(crate) fn exchange_and_judge(
 #[derive(Default)]
 pub(crate) struct Workspaces(Mutex<Kinds>);
 
+/// What a group keeps per operator kind (`"all_reduce"`, `"all_to_all"`, `"all_to_all_vdev"`).
 #[derive(Default)]
 pub(crate) struct Kinds {
+    /// The workspace each kind's calls use now.
     made: HashMap<&'static str, Arc<Mutex<Workspace>>>,
     /// Operators whose ranks may be out of step, and why: refused from then on ([`guarded`]).
     out_of_step: HashMap<&'static str, String>,
     /// Workspaces outgrown, kept with the group: a rank's messages of the last call on one
-    /// may still be on their way when its peer has moved to the next (a leader forwards its
-    /// host's FROM words, which can overtake a rank's own on another link), and must find the
-    /// memory they were sent to still exposed; a refused posted write would end the link.
+    /// may still be on their way when its peers have moved to the next (in a vote, a rank's
+    /// own signature and FROM word travel on its own link while its leader's, which the other
+    /// leaders wait for, travel on the leader's), and must find the memory they were sent to
+    /// still exposed; a refused posted write would end the link.
     retired: Vec<Arc<Mutex<Workspace>>>,
 }
 
 /// Runs one call of operator `kind` across hosts on `group` (`call`, whichever algorithm it
-/// takes; for the host-push ones, `kind` names their workspace). A call that fails part-way (a wait that timed out, a transfer that failed, a
-/// workspace not made) may have left its ranks at different points of the protocol: one
+/// takes; for the host-push ones, `kind` names their workspace). A call that fails part-way
+/// (a wait that timed out, a transfer that failed, a workspace not made) may have left its
+/// ranks at different points of the protocol: one
 /// waiting in a collective allocation that the others never entered, one that sent its data
 /// and signal for a call its peer never ran. Their call numbers and buffers then disagree,
 /// and a later call could take data left from the failed one as its own. So from then on

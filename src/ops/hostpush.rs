@@ -195,9 +195,8 @@ pub(crate) struct Kinds {
 /// Runs one call of operator `kind` across hosts on `group` (`call`, whichever algorithm it
 /// takes; for the host-push ones, `kind` names their workspace). A call that fails part-way
 /// (a wait that timed out, a transfer that failed, a workspace not made) may have left its
-/// ranks at different points of the protocol: one
-/// waiting in a collective allocation that the others never entered, one that sent its data
-/// and signal for a call its peer never ran. Their call numbers and buffers then disagree,
+/// ranks at different points of the protocol: one waiting in a collective allocation that the
+/// others never entered, one that sent its data and signal for a call its peer never ran. Their call numbers and buffers then disagree,
 /// and a later call could take data left from the failed one as its own. So from then on
 /// every call of the kind on the group is refused at once, naming the failure; the group's
 /// other operators, and other groups, go on. A disagreement found by the signatures
@@ -216,7 +215,6 @@ pub(crate) fn guarded<T>(group: &Group, kind: &'static str, call: impl FnOnce() 
     if let Err(e) = &r
         && !matches!(e, Error::InvalidArgument(_))
     {
-        let state = group.state::<Workspaces>();
         lock(&state.0).out_of_step.entry(kind).or_insert_with(|| e.to_string());
     }
     r
@@ -304,12 +302,7 @@ fn vote(
     }
     if me != leader {
         for l in hw.leaders().filter(|&l| l != leader) {
-            let from = world + 1 + me;
-            hw.batch(l, || -> Result<()> {
-                w.sent.push((l, e, hw.start_push(l, sigs.slot(me), 16, sigs.slot(me), timeout)?));
-                w.sent.push((l, e, w.words.start_remote(l, from, e, timeout)?));
-                Ok(())
-            })?;
+            hw.batch(l, || send_own_sig(w, l, e, &sigs, timeout))?;
         }
     }
     let remote: Vec<usize> = hw.leaders().filter(|&l| l != leader).collect();
@@ -354,6 +347,17 @@ pub(crate) fn send_host_sigs(w: &mut Workspace, l: usize, e: u32, sigs: &Sigs, t
         w.sent.push((l, e, hw.start_push(l, at, (end - a) * 16, at, timeout)?));
     }
     w.sent.push((l, e, w.words.start_remote(l, hw.world_size() + 1 + hw.rank(), e, timeout)?));
+    Ok(())
+}
+
+/// Inside a batch to leader `l` of another host, after this rank's data of call `e` (if any):
+/// its signature, then its FROM word, which tells `l` both landed (the link keeps them in
+/// order). The only place a rank raises a FROM word.
+pub(crate) fn send_own_sig(w: &mut Workspace, l: usize, e: u32, sigs: &Sigs, timeout: Duration) -> Result<()> {
+    let hw = w.words.h.clone();
+    let me = hw.rank();
+    w.sent.push((l, e, hw.start_push(l, sigs.slot(me), 16, sigs.slot(me), timeout)?));
+    w.sent.push((l, e, w.words.start_remote(l, hw.world_size() + 1 + me, e, timeout)?));
     Ok(())
 }
 

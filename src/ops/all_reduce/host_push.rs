@@ -54,9 +54,7 @@ pub(crate) fn all_reduce(tensor: &Tensor, op: ReduceOp, group: &Group, timeout: 
                 for work in send_before_signal(&hw, l, inbox(me), inbox(me), n, timeout)? {
                     w.sent.push((l, e, work));
                 }
-                w.sent.push((l, e, hw.start_push(l, sigs.slot(me), 16, sigs.slot(me), timeout)?));
-                w.sent.push((l, e, w.words.start_remote(l, from(me), e, timeout)?));
-                Ok(())
+                send_own_sig(w, l, e, &sigs, timeout)
             })?;
         }
     }
@@ -89,7 +87,7 @@ pub(crate) fn all_reduce(tensor: &Tensor, op: ReduceOp, group: &Group, timeout: 
         }
         gather_sigs(&hw, &sigs);
         for &l in &other_leaders {
-            // The host's data, their signatures and FROM words leave together.
+            // The host's data, their signatures and the FROM word leave together.
             hw.batch(l, || -> Result<()> {
                 for (a, b) in runs(locals) {
                     let (first, len) = (locals[a], (b - a - 1) * stride + n);

@@ -42,7 +42,6 @@ pub(crate) fn all_to_all(input: &Tensor, out: &Tensor, group: &Group, h: &SymmHa
     let outbox = |host: usize, ls: usize, ld: usize| inbox(host, ls, ld) + boxes(cap);
     let at = |rank: usize, off: usize| (hw.read_ptr(rank) + off) as *mut u8;
     let local_index = |r: usize| hw.ranks_on(hw.host_of(r)).iter().position(|&x| x == r).unwrap_or(0);
-    let from = |r: usize| world + 1 + r;
     let locals = hw.local_ranks();
     let (leader, my_host, ls) = (locals[0], hw.host_of(me), local_index(me));
     let other_hosts: Vec<usize> = (0..hosts).filter(|&x| x != my_host).collect();
@@ -103,9 +102,7 @@ pub(crate) fn all_to_all(input: &Tensor, out: &Tensor, group: &Group, h: &SymmHa
                             w.sent.push((l, e, work));
                         }
                     }
-                    w.sent.push((l, e, hw.start_push(l, sigs.slot(me), 16, sigs.slot(me), timeout)?));
-                    w.sent.push((l, e, w.words.start_remote(l, from(me), e, timeout)?));
-                    Ok(())
+                    send_own_sig(w, l, e, &sigs, timeout)
                 })?;
             }
         }
@@ -133,7 +130,7 @@ pub(crate) fn all_to_all(input: &Tensor, out: &Tensor, group: &Group, h: &SymmHa
                 }
                 let l = theirs[0];
                 let (src, dst, len) = (outbox(host, 0, 0), inbox(my_host, 0, 0), lmax * lmax * bs);
-                // The host's blocks, their signatures and FROM words leave together.
+                // The host's blocks, their signatures and the FROM word leave together.
                 hw.batch(l, || -> Result<()> {
                     for work in send_before_signal(&hw, l, src, dst, len, timeout)? {
                         w.sent.push((l, e, work));

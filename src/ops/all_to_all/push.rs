@@ -138,7 +138,6 @@ pub(crate) fn all_to_all_v(
     let base = hw.offset() + done_at + done_bytes(world) + parity * (world + 1) * cap;
     let (stage, inbox) = (base, |s: usize| base + (1 + s) * cap);
     let at = |rank: usize, off: usize| (hw.read_ptr(rank) + off) as *mut u8;
-    let from = |r: usize| world + 1 + r;
     let locals = hw.local_ranks();
     let (leader, my_host) = (locals[0], hw.host_of(me));
 
@@ -219,9 +218,7 @@ pub(crate) fn all_to_all_v(
                     let push = |at: usize, n: usize| hw.start_push_from(h, l, src + at, n, dst + at, timeout);
                     from_input.extend(send_pieces_before_signal(&hw, l, b - a, push)?);
                 }
-                w.sent.push((l, e, hw.start_push(l, sigs.slot(me), 16, sigs.slot(me), timeout)?));
-                w.sent.push((l, e, w.words.start_remote(l, from(me), e, timeout)?));
-                Ok(())
+                send_own_sig(w, l, e, &sigs, timeout)
             })?;
         }
         Ok(())

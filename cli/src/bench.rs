@@ -1236,11 +1236,9 @@ pub fn collective_rank(op: &str, algo: &str, dtype: DType, iters: usize, warmup:
         let hosts = symmem::config::hosts();
         // What the operator decided from (its input's handle, made by its first call).
         let h = symm::rendezvous(&input, &group)?;
-        let (crowded, link) = (h.crowded(), h.link_backend());
+        let link = h.link_backend();
         let used = match (op, algo) {
-            ("all_reduce", "auto") => {
-                symmem::ops::all_reduce::select(bytes, crowded, ws.div_ceil(hosts), hosts, link).name()
-            }
+            ("all_reduce", "auto") => symmem::ops::all_reduce::select_for(&input, ReduceOp::Sum, &h).name(),
             ("all_reduce", a) => a,
             ("all_to_all", _) => symmem::ops::all_to_all::select(bytes, hosts, link).name(),
             ("all_to_all_v", _) => symmem::ops::all_to_all::select_v(bytes, ws, ws, hosts, true).name(),

@@ -936,10 +936,7 @@ fn demo_rank() -> Result<()> {
         }
         let (median, _) = bench::percentiles(&mut lat);
         if rank == 0 {
-            let hosts = if h.all_local() { 1 } else { 2 };
-            let algo = ops::all_reduce::select(bytes, h.crowded(), h.max_ranks_per_host(), hosts, h.link_backend())
-                .name()
-                .replace('_', "-");
+            let algo = ops::all_reduce::select_for(&v, ReduceOp::Sum, &h).name().replace('_', "-");
             say!(
                 "rank 0: all-reduce of {label} ({algo}) on {world} ranks: median {median:.2} us, result checked on every rank"
             );

@@ -17,6 +17,7 @@ use std::time::{Duration, Instant};
 use common::Hosts;
 use half::bf16;
 use symmem::Group;
+use symmem::ops::all_reduce::Algo;
 use symmem::ops::{self, ReduceOp};
 use symmem::symm::{self, Device};
 use symmem::tensor::{DType, Tensor};
@@ -333,13 +334,33 @@ fn one_sided(j: &Job) {
 /// Every operator, digested; the test compares the digests across layouts.
 fn operators(j: &Job) {
     let (me, ws, g) = (j.me, j.ws, &j.g);
-    for (dtype, n) in
-        [(DType::F32, 5), (DType::F32, 3000), (DType::F32, 40_000), (DType::BF16, 1000), (DType::I32, 4099)]
-    {
+    // Across hosts the sizes take every algorithm: host push (up to 40 000 f32), then the
+    // chain (f32 and i32; bf16 max) or two-shot (bf16 sums) above 512 KiB (256 KiB over ucx).
+    for (dtype, n) in [
+        (DType::F32, 5),
+        (DType::F32, 3000),
+        (DType::F32, 40_000),
+        (DType::F32, 200_003),
+        (DType::BF16, 1000),
+        (DType::BF16, 300_002),
+        (DType::I32, 4099),
+        (DType::I32, 150_001),
+    ] {
         let x = sym(&[n], dtype);
         let refill = || fill(&x, |i| val(me, i));
         for op in [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max] {
             let tag = format!("{dtype}/{n}/{op:?}");
+            if n > 100_000 {
+                // What the large sizes take: the chain across hosts of 2 ranks each, where its
+                // partials are exact.
+                let h = symm::rendezvous(&x, g).unwrap();
+                let exact = dtype != DType::BF16 || op == ReduceOp::Max;
+                let want = match (h.all_local(), exact) {
+                    (true, _) | (false, false) => Algo::TwoShot,
+                    (false, true) => Algo::Chain,
+                };
+                assert_eq!(ops::all_reduce::select_for(&x, op, &h), want, "{tag}");
+            }
             refill();
             j.report(&format!("one_shot/{tag}"), &ops::one_shot_all_reduce(&x, op, g).unwrap());
             let out = Tensor::zeros(&[n], dtype).unwrap();
@@ -617,8 +638,9 @@ fn two_network_namespaces_linked_by_ucx_match_one_host_bit_for_bit() {
     assert_same(&got, &reference());
 }
 
-/// All-reduces, all-to-alls large enough that every rank reads from the other host, and
-/// all-to-all-vs host-pushed or written into the other ranks' outs, until something fails;
+/// All-reduces (host-pushed and chained), all-to-alls large enough that every rank reads from
+/// the other host, and all-to-all-vs host-pushed or written into the other ranks' outs, until
+/// something fails;
 /// rank 0 writes the marker file once it is running.
 #[test]
 #[ignore = "a rank program; run by the lost-host tests below"]
@@ -635,6 +657,8 @@ fn rank_lost() {
     let w_rows = ops::VDEV_CARRY_MAX / 4 + 1024;
     let (w_in, w_out) = (sym(&[w_rows], DType::F32), sym(&[w_rows * j.ws], DType::F32));
     let w_splits = i64_sym(&vec![4096; j.ws]);
+    // And all-reduces that take the chain (above 512 KiB of a host's inputs).
+    let chained = sym(&[200_000], DType::F32);
     let marker = std::env::var("SYMMEM_TEST_MARKER").ok();
     let start = Instant::now();
     for i in 0.. {
@@ -645,8 +669,9 @@ fn rank_lost() {
             std::fs::write(m, b"running").unwrap();
         }
         fill(&x, |k| (k + i) as f64);
-        let done = match i % 4 {
+        let done = match i % 5 {
             0 => ops::all_reduce(&x, ReduceOp::Sum, &j.g),
+            4 => ops::all_reduce(&chained, ReduceOp::Sum, &j.g),
             1 => ops::all_to_all(&big, &big_out, &j.g),
             2 => ops::all_to_all_vdev(&x, &v_out, &splits, &oso, &j.g),
             _ => ops::all_to_all_vdev(&w_in, &w_out, &w_splits, &oso, &j.g),

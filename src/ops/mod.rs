@@ -4,7 +4,7 @@
 //!
 //! ```text
 //!   all_reduce/      one_shot, two_shot, small (one synchronization per call), host_push
-//!                    (across hosts); all_reduce() picks by all_reduce::select
+//!                    and chain (across hosts); all_reduce() picks by all_reduce::select_for
 //!   reduce_scatter   reduce_scatter_out (two-shot's first half), reduce_scatter_offset
 //!   all_gather       all_gather_into                 broadcast   broadcast_
 //!   all_to_all/      all_to_all (pull, or host_push across hosts: all_to_all::select),

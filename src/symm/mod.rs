@@ -1071,7 +1071,7 @@ impl SymmHandle {
     }
 
     /// A barrier among the ranks of this host only.
-    fn local_barrier(&self, channel: usize, timeout: Duration) -> Result<()> {
+    pub(crate) fn local_barrier(&self, channel: usize, timeout: Duration) -> Result<()> {
         let _g = lock(&self.peers.lock);
         let p = self.patience(timeout);
         let me = self.rank();

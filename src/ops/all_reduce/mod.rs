@@ -10,8 +10,11 @@
 //!              per call, any size or alignment up to 8 KiB
 //!   host_push  (host_push.rs) across hosts: each host's inputs travel to every other host in
 //!              one one-way message, received by its leader
+//!   chain      (chain.rs) across hosts with equal hosts of consecutive ranks: each host folds
+//!              its slices into the previous host's partial, the last one sends the result back
 //! ```
 
+mod chain;
 mod host_push;
 mod small;
 
@@ -32,6 +35,8 @@ pub enum Algo {
     TwoShot,
     /// Each host's inputs in one message to every other host (a group spanning hosts).
     HostPush,
+    /// Across hosts, host after host in rank order, the last sending the result back.
+    Chain,
 }
 
 impl Algo {
@@ -41,6 +46,7 @@ impl Algo {
             Algo::Small => "one_shot",
             Algo::TwoShot => "two_shot",
             Algo::HostPush => "host_push",
+            Algo::Chain => "chain",
         }
     }
 }
@@ -62,6 +68,19 @@ pub fn select(bytes: usize, crowded: bool, ranks_per_host: usize, hosts: usize, 
     }
     let max = if crowded { ONE_SHOT_MAX } else { 1024 };
     if bytes <= max { Algo::Small } else { Algo::TwoShot }
+}
+
+/// The algorithm [`all_reduce`] takes for `tensor` by `op` on the group of `h` (the tensor's
+/// handle or any of the group's: what matters is its topology): [`select`] by size, then,
+/// across hosts, the chain instead of two-shot where it applies (hosts of the same number of
+/// consecutive ranks, at least 2 each, and partials exact in the element type: see
+/// `chain.rs`). The same on every rank that passes the same arguments.
+pub fn select_for(tensor: &Tensor, op: ReduceOp, h: &symm::SymmHandle) -> Algo {
+    let hosts = if h.all_local() { 1 } else { 2 };
+    match select(tensor.nbytes(), h.crowded(), h.max_ranks_per_host(), hosts, h.link_backend()) {
+        Algo::TwoShot if hosts > 1 && chain::suits(tensor.dtype(), op, h) => Algo::Chain,
+        algo => algo,
+    }
 }
 
 /// Out-of-place all-reduce of a symmetric tensor, reading every peer's copy (latency-optimal).
@@ -222,8 +241,9 @@ pub const ONE_SHOT_MAX: usize = 8 * 1024;
 /// In-place all-reduce of a symmetric tensor, picking the algorithm by size ([`select`]):
 /// small messages go one-shot through a double-buffered workspace with a single
 /// synchronization per call; larger ones two-shot. Across hosts, hosts exchange their inputs
-/// in one message each up to a few hundred KiB, two-shot above; results are bitwise those of
-/// one host.
+/// in one message each up to a few hundred KiB; above, hosts of the same number of
+/// consecutive ranks fold their inputs one after the other (the chain, [`select_for`]), others
+/// two-shot; results are bitwise those of one host.
 ///
 /// ```
 /// use symmem::symm::{self, Device};
@@ -260,10 +280,10 @@ pub fn all_reduce(tensor: &Tensor, op: ReduceOp, group: &Group) -> Result<()> {
         return done;
     }
     let h = symm::rendezvous(tensor, group)?;
-    let hosts = if h.all_local() { 1 } else { 2 };
-    let call = || match select(tensor.nbytes(), h.crowded(), h.max_ranks_per_host(), hosts, h.link_backend()) {
+    let call = || match select_for(tensor, op, &h) {
         Algo::Small => small::all_reduce(tensor, op, group, timeout()),
         Algo::HostPush => host_push::all_reduce(tensor, op, group, timeout()),
+        Algo::Chain => chain::all_reduce(tensor, op, group, &h),
         Algo::TwoShot => {
             // two_shot_all_reduce_ itself, on the handle already in hand.
             const TWO: &str = "two_shot_all_reduce_";
@@ -274,7 +294,7 @@ pub fn all_reduce(tensor: &Tensor, op: ReduceOp, group: &Group) -> Result<()> {
     };
     // Across hosts, ranks that took different algorithms (sizes on either side of a limit) or
     // left a call at different points are out of step: refused from then on.
-    if hosts > 1 { hostpush::guarded(group, OP, call) } else { call() }
+    if h.all_local() { call() } else { hostpush::guarded(group, OP, call) }
 }
 
 #[cfg(test)]

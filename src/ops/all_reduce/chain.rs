@@ -1,0 +1,158 @@
+//! All-reduce across hosts by a chain of hosts, in rank order.
+//!
+//! ```text
+//!   hosts 0..k, each with the same number m of ranks, host h holding ranks h·m .. (h+1)·m;
+//!   the tensor cut into m slices, slice i belonging to each host's i-th rank
+//!   enter (a checked barrier)
+//!   stage 0        host 0's rank i folds slice i of its host's inputs, in rank order, into its
+//!                  own slice i (the partial); barrier
+//!   stage h < k-1  host h's rank i reads host h-1's rank i's partial (one-sided) and folds it
+//!                  and its host's slices i into its own slice i; barrier
+//!   stage k-1      the last host's rank i does the same into every one of its host's slices i
+//!                  (the result; an average divides here), and writes it into slice i of rank
+//!                  i on every other host; barrier
+//!   then           rank i of every other host copies its slice i to its host's ranks; a
+//!                  barrier among the host's ranks
+//! ```
+//!
+//! Each element is folded exactly as on one host (`((x0 ∘ x1) ∘ x2) ∘ x3 ...`), so the result is
+//! bitwise the same, as long as a partial loses nothing in the element type: any reduction of
+//! f32, f64 and integers (their accumulator is the element), min and max of f16 and bf16 (their
+//! result is one of the inputs); a sum of f16 or bf16 accumulates in f32 and takes two-shot.
+//!
+//! What crosses between hosts: each byte of the tensor once along the chain and once back from
+//! the last host to each other: `2·(k-1)·n` bytes for n-byte tensors, where two-shot moves each
+//! rank's slice to and from every rank of the other hosts (`2·m·(k-1)·n`). With m = 2 ranks per
+//! host that halves the bytes between hosts and the CPU the copies of a TCP stack cost. Only
+//! host 0 and the last host work in parallel with 2 hosts; with more, the stages run one after
+//! the other (each is a slice of the tensor per rank).
+//!
+//! Nothing is read while written: slice i of host h's tensors is read, then written, only by
+//! its rank i, and by rank i of host h+1 (its partial) one stage later, between barriers; the
+//! last host writes slice i of another host's rank i only after every stage's barrier.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use crate::error::Result;
+use crate::group::Group;
+use crate::ops::common::*;
+use crate::ops::hostpush::lock;
+use crate::ops::reduce::{self, ReduceOp};
+use crate::symm::hostsync::{Sent, Words, settle};
+use crate::symm::{self, Device, SymmHandle};
+use crate::tensor::{DType, Tensor};
+
+/// Whether the chain takes an all-reduce of `dtype` by `op` on the group behind `h`: it spans
+/// hosts, every host has the same number of ranks, at least 2 (with 1, two-shot moves as few
+/// bytes and spreads the work), each host's ranks are consecutive, and a partial result is
+/// exact in the element type. The same on every rank (the topology and the arguments are).
+pub(crate) fn suits(dtype: DType, op: ReduceOp, h: &SymmHandle) -> bool {
+    let (hosts, m) = (h.hosts(), h.local_ranks().len());
+    let exact = !matches!(dtype, DType::F16 | DType::BF16) || matches!(op, ReduceOp::Min | ReduceOp::Max);
+    exact && hosts > 1 && m >= 2 && (0..hosts).all(|k| h.ranks_on(k).iter().copied().eq(k * m..(k + 1) * m))
+}
+
+/// A group's chain words: in a small symmetric allocation of its own, per rank PARTIAL (raised
+/// by the previous host's rank of the same position when its partial is final) and DONE (raised
+/// by the last host's one when the result landed here), both counting the group's chain calls.
+struct Chain {
+    _tensor: Tensor,
+    words: Words,
+    epoch: u32,
+    /// Signals in flight (they carry no buffer: only their failures matter).
+    sent: Sent,
+}
+
+const PARTIAL: usize = 0;
+const DONE: usize = 1;
+
+/// The group's chain words, made collectively at its first chain call (every rank is in it:
+/// the checked entry passed on all).
+#[derive(Default)]
+struct Chains(Mutex<Option<Arc<Mutex<Chain>>>>);
+
+fn chain_words(group: &Group, t: Duration) -> Result<Arc<Mutex<Chain>>> {
+    let state = group.state::<Chains>();
+    let mut slot = lock(&state.0);
+    if let Some(c) = &*slot {
+        return Ok(c.clone());
+    }
+    let tensor = symm::empty(&[2], DType::U32, Device::Cpu)?;
+    let h = symm::rendezvous(&tensor, group)?;
+    h.barrier(0, t)?;
+    let c = Arc::new(Mutex::new(Chain { _tensor: tensor, words: Words::new(h, 0), epoch: 0, sent: Vec::new() }));
+    *slot = Some(c.clone());
+    Ok(c)
+}
+
+/// In-place all-reduce of `tensor` (symmetric, behind `h`) by the chain; the caller checked
+/// [`suits`].
+pub(crate) fn all_reduce(tensor: &Tensor, op: ReduceOp, group: &Group, h: &SymmHandle) -> Result<()> {
+    const OP: &str = "all_reduce";
+    check_symmetric(OP, tensor)?;
+    // Named "all_reduce" in the stamp: a rank that took two-shot (named for it) disagrees here.
+    enter_on(OP, tensor, group, h, &[op.code()])?;
+    let t = timeout();
+    let c = chain_words(group, t)?;
+    let mut c = lock(&c);
+    let c = &mut *c;
+    settle(&c.words.h, &mut c.sent, |_| false, t)?;
+    let e = c.epoch.wrapping_add(1);
+    c.epoch = e;
+    let p = h.patience(t);
+    let (dtype, es, ws) = (tensor.dtype(), tensor.dtype().size(), h.world_size());
+    let locals = h.local_ranks();
+    let (host, last) = (h.host_of(h.rank()), h.hosts() - 1);
+    let i = h.rank() - locals[0];
+    let chain = |k: usize| h.ranks_on(k)[i];
+    let (start, len) = slice(tensor.numel(), locals.len(), i, alignment(dtype) / es);
+    let (at, bytes) = (start * es, len * es);
+    // Sums fold without dividing until the last host: an average divides once, at the end.
+    let fold = if op == ReduceOp::Avg { ReduceOp::Sum } else { op };
+    let all = peers(h, at);
+    let mut srcs: Vec<*const u8> = Vec::with_capacity(locals.len() + 1);
+    if host > 0 {
+        // The previous host's partial is final once its PARTIAL word reaches this call (its
+        // rank wrote it before raising the word; the read below follows).
+        c.words.wait_for(PARTIAL, e, chain(host - 1), &p, t)?;
+        fetch(h, |r| if r == chain(host - 1) { (at, bytes) } else { (0, 0) })?;
+        srcs.push(all[chain(host - 1)]);
+    }
+    srcs.extend(locals.iter().map(|&r| all[r]));
+    if host < last {
+        let own = all[h.rank()].cast_mut();
+        // SAFETY: slice i of this host's tensors is read and written in this call by this rank
+        // only (and this rank's slice i read by the next host's rank i once signalled below);
+        // every rank is in the call (the checked entry is a barrier), the previous host's
+        // partial is final (its word, above) and in this host's mirror; the pointers address
+        // `len` elements inside mapped buffers (rendezvous checked the shapes), and `reduce`
+        // allows a destination that is also a source.
+        unsafe { reduce::reduce(dtype, fold, &srcs, &[own], len, ws)? };
+        let next = chain(host + 1);
+        c.sent.push((next, e, c.words.start_remote(next, PARTIAL, e, t)?));
+        // The result lands in this rank's slice i before the last host's DONE word.
+        c.words.wait_for(DONE, e, chain(last), &p, t)?;
+        for &r in locals.iter().filter(|&&r| r != h.rank()) {
+            // SAFETY: this rank's slice i holds the result (its word, above); slice i of the
+            // host's other tensors is written by this rank only, and read by nobody until the
+            // host's barrier below.
+            unsafe { std::ptr::copy_nonoverlapping(all[h.rank()], all[r].cast_mut(), bytes) };
+        }
+    } else {
+        let dsts: Vec<*mut u8> = locals.iter().map(|&r| all[r].cast_mut()).collect();
+        // SAFETY: as above; the result goes to slice i of every tensor of this host, which no
+        // other rank reads or writes in this call.
+        unsafe { reduce::reduce(dtype, op, &srcs, &dsts, len, ws)? };
+        let others: Vec<usize> = (0..last).map(chain).collect();
+        if bytes > 0 {
+            // Returns once every write landed, so each word below follows its data.
+            h.push(&others, h.offset() + at, bytes, h.offset() + at, t)?;
+        }
+        for r in others {
+            c.sent.push((r, e, c.words.start_remote(r, DONE, e, t)?));
+        }
+    }
+    // Nobody leaves while a rank of its host still writes its slice into their tensors.
+    h.local_barrier(0, t)
+}

@@ -36,6 +36,7 @@ use std::time::Duration;
 
 use crate::error::{Error, Result};
 use crate::group::Group;
+pub(crate) use crate::symm::hostsync::runs;
 use crate::symm::hostsync::{Sent, Words, settle};
 use crate::symm::{self, Device, SymmHandle};
 use crate::tensor::{DType, Tensor};
@@ -416,15 +417,3 @@ pub(crate) fn fits_size(bytes: usize, ranks_per_host: usize, backend: Option<&st
 /// link busy). Both ways use the same workspace: FROM words count the sender's epochs either
 /// way, and a leader is a rank.
 pub(crate) const GATHERED_MAX: usize = 16 * 1024;
-
-/// Runs of consecutive ranks in `ranks` (sorted), as (index of the first, index past the last).
-pub(crate) fn runs(ranks: &[usize]) -> Vec<(usize, usize)> {
-    let mut out: Vec<(usize, usize)> = Vec::new();
-    for (i, &r) in ranks.iter().enumerate() {
-        match out.last_mut() {
-            Some((_, end)) if ranks[*end - 1] + 1 == r => *end = i + 1,
-            _ => out.push((i, i + 1)),
-        }
-    }
-    out
-}

@@ -5,6 +5,9 @@
 //!   rank (not leader) ──store e──▶ leader's ARRIVE[rank]        (shared memory)
 //!   leader            ──Set32 e──▶ every other leader's FROM[me] (a remote atomic, not awaited)
 //!   leader            ──store e──▶ each local rank's RELEASE     (shared memory)
+//!   checked (an operator's entry): each rank's stamp digest rides along: stored next to its
+//!   ARRIVE, written by its leader to every other leader just before the FROM word (same link,
+//!   in order); every leader compares all of them and hands the verdict on with RELEASE
 //! ```
 //!
 //! Each rank counts its barriers (`e`, wrapping); a word reached `e` when `word - e`, read as
@@ -167,8 +170,20 @@ struct State {
 }
 
 /// Word indices in the allocation: ARRIVE[r] = r, RELEASE = ws, FROM[l] = ws + 1 + l.
-pub(crate) fn words(world_size: usize) -> usize {
+fn epoch_words(world_size: usize) -> usize {
     2 * world_size + 1
+}
+
+/// Where, after the epoch words, the checked barrier ([`HostSync::barrier_agreeing`]) keeps
+/// the digest of what each rank passed (8 bytes per rank, per parity of the barrier's epoch),
+/// then each parity's verdict: a byte offset in the allocation.
+fn digests_at(world_size: usize) -> usize {
+    (4 * epoch_words(world_size)).next_multiple_of(8)
+}
+
+/// The allocation's size in 4-byte words: the epoch words, then the digests and verdicts.
+pub(crate) fn words(world_size: usize) -> usize {
+    (digests_at(world_size) + 2 * world_size * 8 + 2 * 8) / 4
 }
 
 impl HostSync {
@@ -178,6 +193,19 @@ impl HostSync {
 
     /// The barrier (see the module docs).
     pub(crate) fn barrier(&self, p: &Patience, timeout: Duration) -> Result<()> {
+        self.barrier_with(p, timeout, None).map(|_| ())
+    }
+
+    /// The barrier, carrying a digest of what each rank passed to the call it enters (an
+    /// operator's stamp): each rank leaves it with the same verdict, 0 when every digest equals
+    /// rank 0's, else 1 + the first rank whose digest differs. The digests travel with the
+    /// barrier's own messages (a leader writes its host's to every other leader before its FROM
+    /// word, on the same link, so in order), so checking costs no round trip of its own.
+    pub(crate) fn barrier_agreeing(&self, p: &Patience, timeout: Duration, digest: u64) -> Result<u64> {
+        self.barrier_with(p, timeout, Some(digest))
+    }
+
+    fn barrier_with(&self, p: &Patience, timeout: Duration, digest: Option<u64>) -> Result<u64> {
         let mut st = lock(&self.state);
         let e = st.epoch.wrapping_add(1);
         let w = &self.words;
@@ -190,29 +218,82 @@ impl HostSync {
             Error::Transfer { kind, message } => Error::transfer(kind, format!("SymmetricMemory::barrier: {message}")),
             e => e,
         };
+        // Sends of epoch e-1 may still read the digests of its parity; those of e-2 read this
+        // one's, about to be rewritten, and must have finished. The others carry no buffer: only
+        // their failures matter.
+        settle(h, &mut st.sent, |epoch| epoch == e.wrapping_sub(2), timeout).map_err(what)?;
+        // Digests and verdicts alternate by parity: a leader writes another's parity p of epoch
+        // e+2 only after that leader's FROM word of e+1, which it raises after it read e's.
+        let parity = (e % 2) as usize;
+        let base = h.offset() + digests_at(ws);
+        let slot = |r: usize| base + (parity * ws + r) * 8;
+        let verdict_at = base + 2 * ws * 8 + parity * 8;
+        if let Some(d) = digest {
+            // Relaxed: published by ARRIVE (Release) to the leader, which sends it on before its
+            // FROM word.
+            h.word64(me, slot(me)).store(d, Ordering::Relaxed);
+        }
         if me != leader {
             w.publish(leader, me, e);
             w.wait_for(ws, e, leader, p, timeout).map_err(what)?;
             st.epoch = e;
-            return Ok(());
+            // Relaxed: the leader stored it before RELEASE (Release, seen with Acquire above).
+            return Ok(if digest.is_some() { h.word64(leader, verdict_at).load(Ordering::Relaxed) } else { 0 });
         }
         for &r in &locals[1..] {
             w.wait_for(r, e, r, p, timeout).map_err(what)?;
         }
-        // Earlier sends carry no buffer: only their failures matter, and nothing waits for them.
-        settle(h, &mut st.sent, |_| false, timeout).map_err(what)?;
+        if digest.is_some() {
+            for &r in &locals[1..] {
+                // Relaxed: r stored it before its ARRIVE (seen with Acquire above).
+                let d = h.word64(r, slot(r)).load(Ordering::Relaxed);
+                h.word64(me, slot(r)).store(d, Ordering::Relaxed);
+            }
+        }
         let others: Vec<usize> = h.leaders().filter(|&l| l != me).collect();
         for &l in &others {
-            let sent = w.start_remote(l, ws + 1 + me, e, timeout).map_err(what)?;
-            st.sent.push((l, e, sent));
+            let sent = h.batch(l, || -> Result<()> {
+                if digest.is_some() {
+                    for (a, end) in runs(locals) {
+                        let at = slot(locals[a]);
+                        st.sent.push((l, e, h.start_push(l, at, (end - a) * 8, at, timeout)?));
+                    }
+                }
+                st.sent.push((l, e, w.start_remote(l, ws + 1 + me, e, timeout)?));
+                Ok(())
+            });
+            sent.map_err(what)?;
         }
         for &l in &others {
             w.wait_for(ws + 1 + l, e, l, p, timeout).map_err(what)?;
         }
+        let verdict = match digest {
+            // Relaxed: each remote host's digests landed before its leader's FROM word (seen
+            // with Acquire above); this host's were copied above.
+            Some(_) => {
+                let of = |r: usize| h.word64(me, slot(r)).load(Ordering::Relaxed);
+                (1..ws).find(|&r| of(r) != of(0)).map_or(0, |r| r as u64 + 1)
+            }
+            None => 0,
+        };
+        // Relaxed: published by RELEASE below.
+        h.word64(me, verdict_at).store(verdict, Ordering::Relaxed);
         for &r in &locals[1..] {
             w.publish(r, ws, e);
         }
         st.epoch = e;
-        Ok(())
+        Ok(verdict)
     }
+}
+
+/// Runs of consecutive ranks in `ranks` (sorted), as (index of the first, index past the last).
+pub(crate) fn runs(ranks: &[usize]) -> Vec<(usize, usize)> {
+    let mut out: Vec<(usize, usize)> = Vec::new();
+    for (i, &r) in ranks.iter().enumerate() {
+        match out.last_mut() {
+            Some((_, end)) if ranks[*end - 1] + 1 == r => *end = i + 1,
+            _ => out.push((i, i + 1)),
+        }
+    }
+    out
 }

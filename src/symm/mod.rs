@@ -1040,6 +1040,24 @@ impl SymmHandle {
         Ok(())
     }
 
+    /// On a group that spans hosts, the barrier of [`SymmHandle::barrier`] carrying `digest`
+    /// (what this rank passed to the call it enters): returns the verdict every rank gets, 0
+    /// when every rank's digest equals rank 0's, else 1 + the first rank whose differs. `None`
+    /// on one host (the caller checks by reading its peers' stamps, which costs nothing there).
+    pub(crate) fn barrier_agreeing(&self, digest: u64, timeout: Duration) -> Result<Option<u64>> {
+        if self.all_local() {
+            return Ok(None);
+        }
+        let _g = lock(&self.peers.lock);
+        let sync = self.peers.sync.get().ok_or_else(|| {
+            Error::InvalidArgument(format!(
+                "group {:?} spans hosts but this allocation has no host barrier",
+                self.peers.group
+            ))
+        })?;
+        sync.barrier_agreeing(&self.patience(timeout), timeout, digest).map(Some)
+    }
+
     /// The ranks on this host, this one included, in order.
     pub fn local_ranks(&self) -> &[usize] {
         self.ranks_on(self.host_of(self.rank()))

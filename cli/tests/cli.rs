@@ -242,7 +242,7 @@ fn the_demo_plays_two_hosts() {
     assert!(stdout.contains("[1] rank 1: read rank 2's 4 KiB buffer one-sidedly from another host"), "{stdout}");
     assert!(stdout.contains("[2] rank 2: read rank 3's 4 KiB buffer directly (same host)"), "{stdout}");
     assert!(stdout.contains("all-reduce of 4 KiB (host-push) on 4 ranks"), "{stdout}");
-    assert!(stdout.contains("all-reduce of 1 MiB (two-shot) on 4 ranks"), "{stdout}");
+    assert!(stdout.contains("all-reduce of 1 MiB (chain) on 4 ranks"), "{stdout}");
     assert!(stdout.contains("[0] rank 0: done: 4 ranks joined"), "{stdout}");
 }
 

@@ -684,6 +684,58 @@ fn rank_lost() {
     }
 }
 
+/// Host 1 vanishes (its launcher by SIGKILL, its ranks with it) while host 0's ranks vote on
+/// growing their all-reduce workspace: they must fail within their timeout, naming the lost
+/// ranks, never wait in the vote or the growth's collective allocation.
+#[test]
+#[ignore = "a rank program; run by a_host_lost_during_a_vote_fails_the_others"]
+fn rank_dies_in_vote() {
+    let Some(j) = Job::start() else { return };
+    let x = sym(&[8192], DType::F32);
+    x.fill(1.0f32).unwrap();
+    // The workspace, made at its first size by a small call.
+    ops::all_reduce(&x.narrow(0, 0, 64).unwrap(), ReduceOp::Sum, &j.g).unwrap();
+    if j.host_of(j.me) == 1 {
+        // Host 0's ranks are in the vote now, waiting for this host: the test kills it.
+        std::thread::sleep(Duration::from_millis(300));
+        std::fs::write(std::env::var("SYMMEM_TEST_MARKER").unwrap(), b"voting").unwrap();
+        std::thread::sleep(Duration::from_secs(60));
+    }
+    let start = Instant::now();
+    // 32 KiB: more than the workspace holds, so a vote first.
+    match ops::all_reduce(&x, ReduceOp::Sum, &j.g) {
+        Ok(()) => panic!("rank {}: the all-reduce succeeded without host 1", j.me),
+        Err(e) => {
+            println!("rank {} failed after {:.1} s: {e}", j.me, start.elapsed().as_secs_f64());
+            std::process::exit(3);
+        }
+    }
+}
+
+#[test]
+fn a_host_lost_during_a_vote_fails_the_others() {
+    let mut backends = vec!["tcp"];
+    if have_ucx() {
+        backends.push("ucx");
+    }
+    for backend in backends {
+        let marker = std::env::temp_dir().join(format!("symmem-vote-{backend}-{}", std::process::id()));
+        let _ = std::fs::remove_file(&marker);
+        let m = marker.to_str().unwrap().to_string();
+        let t0 = Instant::now();
+        let env = [("SYMMEM_OP_TIMEOUT", "10"), ("SYMMEM_XHOST_BACKEND", backend), ("SYMMEM_TEST_MARKER", &m)];
+        let outs = launch_with(Layout::Loopback, 2, "rank_dies_in_vote", &env, |pids| {
+            while !marker.exists() && t0.elapsed() < Duration::from_secs(60) {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            let _ = Command::new("kill").args(["-9", &pids[1].to_string()]).status();
+        });
+        let _ = std::fs::remove_file(&marker);
+        assert_lost(&outs, Duration::from_secs(10));
+        assert!(t0.elapsed() < Duration::from_secs(60), "{backend}: nothing hung");
+    }
+}
+
 /// Checks that host 0's ranks failed in time, naming ranks of host 1. The first rank to fail
 /// makes its launcher stop the other, which may not get to report: at least one must.
 fn assert_lost(outs: &[Output], within: Duration) {

@@ -32,6 +32,8 @@ enum Layout<'a> {
     OneHost,
     /// Two launchers on loopback, told they are different hosts.
     Loopback,
+    /// Three of them.
+    Loopback3,
     /// One launcher in each of two network namespaces.
     Netns(&'a Hosts),
 }
@@ -51,7 +53,11 @@ fn launch_with(
 ) -> Vec<Output> {
     let me = std::env::current_exe().unwrap();
     let rank_args = ["--exact", scenario, "--include-ignored", "--nocapture", "--test-threads=1"];
-    let hosts = if matches!(layout, Layout::OneHost) { 1 } else { 2 };
+    let hosts = match layout {
+        Layout::OneHost => 1,
+        Layout::Loopback3 => 3,
+        _ => 2,
+    };
     let n = per_host.to_string();
     let total = (per_host * hosts).to_string();
     let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port().to_string();
@@ -71,15 +77,15 @@ fn launch_with(
         c.args(["run", "-n", &n, "--timeout", "120"]);
         match layout {
             Layout::OneHost => {}
-            Layout::Loopback => {
-                c.args(["--nnodes", "2", "--node-rank", &i.to_string(), "--master-port", &port]);
+            Layout::Loopback | Layout::Loopback3 => {
+                c.args(["--nnodes", &hosts.to_string(), "--node-rank", &i.to_string(), "--master-port", &port]);
             }
             Layout::Netns(_) => {
                 c.args(["--nnodes", "2", "--node-rank", &i.to_string(), "--master-addr", "10.213.0.1"]);
                 c.args(["--master-port", "29500"]);
             }
         }
-        if hosts == 2 {
+        if hosts > 1 {
             c.env("SYMMEM_HOST_ID", format!("host{i}"));
         }
         c.arg("--").arg(&me).args(rank_args);
@@ -331,9 +337,9 @@ fn one_sided(j: &Job) {
     assert!(h.put_signal(ws, 0, T).is_err() && h.barrier(h.num_channels(), T).is_err());
 }
 
-/// Every operator, digested; the test compares the digests across layouts.
-fn operators(j: &Job) {
-    let (me, ws, g) = (j.me, j.ws, &j.g);
+/// Every all-reduce algorithm, digested, at sizes that take each of them.
+fn all_reduces(j: &Job) {
+    let (me, g) = (j.me, &j.g);
     // Across hosts the sizes take every algorithm: host push (up to 40 000 f32), then the
     // chain (f32 and i32; bf16 max) or two-shot (bf16 sums) above 512 KiB (256 KiB over ucx).
     for (dtype, n) in [
@@ -374,6 +380,12 @@ fn operators(j: &Job) {
             j.report(&format!("all_reduce/{tag}"), &x);
         }
     }
+}
+
+/// Every operator, digested; the test compares the digests across layouts.
+fn operators(j: &Job) {
+    let (me, ws, g) = (j.me, j.ws, &j.g);
+    all_reduces(j);
     // Integer sums have one right answer: check it by value too.
     let xi = sym(&[64], DType::I32);
     fill(&xi, |i| (me * 100 + i) as f64);
@@ -572,6 +584,29 @@ fn assert_same(got: &BTreeMap<usize, BTreeMap<String, String>>, want: &BTreeMap<
     assert_eq!(want.len(), 4, "every rank reported");
     for (r, w) in want {
         assert!(w.len() > 60, "rank {r} digested every operator ({} digests)", w.len());
+        for (name, d) in w {
+            assert_eq!(got[r].get(name), Some(d), "rank {r}: {name} differs from the single-host result");
+        }
+    }
+}
+
+/// The all-reduces alone: three hosts make a chain with a middle host.
+#[test]
+#[ignore = "a rank program; run by three_hosts_match_one_host_bit_for_bit"]
+fn rank_all_reduces() {
+    let Some(j) = Job::start() else { return };
+    all_reduces(&j);
+    j.g.barrier(T).unwrap();
+    println!("rank {} ok", j.me);
+}
+
+#[test]
+fn three_hosts_match_one_host_bit_for_bit() {
+    let want = digests(&launch(Layout::OneHost, 6, "rank_all_reduces", &[]), 6);
+    let got = digests(&launch(Layout::Loopback3, 2, "rank_all_reduces", &[]), 6);
+    assert_eq!(want.len(), 6, "every rank reported");
+    for (r, w) in &want {
+        assert!(w.len() > 90, "rank {r} digested every all-reduce ({} digests)", w.len());
         for (name, d) in w {
             assert_eq!(got[r].get(name), Some(d), "rank {r}: {name} differs from the single-host result");
         }

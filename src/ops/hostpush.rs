@@ -13,6 +13,8 @@
 //!                  0..ws in rank order (its host's ranks read in their own buffers) into
 //!                  result p; releases its host (RELEASE)
 //!     the others   copy the leader's result p
+//!   from 64 KiB (DIRECT_MIN) a rank's input leaves straight from its symmetric tensor instead
+//!   of its slot, its leader reads it there, and a host of one rank reduces into its tensor
 //!   all-to-all: the same, with each rank sending the blocks for another host's ranks, and
 //!   every rank copying its blocks from its host's ranks' stages and its leader's inbox
 //!   tiny messages (up to 16 KiB per rank): the leader gathers its host's data first and sends

@@ -7,13 +7,27 @@ use crate::error::Result;
 use crate::group::Group;
 use crate::ops::hostpush::*;
 use crate::ops::reduce::{self, ReduceOp};
+use crate::symm::SymmHandle;
 use crate::symm::hostsync::settle;
 use crate::tensor::Tensor;
+use crate::transport::Work;
 
-/// In-place all-reduce of a small message on a group that spans hosts (see the module docs).
-pub(crate) fn all_reduce(tensor: &Tensor, op: ReduceOp, group: &Group, timeout: Duration) -> Result<()> {
+/// In-place all-reduce of a small message on a group that spans hosts (see the module docs);
+/// `h` is the tensor's handle. From [`DIRECT_MIN`] bytes, a rank's input leaves straight from
+/// its tensor (those writes are waited for before the tensor is written, and before the call
+/// returns), its leader reads it there, and a host of one rank reduces straight into its
+/// tensor: the workspace then only receives the other hosts' inputs and holds the host's
+/// result.
+pub(crate) fn all_reduce(
+    tensor: &Tensor,
+    op: ReduceOp,
+    group: &Group,
+    h: &SymmHandle,
+    timeout: Duration,
+) -> Result<()> {
     let n = tensor.nbytes();
     let gathered = n <= GATHERED_MAX;
+    let direct = !gathered && n >= DIRECT_MIN;
     let stride = n.next_multiple_of(16);
     let (me, world) = (group.rank(), group.world_size());
     let sig = crate::ops::check::counts(tensor, Some(op));
@@ -39,94 +53,129 @@ pub(crate) fn all_reduce(tensor: &Tensor, op: ReduceOp, group: &Group, timeout: 
     // The sends of call e-2 read this call's buffers: they must have landed; those of call e-1
     // may still be in flight.
     settle(&hw, &mut w.sent, |epoch| epoch != e.wrapping_sub(1), timeout)?;
-    // SAFETY: slot `me` of inbox p lies in this rank's own workspace (sized for `cap` >= stride
-    // bytes per slot); nobody reads it before this rank's ARRIVE and FROM below, nobody still
-    // reads it from call e-2, and its sends of call e-2 have landed (above).
-    unsafe { std::ptr::copy_nonoverlapping(tensor.data_ptr().cast_const(), own(inbox(me)), n) };
+    if !direct {
+        // SAFETY: slot `me` of inbox p lies in this rank's own workspace (sized for `cap` >=
+        // stride bytes per slot); nobody reads it before this rank's ARRIVE and FROM below,
+        // nobody still reads it from call e-2, and its sends of call e-2 have landed (above).
+        unsafe { std::ptr::copy_nonoverlapping(tensor.data_ptr().cast_const(), own(inbox(me)), n) };
+    }
     for (i, v) in sig.into_iter().enumerate() {
         // Relaxed: published with the input, by ARRIVE here and by FROM on other hosts.
         word(&hw, me, sigs.slot(me) + 8 * i).store(v, Ordering::Relaxed);
     }
-    if !gathered {
-        for &l in &other_leaders {
-            // The data, its signature and the FROM word leave together.
-            hw.batch(l, || -> Result<()> {
-                for work in send_before_signal(&hw, l, inbox(me), inbox(me), n, timeout)? {
-                    w.sent.push((l, e, work));
-                }
-                send_own_sig(w, l, e, &sigs, timeout)
-            })?;
-        }
-    }
-    if me != leader {
-        w.words.publish(leader, arrive(me), e);
-        w.words.wait_for(release, e, leader, &p, timeout)?;
-        w.epoch = e;
-        // Relaxed: the leader stored it before RELEASE (Release, seen with Acquire above).
-        let verdict = word(&hw, leader, sigs.verdict()).load(Ordering::Relaxed);
-        if verdict != 0 {
-            return Err(verdict_error("all_reduce", &hw, leader, &sigs, verdict));
-        }
-        let res = (hw.read_ptr(leader) + result) as *const u8;
-        // SAFETY: the leader's result p is final (RELEASE e seen with Acquire) and is not
-        // rewritten before this rank arrives for call e+2.
-        unsafe { std::ptr::copy_nonoverlapping(res, tensor.data_ptr(), n) };
-        w.epoch = e;
-        return Ok(());
-    }
-    for &r in &locals[1..] {
-        w.words.wait_for(arrive(r), e, r, &p, timeout)?;
-    }
-    if gathered {
-        // The host's inputs, as runs of consecutive ranks, to every other leader in one go.
-        for &r in &locals[1..] {
-            // SAFETY: rank r's slot is final (ARRIVE e seen with Acquire) and r rewrites it only
-            // for call e+2, after this leader's RELEASE e+1; this leader's copy of it is sent
-            // from and rewritten only after the sends of call e-2 landed (settled above).
-            unsafe { std::ptr::copy_nonoverlapping((hw.read_ptr(r) + inbox(r)) as *const u8, own(inbox(r)), n) };
-        }
-        gather_sigs(&hw, &sigs);
-        for &l in &other_leaders {
-            // The host's data, their signatures and the FROM word leave together.
-            hw.batch(l, || -> Result<()> {
-                for (a, b) in runs(locals) {
-                    let (first, len) = (locals[a], (b - a - 1) * stride + n);
-                    for work in send_before_signal(&hw, l, inbox(first), inbox(first), len, timeout)? {
-                        w.sent.push((l, e, work));
+    // Writes from the tensor: waited for before it is written, and before returning.
+    let mut from_tensor: Vec<Work> = Vec::new();
+    let outcome = (|| -> Result<()> {
+        let written =
+            |works: &mut Vec<Work>| -> Result<()> { works.drain(..).try_for_each(|work| work.wait(Some(timeout))) };
+        if !gathered {
+            for &l in &other_leaders {
+                // The data, its signature and the FROM word leave together.
+                hw.batch(l, || -> Result<()> {
+                    if direct {
+                        let push = |at: usize, len: usize| {
+                            hw.start_push_from(h, l, h.offset() + at, len, inbox(me) + at, timeout)
+                        };
+                        from_tensor.extend(send_pieces_before_signal(&hw, l, n, push)?);
+                    } else {
+                        for work in send_before_signal(&hw, l, inbox(me), inbox(me), n, timeout)? {
+                            w.sent.push((l, e, work));
+                        }
                     }
-                }
-                send_host_sigs(w, l, e, &sigs, timeout)
-            })?;
+                    send_own_sig(w, l, e, &sigs, timeout)
+                })?;
+            }
         }
-    }
-    let senders: Vec<usize> = if gathered { other_leaders } else { (0..world).filter(|&r| !hw.is_local(r)).collect() };
-    for r in senders {
-        w.words.wait_for(from(r), e, r, &p, timeout)?;
-    }
-    // Every leader holds every rank's signature and reaches the same verdict; its host learns
-    // it with RELEASE.
-    let verdict = verdict_of(&hw, me, &sigs);
-    word(&hw, me, sigs.verdict()).store(verdict, Ordering::Relaxed);
-    if verdict != 0 {
+        if me != leader {
+            w.words.publish(leader, arrive(me), e);
+            w.words.wait_for(release, e, leader, &p, timeout)?;
+            w.epoch = e;
+            // Relaxed: the leader stored it before RELEASE (Release, seen with Acquire above).
+            let verdict = word(&hw, leader, sigs.verdict()).load(Ordering::Relaxed);
+            if verdict != 0 {
+                return Err(verdict_error("all_reduce", &hw, leader, &sigs, verdict));
+            }
+            let res = (hw.read_ptr(leader) + result) as *const u8;
+            written(&mut from_tensor)?;
+            // SAFETY: the leader's result p is final (RELEASE e seen with Acquire) and is not
+            // rewritten before this rank arrives for call e+2; nothing reads the tensor any more
+            // (its leader released the host, its writes landed).
+            unsafe { std::ptr::copy_nonoverlapping(res, tensor.data_ptr(), n) };
+            w.epoch = e;
+            return Ok(());
+        }
+        for &r in &locals[1..] {
+            w.words.wait_for(arrive(r), e, r, &p, timeout)?;
+        }
+        if gathered {
+            // The host's inputs, as runs of consecutive ranks, to every other leader in one go.
+            for &r in &locals[1..] {
+                // SAFETY: rank r's slot is final (ARRIVE e seen with Acquire) and r rewrites it only
+                // for call e+2, after this leader's RELEASE e+1; this leader's copy of it is sent
+                // from and rewritten only after the sends of call e-2 landed (settled above).
+                unsafe { std::ptr::copy_nonoverlapping((hw.read_ptr(r) + inbox(r)) as *const u8, own(inbox(r)), n) };
+            }
+            gather_sigs(&hw, &sigs);
+            for &l in &other_leaders {
+                // The host's data, their signatures and the FROM word leave together.
+                hw.batch(l, || -> Result<()> {
+                    for (a, b) in runs(locals) {
+                        let (first, len) = (locals[a], (b - a - 1) * stride + n);
+                        for work in send_before_signal(&hw, l, inbox(first), inbox(first), len, timeout)? {
+                            w.sent.push((l, e, work));
+                        }
+                    }
+                    send_host_sigs(w, l, e, &sigs, timeout)
+                })?;
+            }
+        }
+        let senders: Vec<usize> =
+            if gathered { other_leaders.clone() } else { (0..world).filter(|&r| !hw.is_local(r)).collect() };
+        for r in senders {
+            w.words.wait_for(from(r), e, r, &p, timeout)?;
+        }
+        // Every leader holds every rank's signature and reaches the same verdict; its host learns
+        // it with RELEASE.
+        let verdict = verdict_of(&hw, me, &sigs);
+        word(&hw, me, sigs.verdict()).store(verdict, Ordering::Relaxed);
+        if verdict != 0 {
+            for &r in &locals[1..] {
+                w.words.publish(r, release, e);
+            }
+            w.epoch = e;
+            return Err(verdict_error("all_reduce", &hw, me, &sigs, verdict));
+        }
+        // A local rank's input is in its tensor (direct) or its own slot, a remote rank's in this
+        // leader's slot.
+        let input = |r: usize| match (hw.is_local(r), direct) {
+            (true, true) => h.read_ptr(r) + h.offset(),
+            (true, false) => hw.read_ptr(r) + inbox(r),
+            (false, _) => hw.read_ptr(me) + inbox(r),
+        };
+        let srcs: Vec<*const u8> = (0..world).map(|r| input(r) as *const u8).collect();
+        if direct && locals.len() == 1 {
+            written(&mut from_tensor)?;
+            w.epoch = e;
+            // SAFETY: every input read is of call e (this rank's tensor; remote ones landed before
+            // their FROM word, seen with Acquire) and not rewritten before call e+2; the tensor
+            // holds numel elements, its writes to other hosts have landed, and `reduce` allows a
+            // destination that is also a source.
+            return unsafe { reduce::reduce(tensor.dtype(), op, &srcs, &[tensor.data_ptr()], tensor.numel(), world) };
+        }
+        // SAFETY: every input read holds its rank's input of call e (local ones published before
+        // ARRIVE, and unchanged until RELEASE; remote ones landed before their FROM word, both seen
+        // with Acquire) and is not rewritten before call e+2; result p holds `cap` >= n bytes and
+        // nobody reads it until RELEASE e.
+        unsafe { reduce::reduce(tensor.dtype(), op, &srcs, &[own(result)], tensor.numel(), world)? };
         for &r in &locals[1..] {
             w.words.publish(r, release, e);
         }
+        written(&mut from_tensor)?;
+        // SAFETY: as above; the tensor holds n bytes, and its writes to other hosts have landed.
+        unsafe { std::ptr::copy_nonoverlapping(own(result).cast_const(), tensor.data_ptr(), n) };
         w.epoch = e;
-        return Err(verdict_error("all_reduce", &hw, me, &sigs, verdict));
-    }
-    // A local rank's input is in its own slot, a remote rank's in this leader's.
-    let srcs: Vec<*const u8> =
-        (0..world).map(|r| (hw.read_ptr(if hw.is_local(r) { r } else { me }) + inbox(r)) as *const u8).collect();
-    // SAFETY: every slot read holds its rank's input of call e (local ones published before
-    // ARRIVE, remote ones landed before their FROM word, both seen with Acquire) and is not
-    // rewritten before call e+2; result p holds `cap` >= n bytes and nobody reads it until
-    // RELEASE e.
-    unsafe { reduce::reduce(tensor.dtype(), op, &srcs, &[own(result)], tensor.numel(), world)? };
-    for &r in &locals[1..] {
-        w.words.publish(r, release, e);
-    }
-    // SAFETY: as above; the tensor holds n bytes.
-    unsafe { std::ptr::copy_nonoverlapping(own(result).cast_const(), tensor.data_ptr(), n) };
-    w.epoch = e;
-    Ok(())
+        Ok(())
+    })();
+    let sent = from_tensor.into_iter().try_for_each(|work| work.wait(Some(timeout)));
+    outcome.and(sent)
 }

@@ -282,7 +282,7 @@ pub fn all_reduce(tensor: &Tensor, op: ReduceOp, group: &Group) -> Result<()> {
     let h = symm::rendezvous(tensor, group)?;
     let call = || match select_for(tensor, op, &h) {
         Algo::Small => small::all_reduce(tensor, op, group, timeout()),
-        Algo::HostPush => host_push::all_reduce(tensor, op, group, timeout()),
+        Algo::HostPush => host_push::all_reduce(tensor, op, group, &h, timeout()),
         Algo::Chain => chain::all_reduce(tensor, op, group, &h),
         Algo::TwoShot => {
             // two_shot_all_reduce_ itself, on the handle already in hand.

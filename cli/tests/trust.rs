@@ -1227,6 +1227,14 @@ fn rank_out_of_step() {
     agree(64);
     agree(8192);
     agree(64);
+    // Sizes past host push (the chain with 2 ranks per host, two-shot otherwise) that disagree:
+    // the checked entry's barrier finds it on every rank, before any tensor is written.
+    let n = if me == 1 { 200_000 } else { 150_000 };
+    let v = x.narrow(0, 0, n).unwrap();
+    v.fill(7.0f32).unwrap();
+    disagree("all_reduce, large", ops::all_reduce(&v, ReduceOp::Sum, &g));
+    assert!(v.to_vec::<f32>().unwrap().iter().all(|&f| f == 7.0), "the input is untouched");
+    agree(200_000);
     // Agreeing calls that switch between a leader gathering its host's messages and every rank
     // sending its own: each call's data must be its own (a FROM word raised for a rank by its
     // leader could overtake that rank's own message of the call before).

@@ -775,21 +775,32 @@ fn a_host_lost_during_a_vote_fails_the_others() {
         backends.push("ucx");
     }
     for backend in backends {
-        let marker = std::env::temp_dir().join(format!("symmem-vote-{backend}-{}", std::process::id()));
-        let _ = std::fs::remove_file(&marker);
-        let m = marker.to_str().unwrap().to_string();
         let t0 = Instant::now();
-        let env = [("SYMMEM_OP_TIMEOUT", "10"), ("SYMMEM_XHOST_BACKEND", backend), ("SYMMEM_TEST_MARKER", &m)];
-        let outs = launch_with(Layout::Loopback, 2, "rank_dies_in_vote", &env, |pids| {
-            while !marker.exists() && t0.elapsed() < Duration::from_secs(60) {
-                std::thread::sleep(Duration::from_millis(20));
-            }
-            let _ = Command::new("kill").args(["-9", &pids[1].to_string()]).status();
-        });
-        let _ = std::fs::remove_file(&marker);
+        let env = [("SYMMEM_OP_TIMEOUT", "10"), ("SYMMEM_XHOST_BACKEND", backend)];
+        let outs = kill_host1_at_marker(&format!("vote-{backend}"), "rank_dies_in_vote", &env);
         assert_lost(&outs, Duration::from_secs(10));
         assert!(t0.elapsed() < Duration::from_secs(60), "{backend}: nothing hung");
     }
+}
+
+/// Runs `scenario` on two played hosts with `env`, and once a rank writes the marker file
+/// (`SYMMEM_TEST_MARKER`) kills host 1's launcher with SIGKILL: its ranks die with it, and
+/// nothing tells the store.
+fn kill_host1_at_marker(tag: &str, scenario: &str, env: &[(&str, &str)]) -> Vec<Output> {
+    let marker = std::env::temp_dir().join(format!("symmem-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_file(&marker);
+    let m = marker.to_str().unwrap().to_string();
+    let t0 = Instant::now();
+    let mut env = env.to_vec();
+    env.push(("SYMMEM_TEST_MARKER", &m));
+    let outs = launch_with(Layout::Loopback, 2, scenario, &env, |pids| {
+        while !marker.exists() && t0.elapsed() < Duration::from_secs(60) {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let _ = Command::new("kill").args(["-9", &pids[1].to_string()]).status();
+    });
+    let _ = std::fs::remove_file(&marker);
+    outs
 }
 
 /// Checks that host 0's ranks failed in time, naming ranks of host 1. The first rank to fail
@@ -812,25 +823,9 @@ fn assert_lost(outs: &[Output], within: Duration) {
 
 #[test]
 fn a_vanished_host_fails_the_others_naming_its_ranks() {
-    // Host 1 disappears at once: its launcher is killed with SIGKILL (its ranks die with it,
-    // and nothing tells the store). Host 0's ranks notice through their links.
-    let marker = std::env::temp_dir().join(format!("symmem-vanish-{}", std::process::id()));
-    let _ = std::fs::remove_file(&marker);
-    let m = marker.to_str().unwrap().to_string();
+    // Host 1 disappears at once; host 0's ranks notice through their links.
     let t0 = Instant::now();
-    let outs = launch_with(
-        Layout::Loopback,
-        2,
-        "rank_lost",
-        &[("SYMMEM_TEST_MARKER", &m), ("SYMMEM_OP_TIMEOUT", "10")],
-        |pids| {
-            while !marker.exists() && t0.elapsed() < Duration::from_secs(60) {
-                std::thread::sleep(Duration::from_millis(20));
-            }
-            let _ = Command::new("kill").args(["-9", &pids[1].to_string()]).status();
-        },
-    );
-    let _ = std::fs::remove_file(&marker);
+    let outs = kill_host1_at_marker("vanish", "rank_lost", &[("SYMMEM_OP_TIMEOUT", "10")]);
     assert_lost(&outs, Duration::from_secs(10));
     assert!(t0.elapsed() < Duration::from_secs(100), "nothing hung");
 }
@@ -840,23 +835,9 @@ fn a_vanished_host_linked_by_ucx_fails_the_others_naming_its_ranks() {
     if !have_ucx() {
         return;
     }
-    let marker = std::env::temp_dir().join(format!("symmem-vanish-ucx-{}", std::process::id()));
-    let _ = std::fs::remove_file(&marker);
-    let m = marker.to_str().unwrap().to_string();
     let t0 = Instant::now();
-    let outs = launch_with(
-        Layout::Loopback,
-        2,
-        "rank_lost",
-        &[("SYMMEM_TEST_MARKER", &m), ("SYMMEM_OP_TIMEOUT", "10"), ("SYMMEM_XHOST_BACKEND", "ucx")],
-        |pids| {
-            while !marker.exists() && t0.elapsed() < Duration::from_secs(60) {
-                std::thread::sleep(Duration::from_millis(20));
-            }
-            let _ = Command::new("kill").args(["-9", &pids[1].to_string()]).status();
-        },
-    );
-    let _ = std::fs::remove_file(&marker);
+    let env = [("SYMMEM_OP_TIMEOUT", "10"), ("SYMMEM_XHOST_BACKEND", "ucx")];
+    let outs = kill_host1_at_marker("vanish-ucx", "rank_lost", &env);
     assert_lost(&outs, Duration::from_secs(10));
     assert!(t0.elapsed() < Duration::from_secs(100), "nothing hung");
 }

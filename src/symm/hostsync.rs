@@ -218,10 +218,11 @@ impl HostSync {
             Error::Transfer { kind, message } => Error::transfer(kind, format!("SymmetricMemory::barrier: {message}")),
             e => e,
         };
-        // Sends of epoch e-1 may still read the digests of its parity; those of e-2 read this
-        // one's, about to be rewritten, and must have finished. The others carry no buffer: only
-        // their failures matter.
-        settle(h, &mut st.sent, |epoch| epoch == e.wrapping_sub(2), timeout).map_err(what)?;
+        // Sends of epoch e-1 may still read the digests of its parity; earlier ones may read this
+        // one's, about to be rewritten, and must have finished (as in the host-push workspaces;
+        // they have, in fact: the other leaders' FROM words of e-1 followed them on the link).
+        // Only their failures matter otherwise.
+        settle(h, &mut st.sent, |epoch| epoch != e.wrapping_sub(1), timeout).map_err(what)?;
         // Digests and verdicts alternate by parity: a leader writes another's parity p of epoch
         // e+2 only after that leader's FROM word of e+1, which it raises after it read e's.
         let parity = (e % 2) as usize;

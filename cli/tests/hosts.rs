@@ -602,39 +602,36 @@ fn rank_all_reduces() {
 
 #[test]
 fn three_hosts_match_one_host_bit_for_bit() {
-    let want = digests(&launch(Layout::OneHost, 6, "rank_all_reduces", &[]), 6);
-    for backend in ["tcp", "ucx"] {
-        if backend == "ucx" && !have_ucx() {
-            continue;
-        }
-        let got = digests(&launch(Layout::Loopback3, 2, "rank_all_reduces", &[("SYMMEM_XHOST_BACKEND", backend)]), 6);
-        assert_same_all_reduces(&got, &want, 6);
-    }
+    all_reduces_match_one_host(Layout::Loopback3, 3, 2);
 }
 
 /// One rank per host: a host's leader alone, reducing straight into its tensor from 64 KiB.
 #[test]
 fn one_rank_per_host_matches_one_host_bit_for_bit() {
-    let want = digests(&launch(Layout::OneHost, 2, "rank_all_reduces", &[]), 2);
+    all_reduces_match_one_host(Layout::Loopback, 2, 1);
+}
+
+/// Every all-reduce on `hosts` played hosts of `per_host` ranks (`layout`), over tcp and over
+/// ucx, equals the same ranks' on one host bit for bit.
+fn all_reduces_match_one_host(layout: Layout, hosts: usize, per_host: usize) {
+    let world = hosts * per_host;
+    let want = digests(&launch(Layout::OneHost, world, "rank_all_reduces", &[]), world);
+    assert_eq!(want.len(), world, "every rank reported");
     for backend in ["tcp", "ucx"] {
         if backend == "ucx" && !have_ucx() {
             continue;
         }
-        let got = digests(&launch(Layout::Loopback, 1, "rank_all_reduces", &[("SYMMEM_XHOST_BACKEND", backend)]), 2);
-        assert_same_all_reduces(&got, &want, 2);
-    }
-}
-
-fn assert_same_all_reduces(
-    got: &BTreeMap<usize, BTreeMap<String, String>>,
-    want: &BTreeMap<usize, BTreeMap<String, String>>,
-    world: usize,
-) {
-    assert_eq!(want.len(), world, "every rank reported");
-    for (r, w) in want {
-        assert!(w.len() > 90, "rank {r} digested every all-reduce ({} digests)", w.len());
-        for (name, d) in w {
-            assert_eq!(got[r].get(name), Some(d), "rank {r}: {name} differs from the single-host result");
+        let env = [("SYMMEM_XHOST_BACKEND", backend)];
+        let got = digests(&launch(layout, per_host, "rank_all_reduces", &env), world);
+        for (r, w) in &want {
+            assert!(w.len() > 90, "rank {r} digested every all-reduce ({} digests)", w.len());
+            for (name, d) in w {
+                assert_eq!(
+                    got[r].get(name),
+                    Some(d),
+                    "{backend}: rank {r}: {name} differs from the single-host result"
+                );
+            }
         }
     }
 }

@@ -199,8 +199,9 @@ pub(crate) struct Kinds {
 /// takes; for the host-push ones, `kind` names their workspace). A call that fails part-way
 /// (a wait that timed out, a transfer that failed, a workspace not made) may have left its
 /// ranks at different points of the protocol: one waiting in a collective allocation that the
-/// others never entered, one that sent its data and signal for a call its peer never ran. Their call numbers and buffers then disagree,
-/// and a later call could take data left from the failed one as its own. So from then on
+/// others never entered, one that sent its data and signal for a call its peer never ran.
+/// Their call numbers and buffers then disagree, and a later call could take data left from
+/// the failed one as its own. So from then on
 /// every call of the kind on the group is refused at once, naming the failure; the group's
 /// other operators, and other groups, go on. A disagreement found by the signatures
 /// (`InvalidArgument`) ends the call on every rank at the same point, and changes nothing.

@@ -1022,14 +1022,7 @@ impl SymmHandle {
         let _g = lock(&self.peers.lock);
         let p = self.patience(timeout);
         if !self.all_local() {
-            return match self.peers.sync.get() {
-                Some(sync) => sync.barrier(&p, timeout),
-                // Only the barrier's own words have none, and nothing calls their barrier.
-                None => Err(Error::InvalidArgument(format!(
-                    "SymmetricMemory::barrier: group {:?} spans hosts but this allocation has no host barrier",
-                    self.peers.group
-                ))),
-            };
+            return self.host_sync()?.barrier(&p, timeout);
         }
         let (me, ws) = (self.rank(), self.world_size());
         let others: Vec<usize> = (1..ws).map(|k| (me + k) % ws).collect();
@@ -1049,13 +1042,18 @@ impl SymmHandle {
             return Ok(None);
         }
         let _g = lock(&self.peers.lock);
-        let sync = self.peers.sync.get().ok_or_else(|| {
+        self.host_sync()?.barrier_agreeing(&self.patience(timeout), timeout, digest).map(Some)
+    }
+
+    /// The group's barrier across hosts, on a group that spans hosts.
+    fn host_sync(&self) -> Result<&hostsync::HostSync> {
+        // Only the barrier's own words have none, and nothing calls their barrier.
+        self.peers.sync.get().map(|s| &**s).ok_or_else(|| {
             Error::InvalidArgument(format!(
-                "group {:?} spans hosts but this allocation has no host barrier",
+                "SymmetricMemory::barrier: group {:?} spans hosts but this allocation has no host barrier",
                 self.peers.group
             ))
-        })?;
-        sync.barrier_agreeing(&self.patience(timeout), timeout, digest).map(Some)
+        })
     }
 
     /// The ranks on this host, this one included, in order.

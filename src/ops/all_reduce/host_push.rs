@@ -65,9 +65,8 @@ pub(crate) fn all_reduce(
     }
     // Writes from the tensor: waited for before it is written, and before returning.
     let mut from_tensor: Vec<Work> = Vec::new();
+    let written = |works: &mut Vec<Work>| -> Result<()> { works.drain(..).try_for_each(|w| w.wait(Some(timeout))) };
     let outcome = (|| -> Result<()> {
-        let written =
-            |works: &mut Vec<Work>| -> Result<()> { works.drain(..).try_for_each(|work| work.wait(Some(timeout))) };
         if !gathered {
             for &l in &other_leaders {
                 // The data, its signature and the FROM word leave together.
@@ -176,6 +175,6 @@ pub(crate) fn all_reduce(
         w.epoch = e;
         Ok(())
     })();
-    let sent = from_tensor.into_iter().try_for_each(|work| work.wait(Some(timeout)));
+    let sent = written(&mut from_tensor);
     outcome.and(sent)
 }

@@ -519,6 +519,8 @@ pub struct SignalBenchOptions {
     pub ranks: Vec<usize>,
     /// Measured iterations per run.
     pub iters: usize,
+    /// Hosts to play for the signal runs (the flag baseline stays on one host).
+    pub hosts: usize,
     /// The `symmem` executable to launch ranks of.
     pub exe: std::path::PathBuf,
 }
@@ -598,19 +600,23 @@ fn launch_bench(
 /// atomic-flag ping-pong between two processes. Both ping-pongs run pinned (each process on
 /// its own core: the hardware's floor) and unpinned (where the scheduler puts them, as a job
 /// runs unless it pins).
+///
+/// With `hosts` > 1 the signal runs span played hosts (2 ranks: one per host), and the 2-rank
+/// ones also time NVSHMEM's put-with-signal and PyTorch's put_signal of 8 bytes across them.
 pub fn signal(options: &SignalBenchOptions, mut emit: impl FnMut(BenchResult)) -> Result<()> {
     let iters = options.iters.to_string();
-    let mut jobs: Vec<(usize, Vec<&str>)> = vec![
-        (2, vec!["__bench-flag-rank", "--iters", &iters, "--pin"]),
-        (2, vec!["__bench-flag-rank", "--iters", &iters]),
-        (2, vec!["__bench-signal-rank", "--iters", &iters, "--pin"]),
+    let hosts = options.hosts.max(1);
+    let mut jobs: Vec<(usize, usize, Vec<&str>)> = vec![
+        (2, 1, vec!["__bench-flag-rank", "--iters", &iters, "--pin"]),
+        (2, 1, vec!["__bench-flag-rank", "--iters", &iters]),
+        (2, hosts, vec!["__bench-signal-rank", "--iters", &iters, "--pin"]),
     ];
     for &n in &options.ranks {
-        jobs.push((n, vec!["__bench-signal-rank", "--iters", &iters]));
+        jobs.push((n, hosts, vec!["__bench-signal-rank", "--iters", &iters]));
     }
-    for (n, args) in jobs {
+    for (n, hosts, args) in jobs {
         let args = args.into_iter().map(Into::into).collect();
-        launch_bench(&options.exe, args, n, 1, Duration::from_secs(300), &mut emit)?;
+        launch_bench(&options.exe, args, n, hosts, Duration::from_secs(300), &mut emit)?;
     }
     Ok(())
 }
@@ -711,6 +717,62 @@ pub fn signal_rank(iters: usize, pin: bool) -> Result<()> {
             ),
             (true, false) => half_round_trips(rtt, "signal_pingpong_pinned", 2, "pinning refused: unpinned"),
         });
+        if !pin {
+            // 8 bytes of data with their signal, each way: NVSHMEM's put-with-signal (the signal
+            // a word the waiter watches) and PyTorch's put_signal (a signal-pad slot).
+            let data = symm::empty(&[8], DType::U8, Device::Cpu)?;
+            let flag = symm::empty(&[1], DType::I64, Device::Cpu)?;
+            let hd = symm::rendezvous(&data, &group)?;
+            symm::rendezvous(&flag, &group)?;
+            hd.barrier(0, t)?;
+            let mut rtt = Vec::with_capacity(iters);
+            for i in 0..iters + iters / 10 {
+                let start = Instant::now();
+                let k = i as u64 + 1;
+                if me == 0 {
+                    symm::nvshmem_put_with_signal(&data, &flag, k, other)?;
+                    symm::nvshmem_wait_for_signal(&flag, k, other)?;
+                } else {
+                    symm::nvshmem_wait_for_signal(&flag, k, other)?;
+                    symm::nvshmem_put_with_signal(&data, &flag, k, other)?;
+                }
+                if i >= iters / 10 {
+                    rtt.push(start.elapsed());
+                }
+            }
+            rows.push(half_round_trips(
+                rtt,
+                "put_with_signal_pingpong",
+                2,
+                "nvshmem_put_with_signal+wait_for_signal of 8 B, one way (RTT/2)",
+            ));
+            hd.barrier(0, t)?;
+            let mut rtt = Vec::with_capacity(iters);
+            for i in 0..iters + iters / 10 {
+                let start = Instant::now();
+                if me == 0 {
+                    symm::put_signal(&data, &hd, other)?;
+                    symm::wait_signal(&hd, other)?;
+                } else {
+                    symm::wait_signal(&hd, other)?;
+                    symm::put_signal(&data, &hd, other)?;
+                }
+                if i >= iters / 10 {
+                    rtt.push(start.elapsed());
+                }
+            }
+            rows.push(half_round_trips(
+                rtt,
+                "put_signal_pingpong",
+                2,
+                "put_signal+wait_signal of 8 B, one way (RTT/2)",
+            ));
+            hd.barrier(0, t)?;
+        }
+    }
+    let hosts = symmem::config::hosts();
+    for row in &mut rows {
+        row.hosts = hosts;
     }
     if pin {
         group.barrier(t)?;
@@ -726,9 +788,10 @@ pub fn signal_rank(iters: usize, pin: bool) -> Result<()> {
         }
     }
     let (median, p99) = percentiles(&mut lat);
-    rows.push(
-        BenchResult::timing("barrier", ws, lat.len(), median, p99).with("note", "signal-pad barrier (rank 0's view)"),
-    );
+    let mut row =
+        BenchResult::timing("barrier", ws, lat.len(), median, p99).with("note", "signal-pad barrier (rank 0's view)");
+    row.hosts = hosts;
+    rows.push(row);
     group.barrier(t)?;
     if me == 0 { report(&rows) } else { Ok(()) }
 }

@@ -547,6 +547,10 @@ transfers in flight (for the TCP stream: the stream's own, and time_us is its me
         /// Measured iterations per run.
         #[arg(long, default_value_t = 10000)]
         iters: usize,
+        /// Play this many hosts: the ranks of the signal runs split evenly over them, so the
+        /// ping-pongs cross hosts (the flag baseline, plain shared memory, stays on one host).
+        #[arg(long, default_value_t = 1)]
+        hosts: usize,
     },
     /// Rendezvous at scale: N simulated ranks exchange real rendezvous records through a store,
     /// with per-key gets (PyTorch's default), one multi-get each (symmem's default), and through
@@ -703,9 +707,9 @@ fn dispatch(command: Command) -> Result<u8> {
             let options = bench::TransportBenchOptions { backend, sizes: flat(&sizes), window, exe };
             bench_rows(&what, output.format(), plot.as_deref(), |emit| bench::transport(&options, emit))
         }
-        Command::Bench { which: BenchCommand::Signal { output, nproc, iters } } => {
+        Command::Bench { which: BenchCommand::Signal { output, nproc, iters, hosts } } => {
             let exe = self_exe()?;
-            let options = bench::SignalBenchOptions { ranks: flat_counts(&nproc), iters, exe };
+            let options = bench::SignalBenchOptions { ranks: flat_counts(&nproc), iters, hosts, exe };
             bench_rows("signals and barriers", output.format(), None, |emit| bench::signal(&options, emit))
         }
         Command::Bench { which: BenchCommand::Rendezvous { output, nproc, per_key_max } } => {

@@ -253,11 +253,14 @@ fn one_sided(j: &Job) {
         hd.barrier(0, T).unwrap();
         let from_prev: Vec<i32> = (0..n).map(|i| (prev * 1000 + i + parity) as i32).collect();
         let from_next: Vec<i32> = (0..n).map(|i| (next * 1000 + i + parity) as i32).collect();
-        // put_with_signal / wait_for_signal, 5 rounds: the data is always there with the signal.
+        // put_with_signal / wait_for_signal, 5 rounds: the data is always there with the signal,
+        // and the source is the sender's again as soon as the call returns (overwritten at once,
+        // before the peer has even seen the signal across hosts).
         for k in 1..=5u64 {
             if sender {
                 fill(&data, |i| (me * 1000 + i + parity) as f64 + k as f64);
                 symm::nvshmem_put_with_signal(&data, &sig, k, next).unwrap();
+                fill(&data, |_| -1.0);
                 hd.wait_signal(next, 3, T).unwrap();
             }
             if receiver {
@@ -268,6 +271,28 @@ fn one_sided(j: &Job) {
             }
         }
         hd.barrier(0, T).unwrap();
+        // Larger puts with a signal, the source overwritten as soon as the call returns: over
+        // tcp 160 KB leave in in-order pieces the signal follows, 800 KB as one striped write
+        // landed before the signal; over ucx both in one posted write or landed first.
+        for (k, len) in [(6u64, 40_000usize), (7, 200_000)] {
+            let big = sym(&[len], DType::I32);
+            let flag = sym(&[1], DType::I64);
+            let hb = symm::rendezvous(&big, &j.g).unwrap();
+            symm::rendezvous(&flag, &j.g).unwrap();
+            hb.barrier(0, T).unwrap();
+            if sender {
+                fill(&big, |i| (me * 7 + i) as f64);
+                symm::nvshmem_put_with_signal(&big, &flag, k, next).unwrap();
+                fill(&big, |_| -1.0);
+            }
+            if receiver {
+                symm::nvshmem_wait_for_signal(&flag, k, prev).unwrap();
+                let got = big.to_vec::<i32>().unwrap();
+                let bad = (0..len).find(|&i| got[i] != (prev * 7 + i) as i32);
+                assert_eq!(bad, None, "put_with_signal of {len} elements: first wrong element");
+            }
+            hb.barrier(0, T).unwrap();
+        }
         // nvshmem_put, then nvshmem_get of the (untouched) next rank's copy.
         fill(&data, |i| (me * 1000 + i + parity) as f64);
         hd.barrier(0, T).unwrap();

@@ -365,10 +365,6 @@ pub(crate) fn send_own_sig(w: &mut Workspace, l: usize, e: u32, sigs: &Sigs, tim
     Ok(())
 }
 
-/// Above this, a block goes as one striped write (every flow of the link) that is waited for
-/// before the signal; below, as in-order pieces on one flow that the signal can follow at once.
-pub(crate) const STRIPED: usize = 512 * 1024;
-
 /// Writes `len` bytes at `src` of this rank's buffer to `dst` of `leader`'s, so that a remote
 /// atomic started next lands after them; returns the writes still in flight.
 pub(crate) fn send_before_signal(
@@ -383,24 +379,21 @@ pub(crate) fn send_before_signal(
 }
 
 /// As [`send_before_signal`], each piece started by `push(at, len)` (a write of the `len` bytes
-/// at `at` of the message).
+/// at `at` of the message): see `Link::write_before_signal`. A leader on this host needs no
+/// signal ordering: its piece is written at once.
 pub(crate) fn send_pieces_before_signal(
     h: &SymmHandle,
     leader: usize,
     len: usize,
     push: impl Fn(usize, usize) -> Result<Work>,
 ) -> Result<Vec<Work>> {
-    // Writes the link's backend keeps in order with the atomic that follows need no wait.
-    let in_order = h.remote(leader).map_or(0, |r| r.link.in_order_up_to());
-    if len > STRIPED || in_order == 0 {
-        let w = push(0, len)?;
-        w.wait(None).map_err(|e| match h.remote(leader) {
-            Some(r) => r.link.error("writing to", &e),
-            None => e,
-        })?;
-        return Ok(Vec::new());
+    match h.remote(leader) {
+        Some(r) => r.link.write_before_signal(len, push).map_err(|e| r.link.error("writing to", &e)),
+        None => {
+            push(0, len)?.wait(None)?;
+            Ok(Vec::new())
+        }
     }
-    (0..len).step_by(in_order).map(|at| push(at, in_order.min(len - at))).collect()
 }
 
 /// Data for another host leaves straight from a symmetric input rather than through the

@@ -41,7 +41,7 @@ use crate::sync::slot::{self, Failure};
 use crate::sync::{Patience, Stop, wait_until};
 pub use crate::tensor::Device;
 use crate::tensor::{DType, Storage, Tensor};
-use crate::transport::Memory;
+use crate::transport::{Memory, Work};
 use crate::wire::symm::{PeerRecord, RECORD_VERSION};
 pub use pool::MemPool;
 use remote::{Link, Links, Mirror, Remote};
@@ -1261,9 +1261,8 @@ fn unregister_temporary(r: &Remote, reg: &Memory) {
     }
 }
 
-/// Writes `len` bytes of contiguous `src` to byte `at` of `peer`'s data buffer and returns when
-/// they have landed.
-fn put_bytes(op: &str, src: &Tensor, hdl: &SymmHandle, peer: usize, at: usize) -> Result<()> {
+/// Checks a put of contiguous `src` to byte `at` of `peer`'s data buffer; its length.
+fn check_put(op: &str, src: &Tensor, hdl: &SymmHandle, peer: usize, at: usize) -> Result<usize> {
     if !src.is_contiguous() {
         return Err(Error::InvalidArgument(format!("{op}: src must be contiguous")));
     }
@@ -1277,6 +1276,13 @@ fn put_bytes(op: &str, src: &Tensor, hdl: &SymmHandle, peer: usize, at: usize) -
             hdl.buffer_size()
         )));
     }
+    Ok(len)
+}
+
+/// Writes `len` bytes of contiguous `src` to byte `at` of `peer`'s data buffer and returns when
+/// they have landed.
+fn put_bytes(op: &str, src: &Tensor, hdl: &SymmHandle, peer: usize, at: usize) -> Result<()> {
+    let len = check_put(op, src, hdl, peer, at)?;
     match &hdl.peers.peers[peer] {
         Peer::Local(seg) => {
             // SAFETY: the destination range lies inside the peer's buffer (checked above); src
@@ -1295,12 +1301,46 @@ fn put_bytes(op: &str, src: &Tensor, hdl: &SymmHandle, peer: usize, at: usize) -
     }
 }
 
+/// Writes contiguous `src` to byte `at` of the data buffer of `r`, the remote peer `peer`, as
+/// posted writes that what `then` starts next on the link (a signal) follows in the link's
+/// order, in one batch with it; returns once `src` may be reused and `then`'s Work completed.
+/// A signal thus costs no round trip for the data's acknowledgement: NVSHMEM's and
+/// OpenSHMEM's put-with-signal, whose blocking form returns once the source may be reused.
+fn post_bytes(
+    op: &str,
+    src: &Tensor,
+    hdl: &SymmHandle,
+    (peer, r): (usize, &Remote),
+    at: usize,
+    then: impl FnOnce() -> Result<Option<Work>>,
+) -> Result<()> {
+    let len = check_put(op, src, hdl, peer, at)?;
+    let t = crate::config::op_timeout();
+    // src registered for these writes, privately (as in `put_bytes`); a write in flight keeps
+    // its registration alive whatever happens here.
+    let reg = r.link.transport.register_private(src)?;
+    let started = r.link.transport.batch(|| -> Result<Vec<Work>> {
+        let piece = |o: usize, n: usize| r.post_write_from(&reg.to_view(o, Some(n))?, at + o, t);
+        let mut works = r.link.write_before_signal(len, piece)?;
+        works.extend(then()?);
+        Ok(works)
+    });
+    let res = started.and_then(|works| works.into_iter().try_for_each(|w| w.wait(None)));
+    unregister_temporary(r, &reg);
+    res.map_err(|e| r.link.error(&format!("{op}: writing to"), &e))
+}
+
 /// Copies contiguous `src` into `peer`'s allocation at the handle's offset, then raises a
-/// signal at `peer` on channel 0: the peer's [`wait_signal`] returns after the data landed.
+/// signal at `peer` on channel 0: the peer's [`wait_signal`] returns after the data landed, and
+/// so does this call (the signal is acknowledged). To a peer on another host the data leave
+/// as posted writes the signal follows on the link, so the call costs one round trip.
 pub fn put_signal(src: &Tensor, hdl: &SymmHandle, peer: usize) -> Result<()> {
-    put_bytes("put_signal", src, hdl, peer, hdl.offset)?;
-    // Data first (landed: a local copy, or an acknowledged remote write), then the signal,
-    // whose Release CAS orders the copy before the peer's Acquire in wait_signal. As in
+    match hdl.remote(peer) {
+        Some(r) => post_bytes("put_signal", src, hdl, (peer, r), hdl.offset, || Ok(None))?,
+        None => put_bytes("put_signal", src, hdl, peer, hdl.offset)?,
+    }
+    // Data first (a local copy, or writes the link lands before what follows), then the
+    // signal, whose Release CAS orders the copy before the peer's Acquire in wait_signal. As in
     // PyTorch, the caller must not overwrite data the peer has not read: signals say "data is
     // here", not "data was consumed".
     let _g = lock(&hdl.peers.lock);
@@ -1373,10 +1413,26 @@ fn signal_word(op: &str, sigpad: &Tensor) -> Result<(Arc<SymmHandle>, usize)> {
 /// NVSHMEM's put with signal: puts the whole of `tensor` into the same symmetric tensor on
 /// `peer`, then sets the first element of `peer`'s `sigpad` (a symmetric int64/int32/uint32
 /// tensor) to `signal`. The peer sees the signal only after the data landed.
+///
+/// It returns once `tensor` may be reused, as NVSHMEM's and OpenSHMEM's blocking
+/// put-with-signal do: on this host the data and the signal are then in place; to a peer on
+/// another host, when `tensor` and `sigpad` were rendezvoused on the same group (one link),
+/// the data and the signal may still be on their way, the link landing the signal after the
+/// data (no round trip is waited for). A refusal of those writes by the peer ends the link
+/// with the reason.
 pub fn nvshmem_put_with_signal(tensor: &Tensor, sigpad: &Tensor, signal: u64, peer: usize) -> Result<()> {
-    let (sh, width) = signal_word("nvshmem_put_with_signal", sigpad)?;
-    nvshmem_put(tensor, peer)?;
+    const OP: &str = "nvshmem_put_with_signal";
+    let (sh, width) = signal_word(OP, sigpad)?;
     let t = crate::config::op_timeout();
+    let h = handle_of(OP, tensor)?;
+    if let (Some(rd), Some(rs)) = (h.remote(peer), sh.remote(peer))
+        && Arc::ptr_eq(&rd.link, &rs.link)
+    {
+        return post_bytes(OP, tensor, &h, (peer, rd), h.offset, || {
+            rs.start_set(sh.offset, width, signal, t, true).map(Some)
+        });
+    }
+    nvshmem_put(tensor, peer)?;
     match &sh.peers.peers[peer] {
         Peer::Local(_) => {
             if width == 8 {

@@ -30,6 +30,11 @@ use crate::sys::shm::{self, Mapping};
 use crate::tensor::{DType, Storage, Tensor};
 use crate::transport::{self, Atomic, Memory, Options, Reach, RemoteBuffer, Transport, Work, new_transport};
 
+/// Above this many bytes, a message a signal follows goes as one striped write (every flow of
+/// the link) that is waited for before the signal; below, as in-order pieces on one flow that
+/// the signal can follow at once ([`Link::write_before_signal`]).
+pub(crate) const STRIPED: usize = 512 * 1024;
+
 /// A connection from this rank to one rank on another host.
 #[derive(Debug)]
 pub(crate) struct Link {
@@ -57,6 +62,25 @@ impl Link {
     /// (its backend's [`crate::transport::Caps::in_order_up_to`]).
     pub(crate) fn in_order_up_to(&self) -> usize {
         self.transport.caps().in_order_up_to
+    }
+
+    /// Starts writing a message of `len` bytes so that the remote atomic this thread starts
+    /// next on the link lands after it, each piece started by `push(at, n)` (a posted write of
+    /// the `n` bytes at `at` of the message); returns the writes still in flight. Up to
+    /// [`STRIPED`] bytes the pieces are at most [`Link::in_order_up_to`] each, which the link
+    /// keeps in order with what follows (the signal can leave at once); a larger message goes
+    /// as one write, striped over the link's flows, that is waited for here.
+    pub(crate) fn write_before_signal(
+        &self,
+        len: usize,
+        push: impl Fn(usize, usize) -> Result<Work>,
+    ) -> Result<Vec<Work>> {
+        let in_order = self.in_order_up_to();
+        if len > STRIPED || in_order == 0 {
+            push(0, len)?.wait(None)?;
+            return Ok(Vec::new());
+        }
+        (0..len).step_by(in_order).map(|at| push(at, in_order.min(len - at))).collect()
     }
 
     /// Starts a remote atomic on the word at the start of `remote` (`posted`: see

@@ -489,6 +489,8 @@ fn bench_signal_emits_the_baselines_pinned_and_unpinned_and_every_rank_count() {
         ("flag_pingpong_unpinned", 2),
         ("signal_pingpong_pinned", 2),
         ("signal_pingpong", 2),
+        ("put_with_signal_pingpong", 2),
+        ("put_signal_pingpong", 2),
         ("barrier", 2),
         ("barrier", 3),
     ];
@@ -496,6 +498,24 @@ fn bench_signal_emits_the_baselines_pinned_and_unpinned_and_every_rank_count() {
     for r in &rows {
         assert!(r["time_us"].as_f64().is_some_and(|v| v > 0.0) && r["iters"].as_u64() == Some(200), "{r}");
     }
+    // Across two played hosts: the signal runs say so, the shared-memory baseline stays on one.
+    let out = symmem(&["bench", "signal", "--json", "--ranks", "2", "--iters", "100", "--hosts", "2"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let rows: Vec<serde_json::Value> = text(&out.stdout).lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let got: Vec<(&str, u64)> =
+        rows.iter().map(|r| (r["bench"].as_str().unwrap(), r["hosts"].as_u64().unwrap())).collect();
+    assert_eq!(
+        got,
+        [
+            ("flag_pingpong", 1),
+            ("flag_pingpong_unpinned", 1),
+            ("signal_pingpong_pinned", 2),
+            ("signal_pingpong", 2),
+            ("put_with_signal_pingpong", 2),
+            ("put_signal_pingpong", 2),
+            ("barrier", 2)
+        ]
+    );
 }
 
 #[test]

@@ -643,8 +643,11 @@ pub fn run_with(args: impl IntoIterator<Item = OsString>, exe: Option<std::path:
     }
     // Logs go through a thread of their own and are dropped, not waited for, when stderr is not
     // drained: a log line never stalls a server (the store) or a launcher. Colour only on a
-    // terminal.
-    let (writer, _flush_on_exit) = tracing_appender::non_blocking(std::io::stderr());
+    // terminal. 4096 lines in flight: the default (128,000) costs every process (each rank of a
+    // job) about 5 MB of zeroed pages at start, some 1,200 page faults.
+    let (writer, _flush_on_exit) = tracing_appender::non_blocking::NonBlockingBuilder::default()
+        .buffered_lines_limit(4096)
+        .finish(std::io::stderr());
     tracing_subscriber::fmt()
         .with_env_filter(
             symmem::config::log_filter()

@@ -1263,14 +1263,56 @@ fn rank_out_of_step() {
     let got = v_out.to_vec::<f32>().unwrap();
     assert!((0..ws).all(|r| got[r * 8..r * 8 + 8].iter().all(|&v| v == r as f32)), "{got:?}");
 
-    // Rank 1 passes 4 MiB (two-shot), the others 256 bytes (host push): both time out.
+    // Sizes on either side of host push's limit: rank 1 passes 4 MiB (the chain with 2 ranks
+    // per host, two-shot otherwise), the others 256 bytes (host push). The large path's entry
+    // meets host push's call on its workspace: every rank learns the disagreement at once, the
+    // inputs untouched, and the operator goes on working on the group.
     let n = if me == 1 { 1 << 20 } else { 64 };
     x.narrow(0, 0, n).unwrap().fill(1000.0f32).unwrap();
+    disagree("all_reduce, straddling", ops::all_reduce(&x.narrow(0, 0, n).unwrap(), ReduceOp::Sum, &g));
+    assert!(x.narrow(0, 0, n).unwrap().to_vec::<f32>().unwrap().iter().all(|&f| f == 1000.0), "untouched");
+    agree(64);
+    agree(200_000);
+    // The same for all-to-all: rank 1 passes 1.28 MB (pulled), the others 4 rows (host push).
+    let rows = if me == 1 { ws * 40_000usize.div_ceil(ws) } else { ws };
+    let a2a_in = x.narrow(0, 0, rows * 8).unwrap().view(&[rows, 8]).unwrap();
+    let a2a_out = Tensor::zeros(&[rows, 8], DType::F32).unwrap();
+    disagree("all_to_all, straddling", ops::all_to_all(&a2a_in, &a2a_out, &g));
+    for rows in [ws, ws * 40_000usize.div_ceil(ws)] {
+        let a2a_in = x.narrow(0, 0, rows * 8).unwrap().view(&[rows, 8]).unwrap();
+        a2a_in.fill(me as f32).unwrap();
+        let a2a_out = Tensor::zeros(&[rows, 8], DType::F32).unwrap();
+        ops::all_to_all(&a2a_in, &a2a_out, &g).unwrap();
+        let got = a2a_out.to_vec::<f32>().unwrap();
+        let per = rows / ws * 8;
+        assert!((0..ws).all(|r| got[r * per..(r + 1) * per].iter().all(|&v| v == r as f32)), "{rows} rows");
+    }
+
+    // A rank that comes to a call after the others gave up on it (their timeout is 3 s): they
+    // time out, their calls ended at different points. So does the late one, its peers gone;
+    // only alone with one peer (1+1) does it still find that peer's data of the call, and
+    // finish it.
+    g.barrier(Duration::from_secs(30)).unwrap();
+    if me == 1 {
+        std::thread::sleep(Duration::from_secs(4));
+    }
+    small.fill(1000.0f32).unwrap();
     let t = std::time::Instant::now();
-    let e = ops::all_reduce(&x.narrow(0, 0, n).unwrap(), ReduceOp::Sum, &g).unwrap_err().to_string();
-    assert!(e.contains("timed out") && t.elapsed() < Duration::from_secs(20), "{e}");
-    // Every later all-reduce on the group is refused at once, never mixed.
-    for _ in 0..3 {
+    let failed = match ops::all_reduce(&small, ReduceOp::Sum, &g) {
+        Err(e) => {
+            let e = e.to_string();
+            assert!(e.contains("timed out") && t.elapsed() < Duration::from_secs(20), "{e}");
+            true
+        }
+        Ok(()) => {
+            assert!(me == 1 && ws == 2, "rank {me} of {ws} finished a call its peers gave up on");
+            assert!(small.to_vec::<f32>().unwrap().iter().all(|&v| v == 2000.0));
+            false
+        }
+    };
+    g.barrier(Duration::from_secs(30)).unwrap();
+    // Every later all-reduce on the group is refused at once, never mixed, where a call failed.
+    for _ in 0..if failed { 3 } else { 0 } {
         small.fill((me + 1) as f32).unwrap();
         let t = std::time::Instant::now();
         let e = ops::all_reduce(&small, ReduceOp::Sum, &g).unwrap_err().to_string();

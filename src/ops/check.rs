@@ -90,7 +90,7 @@ impl Stamp {
 impl Stamp {
     /// One word that differs when the stamps do (FNV-1a of every word; never 0, the value of
     /// a board nobody wrote).
-    fn digest(&self) -> u64 {
+    pub(crate) fn digest(&self) -> u64 {
         fold(0xcbf2_9ce4_8422_2325, self.0.iter().copied()) | 1
     }
 }
@@ -207,21 +207,37 @@ pub(crate) fn counts(t: &Tensor, op: Option<ReduceOp>) -> [u64; 2] {
     [t.numel() as u64, u64::from(t.dtype().code()) | op.map_or(0, ReduceOp::code) << 8]
 }
 
-/// The error every rank reports when rank `r`'s [`counts`] differ from rank 0's.
+/// [`counts`] with the [`Stamp`] of the whole call folded into its upper bits: the signature
+/// of a call across hosts that takes another algorithm than host push (above its limit), which
+/// meets host push's calls on their workspace ([`crate::ops::hostpush::meet`]). A host-push
+/// call's signature leaves those bits 0, so the two never agree: ranks whose sizes straddle
+/// the limit differ in their counts anyway, and ranks that agree on them take the same path.
+pub(crate) fn counts_stamped(t: &Tensor, op: Option<ReduceOp>, stamp: &Stamp) -> [u64; 2] {
+    let [n, code] = counts(t, op);
+    [n, code | stamp.digest() << 16]
+}
+
+/// The error every rank reports when rank `r`'s [`counts`] (or [`counts_stamped`]) differ from
+/// rank 0's.
 #[cold]
 pub(crate) fn counts_disagree(op: &str, first: [u64; 2], r: usize, theirs: [u64; 2]) -> crate::error::Error {
     let show = |w: [u64; 2]| {
         let dtype = DType::from_code(w[1] as u8).map_or_else(|| "?".into(), |d| d.to_string());
-        let reduction = ["", " (sum)", " (avg)", " (min)", " (max)"].get((w[1] >> 8) as usize).copied().unwrap_or("");
+        let reduction =
+            ["", " (sum)", " (avg)", " (min)", " (max)"].get((w[1] >> 8 & 0xff) as usize).copied().unwrap_or("");
         format!("{} {dtype} elements{reduction}", w[0])
+    };
+    let low = |w: [u64; 2]| [w[0], w[1] & 0xffff];
+    let what = if low(first) == low(theirs) {
+        format!("rank 0 and rank {r} passed {} with different arguments (shape, offset or algorithm)", show(first))
+    } else {
+        format!("rank 0 passed {} but rank {r} passed {}", show(first), show(theirs))
     };
     bad(
         op,
         format!(
-            "the ranks' arguments disagree: rank 0 passed {} but rank {r} passed {}; every rank of the group must pass \
-             the same number of elements, dtype and arguments",
-            show(first),
-            show(theirs)
+            "the ranks' arguments disagree: {what}; every rank of the group must pass the same number of elements, \
+             dtype and arguments"
         ),
     )
 }
@@ -264,6 +280,26 @@ pub(crate) fn agree(group: &Group, stamp: &Stamp) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn counts_that_straddle_or_only_stamps_that_differ_are_told_apart() {
+        let a = Tensor::zeros(&[4, 8], DType::F32).unwrap();
+        let b = Tensor::zeros(&[8, 4], DType::F32).unwrap();
+        let sum = Some(ReduceOp::Sum);
+        let (sa, sb) = (Stamp::new("all_reduce", &a, 0, &[1]), Stamp::new("all_reduce", &b, 0, &[1]));
+        // Host push's signature never equals a stamped one of the same counts.
+        assert_ne!(counts(&a, sum), counts_stamped(&a, sum, &sa));
+        assert_ne!(counts_stamped(&a, sum, &sa), counts_stamped(&b, sum, &sb));
+        let e =
+            counts_disagree("all_reduce", counts_stamped(&a, sum, &sa), 2, counts_stamped(&b, sum, &sb)).to_string();
+        assert!(e.contains("rank 0 and rank 2 passed 32 float32 elements (sum) with different arguments"), "{e}");
+        let c = Tensor::zeros(&[64], DType::F32).unwrap();
+        let e = counts_disagree("all_reduce", counts(&c, sum), 1, counts_stamped(&a, sum, &sa)).to_string();
+        assert!(
+            e.contains("rank 0 passed 64 float32 elements (sum) but rank 1 passed 32 float32 elements (sum)"),
+            "{e}"
+        );
+    }
 
     #[test]
     fn stamps_tell_what_differs() {

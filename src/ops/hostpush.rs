@@ -22,6 +22,8 @@
 //!   ever raised by its own rank, so it never overtakes that rank's data on another link)
 //!   a call that needs a larger workspace: first a vote, a call of signatures only on the
 //!   workspace the ranks have; if they agree they all need the same size and grow it together
+//!   a call of the operator above host push's limit (another algorithm): the same vote, without
+//!   growing, as its entry (`meet`), so a rank that passed a smaller size meets it
 //! ```
 //!
 //! Buffers alternate, so nothing is overwritten while still read: a rank writes a leader's
@@ -268,6 +270,28 @@ pub(crate) fn workspace(
         all.retired.push(old);
     }
     Ok(w)
+}
+
+/// The entry of a call of `kind` across hosts that takes another algorithm than host push
+/// (sizes above its limit), in place of the checked entry's barrier: one exchange of
+/// signatures on the kind's workspace (made as [`workspace`] makes it, `bytes` its layout),
+/// which is a barrier across the group and hands every rank the same verdict. A rank that
+/// passed a size on host push's side of the limit runs a host-push call (or its vote) on the
+/// same workspace meanwhile, to which this exchange looks like a call of its own (see
+/// [`vote`]): instead of each waiting for the other's protocol until the timeout, both find
+/// that their signatures disagree (`sig` is [`crate::ops::check::counts_stamped`], never a
+/// host-push call's), at once, and the operator goes on working on the group.
+pub(crate) fn meet(
+    group: &Group,
+    kind: &'static str,
+    bytes: impl Fn(usize) -> usize,
+    sig: [u64; 2],
+    disagree: impl Fn([u64; 2], usize, [u64; 2]) -> Error,
+    timeout: Duration,
+) -> Result<()> {
+    let w = workspace(group, kind, 0, bytes, sig, &disagree, timeout)?;
+    let mut guard = lock(&w);
+    vote(&mut guard, sig, disagree, timeout)
 }
 
 /// A new workspace for messages of up to `cap` bytes (rounded up), made collectively.

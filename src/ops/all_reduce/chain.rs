@@ -100,8 +100,10 @@ fn chain_words(group: &Group, t: Duration) -> Result<Arc<Mutex<Chain>>> {
 pub(crate) fn all_reduce(tensor: &Tensor, op: ReduceOp, group: &Group, h: &SymmHandle) -> Result<()> {
     const OP: &str = "all_reduce";
     check_symmetric(OP, tensor)?;
-    // Named "all_reduce" in the stamp: a rank that took two-shot (named for it) disagrees here.
-    enter_on(OP, tensor, group, h, &[op.code()])?;
+    // The entry meets host push's calls (a rank whose size is on the other side of its limit
+    // disagrees at once); named "all_reduce" in the stamp, so a rank that took two-shot (named
+    // for it) disagrees too.
+    super::host_push::meet(tensor, op, group, h, OP)?;
     let t = timeout();
     let c = chain_words(group, t)?;
     let mut c = lock(&c);

@@ -12,6 +12,29 @@ use crate::symm::hostsync::settle;
 use crate::tensor::Tensor;
 use crate::transport::Work;
 
+/// The bytes of the all-reduce workspace of `world` ranks after its words, for messages of
+/// `cap` bytes: two parities of an inbox slot per rank, and two of the host's result.
+fn layout(world: usize) -> impl Fn(usize) -> usize {
+    move |cap| 2 * world * cap + 2 * cap
+}
+
+/// The entry of an all-reduce across hosts above host push's limit (the chain, or two-shot
+/// named `name` in its stamp), meeting host push's calls on its workspace
+/// ([`crate::ops::hostpush::meet`]).
+pub(crate) fn meet(tensor: &Tensor, op: ReduceOp, group: &Group, h: &SymmHandle, name: &'static str) -> Result<()> {
+    let stamp = crate::ops::check::Stamp::new(name, tensor, h.offset(), &[op.code()]);
+    let sig = crate::ops::check::counts_stamped(tensor, Some(op), &stamp);
+    let disagree = |f, r, t| crate::ops::check::counts_disagree(name, f, r, t);
+    crate::ops::hostpush::meet(
+        group,
+        "all_reduce",
+        layout(group.world_size()),
+        sig,
+        disagree,
+        crate::ops::common::timeout(),
+    )
+}
+
 /// In-place all-reduce of a small message on a group that spans hosts (see the module docs);
 /// `h` is the tensor's handle. From [`DIRECT_MIN`] bytes, a rank's input leaves straight from
 /// its tensor (those writes are waited for before the tensor is written, and before the call
@@ -32,7 +55,7 @@ pub(crate) fn all_reduce(
     let (me, world) = (group.rank(), group.world_size());
     let sig = crate::ops::check::counts(tensor, Some(op));
     let disagree = |f, r, t| crate::ops::check::counts_disagree("all_reduce", f, r, t);
-    let ws = workspace(group, "all_reduce", stride, |cap| 2 * world * cap + 2 * cap, sig, disagree, timeout)?;
+    let ws = workspace(group, "all_reduce", stride, layout(world), sig, disagree, timeout)?;
     let mut guard = lock(&ws);
     let w = &mut *guard;
     let e = w.epoch.wrapping_add(1);

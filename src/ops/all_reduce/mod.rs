@@ -288,7 +288,12 @@ pub fn all_reduce(tensor: &Tensor, op: ReduceOp, group: &Group) -> Result<()> {
             // two_shot_all_reduce_ itself, on the handle already in hand.
             const TWO: &str = "two_shot_all_reduce_";
             check_symmetric(TWO, tensor)?;
-            enter_on(TWO, tensor, group, &h, &[op.code()])?;
+            if h.all_local() {
+                enter_on(TWO, tensor, group, &h, &[op.code()])?;
+            } else {
+                // Across hosts, an entry that meets host push's calls (see the chain's).
+                host_push::meet(tensor, op, group, &h, TWO)?;
+            }
             two_shot_in_place(tensor, op, &h)
         }
     };

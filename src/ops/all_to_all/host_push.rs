@@ -10,6 +10,24 @@ use crate::symm::SymmHandle;
 use crate::symm::hostsync::settle;
 use crate::tensor::Tensor;
 
+/// The bytes of the all-to-all workspace after its words, for `world` ranks on `hosts` hosts of
+/// at most `lmax` ranks and blocks of `cap` bytes: two parities of a stage (a block per rank),
+/// an inbox and an outbox (a block per pair of ranks of a host and another).
+fn layout(world: usize, hosts: usize, lmax: usize) -> impl Fn(usize) -> usize {
+    move |cap| 2 * (world * cap + 2 * hosts * lmax * lmax * cap)
+}
+
+/// The entry of an all-to-all across hosts above host push's limit (pulled), meeting host
+/// push's calls on its workspace ([`crate::ops::hostpush::meet`]).
+pub(crate) fn meet(input: &Tensor, group: &Group, h: &SymmHandle, timeout: Duration) -> Result<()> {
+    const OP: &str = "all_to_all";
+    let stamp = crate::ops::check::Stamp::new(OP, input, h.offset(), &[]);
+    let sig = crate::ops::check::counts_stamped(input, None, &stamp);
+    let disagree = |f, r, t| crate::ops::check::counts_disagree(OP, f, r, t);
+    let bytes = layout(group.world_size(), h.hosts(), h.max_ranks_per_host());
+    crate::ops::hostpush::meet(group, OP, bytes, sig, disagree, timeout)
+}
+
 /// Equal-split all-to-all on a group that spans hosts (`h`: the input's handle): every rank
 /// stages in its workspace the blocks its host's other ranks take and writes, to each other
 /// host's leader, the blocks for that host's ranks (staged too when small; from
@@ -30,7 +48,7 @@ pub(crate) fn all_to_all(input: &Tensor, out: &Tensor, group: &Group, h: &SymmHa
     let per = move |cap: usize| world * cap + 2 * boxes(cap);
     let sig = crate::ops::check::counts(input, None);
     let disagree = |f, r, t| crate::ops::check::counts_disagree("all_to_all", f, r, t);
-    let ws = workspace(group, "all_to_all", bs, move |cap| 2 * per(cap), sig, disagree, timeout)?;
+    let ws = workspace(group, "all_to_all", bs, layout(world, hosts, lmax), sig, disagree, timeout)?;
     let mut guard = lock(&ws);
     let w = &mut *guard;
     let e = w.epoch.wrapping_add(1);

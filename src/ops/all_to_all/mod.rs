@@ -115,7 +115,13 @@ pub fn all_to_all(input: &Tensor, out: &Tensor, group: &Group) -> Result<()> {
 fn pulled(input: &Tensor, out: &Tensor, group: &Group, h: &SymmHandle) -> Result<()> {
     const OP: &str = "all_to_all";
     let (ws, block) = (group.world_size(), input.nbytes() / group.world_size());
-    enter_on(OP, input, group, h, &[])?;
+    if h.all_local() {
+        enter_on(OP, input, group, h, &[])?;
+    } else {
+        // Across hosts, an entry that meets host push's calls: a rank whose size is on the
+        // other side of its limit disagrees at once.
+        host_push::meet(input, group, h, timeout())?;
+    }
     // Blocks of ranks on other hosts are read straight into `out`; those of this host's ranks
     // are copied while the reads travel.
     let me = h.rank();

@@ -676,6 +676,33 @@ fn half_round_trips(mut rtt: Vec<Duration>, name: &str, ranks: usize, note: &str
     BenchResult::timing(name, ranks, rtt.len(), median, p99).with("note", note)
 }
 
+/// Times `iters` round trips between ranks 0 and 1 (after a tenth as many untimed): rank 0
+/// sends then receives, the other receives then sends, `send(k)` and `recv(k)` in round k
+/// (from 1).
+fn ping_pong(
+    me: usize,
+    iters: usize,
+    send: impl Fn(u64) -> Result<()>,
+    recv: impl Fn(u64) -> Result<()>,
+) -> Result<Vec<Duration>> {
+    let mut rtt = Vec::with_capacity(iters);
+    for i in 0..iters + iters / 10 {
+        let start = Instant::now();
+        let k = i as u64 + 1;
+        if me == 0 {
+            send(k)?;
+            recv(k)?;
+        } else {
+            recv(k)?;
+            send(k)?;
+        }
+        if i >= iters / 10 {
+            rtt.push(start.elapsed());
+        }
+    }
+    Ok(rtt)
+}
+
 /// One rank of the signal benchmark (run by `symmem bench signal` through the launcher).
 /// `pin`: each rank on its own core, and only the ping-pong is timed.
 pub fn signal_rank(iters: usize, pin: bool) -> Result<()> {
@@ -691,20 +718,7 @@ pub fn signal_rank(iters: usize, pin: bool) -> Result<()> {
     h.barrier(0, t)?;
     if ws == 2 {
         let other = 1 - me;
-        let mut rtt = Vec::with_capacity(iters);
-        for i in 0..iters + iters / 10 {
-            let start = Instant::now();
-            if me == 0 {
-                h.put_signal(other, 1, t)?;
-                h.wait_signal(other, 1, t)?;
-            } else {
-                h.wait_signal(other, 1, t)?;
-                h.put_signal(other, 1, t)?;
-            }
-            if i >= iters / 10 {
-                rtt.push(start.elapsed());
-            }
-        }
+        let rtt = ping_pong(me, iters, |_| h.put_signal(other, 1, t), |_| h.wait_signal(other, 1, t))?;
         rows.push(match (pin, pinned) {
             (false, _) => {
                 half_round_trips(rtt, "signal_pingpong", 2, "put_signal+wait_signal, one way (RTT/2), unpinned")
@@ -725,21 +739,12 @@ pub fn signal_rank(iters: usize, pin: bool) -> Result<()> {
             let hd = symm::rendezvous(&data, &group)?;
             symm::rendezvous(&flag, &group)?;
             hd.barrier(0, t)?;
-            let mut rtt = Vec::with_capacity(iters);
-            for i in 0..iters + iters / 10 {
-                let start = Instant::now();
-                let k = i as u64 + 1;
-                if me == 0 {
-                    symm::nvshmem_put_with_signal(&data, &flag, k, other)?;
-                    symm::nvshmem_wait_for_signal(&flag, k, other)?;
-                } else {
-                    symm::nvshmem_wait_for_signal(&flag, k, other)?;
-                    symm::nvshmem_put_with_signal(&data, &flag, k, other)?;
-                }
-                if i >= iters / 10 {
-                    rtt.push(start.elapsed());
-                }
-            }
+            let rtt = ping_pong(
+                me,
+                iters,
+                |k| symm::nvshmem_put_with_signal(&data, &flag, k, other),
+                |k| symm::nvshmem_wait_for_signal(&flag, k, other),
+            )?;
             rows.push(half_round_trips(
                 rtt,
                 "put_with_signal_pingpong",
@@ -747,20 +752,7 @@ pub fn signal_rank(iters: usize, pin: bool) -> Result<()> {
                 "nvshmem_put_with_signal+wait_for_signal of 8 B, one way (RTT/2)",
             ));
             hd.barrier(0, t)?;
-            let mut rtt = Vec::with_capacity(iters);
-            for i in 0..iters + iters / 10 {
-                let start = Instant::now();
-                if me == 0 {
-                    symm::put_signal(&data, &hd, other)?;
-                    symm::wait_signal(&hd, other)?;
-                } else {
-                    symm::wait_signal(&hd, other)?;
-                    symm::put_signal(&data, &hd, other)?;
-                }
-                if i >= iters / 10 {
-                    rtt.push(start.elapsed());
-                }
-            }
+            let rtt = ping_pong(me, iters, |_| symm::put_signal(&data, &hd, other), |_| symm::wait_signal(&hd, other))?;
             rows.push(half_round_trips(
                 rtt,
                 "put_signal_pingpong",

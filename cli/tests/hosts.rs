@@ -293,6 +293,23 @@ fn one_sided(j: &Job) {
             }
             hb.barrier(0, T).unwrap();
         }
+        // A signal rendezvoused on another group (other links, no common order with the data's):
+        // the data lands before the signal is sent.
+        let sub = j.g.split(&(0..ws).collect::<Vec<_>>()).unwrap().unwrap();
+        let flag = sym(&[1], DType::I64);
+        symm::rendezvous(&flag, &sub).unwrap();
+        hd.barrier(0, T).unwrap();
+        if sender {
+            fill(&data, |i| (me * 1000 + i + parity) as f64 + 9.0);
+            symm::nvshmem_put_with_signal(&data, &flag, 9, next).unwrap();
+            fill(&data, |_| -1.0);
+        }
+        if receiver {
+            symm::nvshmem_wait_for_signal(&flag, 9, prev).unwrap();
+            let want: Vec<i32> = from_prev.iter().map(|v| v + 9).collect();
+            assert_eq!(data.to_vec::<i32>().unwrap(), want, "put_with_signal, the signal on another group");
+        }
+        hd.barrier(0, T).unwrap();
         // nvshmem_put, then nvshmem_get of the (untouched) next rank's copy.
         fill(&data, |i| (me * 1000 + i + parity) as f64);
         hd.barrier(0, T).unwrap();

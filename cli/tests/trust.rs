@@ -812,15 +812,17 @@ fn a_write_returns_within_its_timeout_when_the_peer_stops_reading() {
         }
     }
     let stuck = stuck.expect("writes to a stopped peer must time out once its buffers are full");
-    // Small writes and reads, which the caller sends itself, return within their timeouts too.
+    // Small writes and reads, and a write of one 512 KiB frame, which the caller sends itself
+    // (as far as the socket takes it), return within their timeouts too.
     let small = t.register_memory(&Tensor::zeros(&[4096], DType::U8).unwrap()).unwrap();
+    let mid = t.register_memory(&Tensor::zeros(&[512 << 10], DType::U8).unwrap()).unwrap();
     let mut smalls = Vec::new();
-    for read in [false, true] {
+    for (read, local) in [(false, &small), (true, &small), (false, &mid)] {
         let t0 = Instant::now();
         let w = if read {
-            t.start_read(&small.to_mutable_view(0, None).unwrap(), &remote, Some(two))
+            t.start_read(&local.to_mutable_view(0, None).unwrap(), &remote, Some(two))
         } else {
-            t.start_write(&small.to_view(0, None).unwrap(), &remote, Some(two))
+            t.start_write(&local.to_view(0, None).unwrap(), &remote, Some(two))
         }
         .unwrap();
         assert!(t0.elapsed() < Duration::from_millis(500), "submitting waited {:?}", t0.elapsed());

@@ -1259,6 +1259,17 @@ fn rank_out_of_step() {
     let v_in = x.narrow(0, 0, v_rows * 8).unwrap().view(&[v_rows, 8]).unwrap();
     let v_out = Tensor::zeros(&[ws, 8], DType::F32).unwrap();
     disagree("all_to_all_vdev, growing", ops::all_to_all_vdev(&v_in, &v_out, &splits, &oso, &g));
+    // Straddling host push's limit: rank 1's input is past it (pulled, its out not symmetric).
+    let v_rows = if me == 1 { 40_000 } else { ws };
+    let v_in = x.narrow(0, 0, v_rows * 8).unwrap().view(&[v_rows, 8]).unwrap();
+    disagree("all_to_all_vdev, straddling", ops::all_to_all_vdev(&v_in, &v_out, &splits, &oso, &g));
+    for v_rows in [40_000, ws] {
+        let v_in = x.narrow(0, 0, v_rows * 8).unwrap().view(&[v_rows, 8]).unwrap();
+        v_in.fill(me as f32).unwrap();
+        ops::all_to_all_vdev(&v_in, &v_out, &splits, &oso, &g).unwrap();
+        let got = v_out.to_vec::<f32>().unwrap();
+        assert!((0..ws).all(|r| got[r * 8..r * 8 + 8].iter().all(|&v| v == r as f32)), "{v_rows} rows: {got:?}");
+    }
     let v_same = x.narrow(0, 0, ws * 8).unwrap().view(&[ws, 8]).unwrap();
     v_same.fill(me as f32).unwrap();
     ops::all_to_all_vdev(&v_same, &v_out, &splits, &oso, &g).unwrap();

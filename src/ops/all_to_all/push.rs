@@ -80,6 +80,36 @@ fn signature(kind: Kind, input: &Tensor, meta_len: usize, write: bool) -> [u64; 
     [input.numel() as u64, code]
 }
 
+/// Bit of a signature's second word that marks a pulled call's entry ([`meet`]), whose words
+/// also carry 39 bits of the digest of its arguments (bits 40.. of the first, 48..63 of the
+/// second); a host-push call leaves those 0 (its element count stays below 2^40, its split
+/// count below 2^32).
+const PULLED: u64 = 1 << 63;
+
+/// The bits of a signature's words that are not the pulled entry's digest.
+const COUNTS: [u64; 2] = [(1 << 40) - 1, (1 << 48) - 1];
+
+/// The entry of a call of the family across hosts that pulls, in place of the checked barrier
+/// (`crate::ops::hostpush::meet`): an exchange of signatures on the family's workspace, so that
+/// ranks that took host push (a smaller input, or a symmetric `out`) meet it and every rank
+/// gets the same disagreement at once. `stamp`: every argument the ranks must agree on.
+pub(crate) fn meet(
+    op: &str,
+    kind: Kind,
+    input: &Tensor,
+    meta_len: usize,
+    stamp: &crate::ops::check::Stamp,
+    group: &Group,
+    timeout: Duration,
+) -> Result<()> {
+    let [n, code] = signature(kind, input, meta_len, false);
+    let d = stamp.digest();
+    let sig = [n | (d & 0xff_ffff) << 40, code | PULLED | (d >> 24 & 0x7fff) << 48];
+    let world = group.world_size();
+    let bytes = move |cap| workspace_bytes(cap, world);
+    crate::ops::hostpush::meet(group, "all_to_all_vdev", bytes, sig, |f, r, t| disagree(op, f, r, t), timeout)
+}
+
 #[cold]
 fn disagree(op: &str, first: [u64; 2], r: usize, theirs: [u64; 2]) -> Error {
     let show = |w: [u64; 2]| {
@@ -88,16 +118,28 @@ fn disagree(op: &str, first: [u64; 2], r: usize, theirs: [u64; 2]) -> Error {
             .get((w[1] >> 8 & 0xf) as usize)
             .copied()
             .unwrap_or("?");
-        let how = if w[1] >> 12 & 1 == 1 { " (rows written into a symmetric out)" } else { "" };
-        format!("{op} an input of {} {dtype} elements and {} split values{how}", w[0], w[1] >> 16)
+        let how = match (w[1] & PULLED != 0, w[1] >> 12 & 1 == 1) {
+            (true, _) => " (pulled)",
+            (false, true) => " (rows written into a symmetric out)",
+            (false, false) => "",
+        };
+        format!(
+            "{op} an input of {} {dtype} elements and {} split values{how}",
+            w[0] & COUNTS[0],
+            w[1] >> 16 & 0xffff_ffff
+        )
+    };
+    let counts = |w: [u64; 2]| [w[0] & COUNTS[0], w[1] & COUNTS[1]];
+    let what = if counts(first) == counts(theirs) {
+        format!("rank 0 and rank {r} passed {} with different arguments (shape, offset or algorithm)", show(first))
+    } else {
+        format!("rank 0 passed {} but rank {r} passed {}", show(first), show(theirs))
     };
     bad(
         op,
         format!(
-            "the ranks' arguments disagree: rank 0 passed {} but rank {r} passed {}; every rank of the group must \
-             pass inputs of the same shape and dtype and splits of the same length",
-            show(first),
-            show(theirs)
+            "the ranks' arguments disagree: {what}; every rank of the group must pass inputs of the same shape and \
+             dtype and splits of the same length"
         ),
     )
 }

@@ -366,7 +366,14 @@ impl Call<'_> {
                 );
             }
             // Not `prologue`: an empty input still receives (zero) splits and offsets.
-            enter(group, h, &Stamp::new(op, input, h.offset(), stamp))?;
+            let stamp = Stamp::new(op, input, h.offset(), stamp);
+            if h.all_local() {
+                enter(group, h, &stamp)?;
+            } else {
+                // Across hosts, an entry that meets host push's calls: a rank that took host
+                // push disagrees at once.
+                super::push::meet(op, kind, input, m, &stamp, group, timeout())?;
+            }
             pull(op, kind, h, hs, m, align, input, out, out_splits_offsets)
         };
         if h.all_local() { call() } else { crate::ops::hostpush::guarded(group, FAMILY, call) }

@@ -117,14 +117,19 @@ impl WorkState {
     /// Waits until completion or `deadline`; true if completed.
     pub(crate) fn wait_until(&self, deadline: Option<Instant>) -> bool {
         // The crate's one spin budget (SYMMEM_SPIN_US): a completion usually arrives within it.
+        // The waiter progresses at least once whatever the budget, which sends what a batch of
+        // its own thread still holds (nothing else would before the batch ends).
         let spin_end = Instant::now() + crate::config::spin();
-        while Instant::now() < spin_end {
+        loop {
             if self.poll_state() != PENDING {
                 return true;
             }
             match self.progress.get() {
                 Some(p) => p(),
                 None => std::hint::spin_loop(),
+            }
+            if Instant::now() >= spin_end {
+                break;
             }
             std::thread::yield_now();
         }

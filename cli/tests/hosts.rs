@@ -239,6 +239,9 @@ fn one_sided(j: &Job) {
     assert_eq!(tail.to_vec::<i32>().unwrap()[n - 4], (next * 1_000_000 + n - 1) as i32);
     assert!(symm::get(&tail, &h, next, 4).unwrap_err().to_string().contains("exceed"), "out of bounds is refused");
     assert!(symm::nvshmem_get_out(&part, &h, 0, 11, next).is_err(), "dst too small");
+    // A peer out of range is refused with the reason, never a panic.
+    let e = symm::put_signal(&part, &h, ws).unwrap_err().to_string();
+    assert!(e.contains(&format!("peer {ws} must be smaller than world size {ws}")), "{e}");
     h.barrier(0, T).unwrap();
 
     // Odd ranks send (1 -> 2 and 3 -> 0 cross hosts), then even ones; receivers check.
@@ -292,6 +295,15 @@ fn one_sided(j: &Job) {
                 assert_eq!(bad, None, "put_with_signal of {len} elements: first wrong element");
             }
             hb.barrier(0, T).unwrap();
+        }
+        // Peers out of range: of the data's group, or of a smaller group the signal is on.
+        let e = symm::nvshmem_put_with_signal(&data, &sig, 1, ws).unwrap_err().to_string();
+        assert!(e.contains(&format!("peer {ws} must be smaller than world size {ws}")), "{e}");
+        if let Some(pair) = j.g.split(&[0, 1]).unwrap() {
+            let small = sym(&[1], DType::I64);
+            symm::rendezvous(&small, &pair).unwrap();
+            let e = symm::nvshmem_put_with_signal(&data, &small, 1, ws - 1).unwrap_err().to_string();
+            assert!(e.contains("the signal's peer") && e.contains("rank must be in [0, 2)"), "{e}");
         }
         // A signal rendezvoused on another group (other links, no common order with the data's):
         // the data lands before the signal is sent.

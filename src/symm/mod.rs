@@ -1301,20 +1301,19 @@ fn put_bytes(op: &str, src: &Tensor, hdl: &SymmHandle, peer: usize, at: usize) -
     }
 }
 
-/// Writes contiguous `src` to byte `at` of the data buffer of `r`, the remote peer `peer`, as
-/// posted writes that what `then` starts next on the link (a signal) follows in the link's
-/// order, in one batch with it; returns once `src` may be reused and `then`'s Work completed.
-/// A signal thus costs no round trip for the data's acknowledgement: NVSHMEM's and
-/// OpenSHMEM's put-with-signal, whose blocking form returns once the source may be reused.
+/// Writes the `len` bytes of contiguous `src` (a put [`check_put`] passed) to byte `at` of the
+/// data buffer of remote peer `r`, as posted writes that what `then` starts next on the link (a
+/// signal) follows in the link's order, in one batch with it; returns once `src` may be reused
+/// and `then`'s Work completed. A signal thus costs no round trip for the data's
+/// acknowledgement: NVSHMEM's and OpenSHMEM's put-with-signal, whose blocking form returns once
+/// the source may be reused.
 fn post_bytes(
     op: &str,
     src: &Tensor,
-    hdl: &SymmHandle,
-    (peer, r): (usize, &Remote),
-    at: usize,
+    r: &Remote,
+    (at, len): (usize, usize),
     then: impl FnOnce() -> Result<Option<Work>>,
 ) -> Result<()> {
-    let len = check_put(op, src, hdl, peer, at)?;
     let t = crate::config::op_timeout();
     // src registered for these writes, privately (as in `put_bytes`); a write in flight keeps
     // its registration alive whatever happens here.
@@ -1335,8 +1334,9 @@ fn post_bytes(
 /// so does this call (the signal is acknowledged). To a peer on another host the data leave
 /// as posted writes the signal follows on the link, so the call costs one round trip.
 pub fn put_signal(src: &Tensor, hdl: &SymmHandle, peer: usize) -> Result<()> {
+    let len = check_put("put_signal", src, hdl, peer, hdl.offset)?;
     match hdl.remote(peer) {
-        Some(r) => post_bytes("put_signal", src, hdl, (peer, r), hdl.offset, || Ok(None))?,
+        Some(r) => post_bytes("put_signal", src, r, (hdl.offset, len), || Ok(None))?,
         None => put_bytes("put_signal", src, hdl, peer, hdl.offset)?,
     }
     // Data first (a local copy, or writes the link lands before what follows), then the
@@ -1425,10 +1425,13 @@ pub fn nvshmem_put_with_signal(tensor: &Tensor, sigpad: &Tensor, signal: u64, pe
     let (sh, width) = signal_word(OP, sigpad)?;
     let t = crate::config::op_timeout();
     let h = handle_of(OP, tensor)?;
+    let len = check_put(OP, tensor, &h, peer, h.offset)?;
+    // The signal's group may be another, and smaller.
+    sh.check_rank(peer).map_err(|e| Error::InvalidArgument(format!("{OP}: the signal's peer: {e}")))?;
     if let (Some(rd), Some(rs)) = (h.remote(peer), sh.remote(peer))
         && Arc::ptr_eq(&rd.link, &rs.link)
     {
-        return post_bytes(OP, tensor, &h, (peer, rd), h.offset, || {
+        return post_bytes(OP, tensor, rd, (h.offset, len), || {
             rs.start_set(sh.offset, width, signal, t, true).map(Some)
         });
     }

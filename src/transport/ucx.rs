@@ -1711,21 +1711,26 @@ mod tests {
             Err(e) => eprintln!("SKIPPED over ucx: {e}"),
         }
         for _ in 0..3 {
-            let out = std::process::Command::new(std::env::current_exe().unwrap())
-                .arg("--exact")
-                .args(&tests)
-                .args(["--test-threads=1"])
-                .env("SYMMEM_SPIN_US", "0")
-                .output()
-                .unwrap();
-            let stdout = String::from_utf8_lossy(&out.stdout);
-            assert!(
-                out.status.success() && stdout.contains(&format!("{} passed", tests.len())),
-                "{:?}\n{stdout}\n{}",
-                out.status,
-                String::from_utf8_lossy(&out.stderr)
-            );
+            in_a_child(&tests, ("SYMMEM_SPIN_US", "0"));
         }
+    }
+
+    /// Runs `tests` of this binary in a child process with `env` set; asserts they all pass.
+    fn in_a_child(tests: &[&str], (var, value): (&str, &str)) {
+        let out = std::process::Command::new(std::env::current_exe().unwrap())
+            .arg("--exact")
+            .args(tests)
+            .args(["--test-threads=1"])
+            .env(var, value)
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success() && stdout.contains(&format!("{} passed", tests.len())),
+            "{:?}\n{stdout}\n{}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        );
     }
 
     /// `UCX_PROTO_ENABLE=y` (UCX's new protocols) changes nothing: small, batched, posted and
@@ -1742,19 +1747,6 @@ mod tests {
             "transport::ucx::tests::a_refused_posted_write_ends_the_connection_with_the_reason",
             "transport::ucx::tests::remote_atomics_over_tcp_and_ucx_agree",
         ];
-        let out = std::process::Command::new(std::env::current_exe().unwrap())
-            .arg("--exact")
-            .args(tests)
-            .args(["--test-threads=1"])
-            .env("UCX_PROTO_ENABLE", "y")
-            .output()
-            .unwrap();
-        let stdout = String::from_utf8_lossy(&out.stdout);
-        assert!(
-            out.status.success() && stdout.contains("3 passed"),
-            "{:?}\n{stdout}\n{}",
-            out.status,
-            String::from_utf8_lossy(&out.stderr)
-        );
+        in_a_child(&tests, ("UCX_PROTO_ENABLE", "y"));
     }
 }

@@ -10,11 +10,17 @@ use crate::symm::SymmHandle;
 use crate::symm::hostsync::settle;
 use crate::tensor::Tensor;
 
-/// The bytes of the all-to-all workspace after its words, for `world` ranks on `hosts` hosts of
-/// at most `lmax` ranks and blocks of `cap` bytes: two parities of a stage (a block per rank),
-/// an inbox and an outbox (a block per pair of ranks of a host and another).
+/// The bytes of one parity of the all-to-all workspace, for `world` ranks on `hosts` hosts of at
+/// most `lmax` ranks and blocks of `cap` bytes: a stage (a block per rank), an inbox and an
+/// outbox (a block per pair of ranks of a host and another).
+fn parity_bytes(world: usize, hosts: usize, lmax: usize) -> impl Fn(usize) -> usize + Copy {
+    move |cap| world * cap + 2 * hosts * lmax * lmax * cap
+}
+
+/// The bytes of the all-to-all workspace after its words: two parities.
 fn layout(world: usize, hosts: usize, lmax: usize) -> impl Fn(usize) -> usize {
-    move |cap| 2 * (world * cap + 2 * hosts * lmax * lmax * cap)
+    let per = parity_bytes(world, hosts, lmax);
+    move |cap| 2 * per(cap)
 }
 
 /// The entry of an all-to-all across hosts above host push's limit (pulled), meeting host
@@ -45,7 +51,7 @@ pub(crate) fn all_to_all(input: &Tensor, out: &Tensor, group: &Group, h: &SymmHa
     // Per parity: the stage (world blocks), the inbox and the leader's outbox, both laid out
     // [host][sender][receiver] (the inbox by source host, the outbox by destination host).
     let boxes = move |cap: usize| hosts * lmax * lmax * cap;
-    let per = move |cap: usize| world * cap + 2 * boxes(cap);
+    let per = parity_bytes(world, hosts, lmax);
     let sig = crate::ops::check::counts(input, None);
     let disagree = |f, r, t| crate::ops::check::counts_disagree("all_to_all", f, r, t);
     let ws = workspace(group, "all_to_all", bs, layout(world, hosts, lmax), sig, disagree, timeout)?;

@@ -1191,13 +1191,13 @@ fn ranks_on_two_hosts_that_disagree_get_the_same_error() {
     }
 }
 
-// Across hosts, ranks that pass sizes needing different workspaces (one must grow it) get the
-// same disagreement error at once, and the group goes on. Ranks that take different algorithms
-// (sizes on either side of host push's limit) can only time out, and leave the call at
-// different points: their protocol state (each call's number, what landed in
-// whose buffers) then differs, and a later call could take data left from the failed one as
-// its own. Every later call of that operator on the group is refused instead, at once and on
-// every rank; a new group works.
+// Across hosts, ranks that pass sizes needing different workspaces (one must grow it), taking
+// different algorithms, or sending differently (gathered by their leader or not) get the same
+// disagreement error at once, and the group goes on. Ranks whose call fails part-way (a rank
+// that comes too late) leave it at different points: their protocol state (each call's
+// number, what landed in whose buffers) then differs, and a later call could take data left
+// from the failed one as its own. Every later call of that operator on the group is refused
+// instead, at once and on every rank; a new group works.
 #[test]
 #[ignore = "a rank program; run by ranks_out_of_step_across_hosts_are_refused_not_mixed"]
 fn rank_out_of_step() {
@@ -1275,6 +1275,48 @@ fn rank_out_of_step() {
     ops::all_to_all_vdev(&v_same, &v_out, &splits, &oso, &g).unwrap();
     let got = v_out.to_vec::<f32>().unwrap();
     assert!((0..ws).all(|r| got[r * 8..r * 8 + 8].iter().all(|&v| v == r as f32)), "{got:?}");
+
+    // Sizes on either side of the limit up to which a leader gathers its host's messages (16
+    // KiB a rank): a leader that sends its own data waits for the FROM word of every rank of
+    // the other hosts, and a rank whose leader gathers sends none; its leader, once it finds
+    // the disagreement (among its host's signatures, or in the judgement), raises them for it.
+    // First one host's leader past the limit, then both leaders with their other ranks below.
+    agree(8192);
+    let cases: Vec<Vec<usize>> = if ws == 2 { vec![vec![1]] } else { vec![vec![2], vec![0, 2]] };
+    for big in cases {
+        let n = if big.contains(&me) { 8192 } else { 64 };
+        let v = x.narrow(0, 0, n).unwrap();
+        v.fill(3.0f32).unwrap();
+        let t = std::time::Instant::now();
+        let e = ops::all_reduce(&v, ReduceOp::Sum, &g).unwrap_err().to_string();
+        assert!(e.contains("disagree"), "all_reduce, straddling 16 KiB ({big:?} past it): {e}");
+        assert!(t.elapsed() < Duration::from_secs(2), "{big:?} past 16 KiB: after {:?}: {e}", t.elapsed());
+        assert!(v.to_vec::<f32>().unwrap().iter().all(|&f| f == 3.0), "untouched");
+        agree(64);
+        agree(8192);
+    }
+    let rows_at = |big: bool| if big { ws * 256 } else { ws };
+    for big in [true, false] {
+        let a2a_in = x.narrow(0, 0, rows_at(big) * 8).unwrap().view(&[rows_at(big), 8]).unwrap();
+        a2a_in.fill(me as f32).unwrap();
+        let a2a_out = Tensor::zeros(&[rows_at(big), 8], DType::F32).unwrap();
+        ops::all_to_all(&a2a_in, &a2a_out, &g).unwrap();
+    }
+    let straddler = if ws == 2 { 1 } else { 2 };
+    let rows = rows_at(me == straddler);
+    let a2a_in = x.narrow(0, 0, rows * 8).unwrap().view(&[rows, 8]).unwrap();
+    let a2a_out = Tensor::zeros(&[rows, 8], DType::F32).unwrap();
+    let t = std::time::Instant::now();
+    let e = ops::all_to_all(&a2a_in, &a2a_out, &g).unwrap_err().to_string();
+    assert!(e.contains("disagree") && t.elapsed() < Duration::from_secs(2), "all_to_all, straddling 16 KiB: {e}");
+    for big in [true, false] {
+        let a2a_in = x.narrow(0, 0, rows_at(big) * 8).unwrap().view(&[rows_at(big), 8]).unwrap();
+        a2a_in.fill(me as f32).unwrap();
+        let a2a_out = Tensor::zeros(&[rows_at(big), 8], DType::F32).unwrap();
+        ops::all_to_all(&a2a_in, &a2a_out, &g).unwrap();
+        let (got, per) = (a2a_out.to_vec::<f32>().unwrap(), rows_at(big) / ws * 8);
+        assert!((0..ws).all(|r| got[r * per..(r + 1) * per].iter().all(|&v| v == r as f32)), "big {big}");
+    }
 
     // Sizes on either side of host push's limit: rank 1 passes 4 MiB (the chain with 2 ranks
     // per host, two-shot otherwise), the others 256 bytes (host push). The large path's entry

@@ -18,8 +18,10 @@
 //!   all-to-all: the same, with each rank sending the blocks for another host's ranks, and
 //!   every rank copying its blocks from its host's ranks' stages and its leader's inbox
 //!   tiny messages (up to 16 KiB per rank): the leader gathers its host's data first and sends
-//!   one message per other host (FROM words then count leaders, not ranks; a FROM word is only
-//!   ever raised by its own rank, so it never overtakes that rank's data on another link)
+//!   one message per other host (FROM words then count leaders, not ranks; a FROM word is
+//!   raised by its own rank, so it never overtakes that rank's data on another link, except
+//!   by a leader whose ranks disagree: it raises those of its ranks that sent nothing, so a
+//!   leader waiting for them finds the disagreement too, see `raise_for_gathered`)
 //!   a call that needs a larger workspace: first a vote, a call of signatures only on the
 //!   workspace the ranks have; if they agree they all need the same size and grow it together
 //!   a call of the operator above host push's limit (another algorithm): the same vote, without
@@ -64,6 +66,8 @@ pub(crate) fn host_block_max(backend: Option<&str>) -> usize {
 pub(crate) struct Workspace {
     pub(crate) _tensor: Tensor,
     pub(crate) words: Words,
+    /// The operator whose calls use it (`"all_reduce"`, ...).
+    pub(crate) kind: &'static str,
     /// Bytes per message this workspace holds (per rank).
     pub(crate) cap: usize,
     pub(crate) epoch: u32,
@@ -162,12 +166,19 @@ pub(crate) fn exchange_and_judge(
             w.words.wait_for(arrive(r), e, r, &p, timeout)?;
         }
         arrived(w)?;
+        let split = host_split(&hw, sigs);
+        if split {
+            raise_for_gathered(w, e, sigs, timeout)?;
+        }
         for r in senders {
             w.words.wait_for(from(r), e, r, &p, timeout)?;
         }
         // The same verdict on every leader (each has every signature), handed on with RELEASE.
         let verdict = verdict_of(&hw, me, sigs);
         word(&hw, me, sigs.verdict()).store(verdict, Ordering::Relaxed);
+        if verdict != 0 && !split {
+            raise_for_gathered(w, e, sigs, timeout)?;
+        }
         for &r in &locals[1..] {
             w.words.publish(r, release, e);
         }
@@ -255,7 +266,7 @@ pub(crate) fn workspace(
     let w = match all.made.get(kind) {
         Some(w) => w.clone(),
         None => {
-            let w = make(group, FIRST_CAP, &bytes, timeout)?;
+            let w = make(group, kind, FIRST_CAP, &bytes, timeout)?;
             all.made.insert(kind, w.clone());
             w
         }
@@ -265,7 +276,7 @@ pub(crate) fn workspace(
     }
     vote(&mut lock(&w), sig, disagree, timeout)?;
     // Every rank voted for this size: they grow together.
-    let w = make(group, cap, &bytes, timeout)?;
+    let w = make(group, kind, cap, &bytes, timeout)?;
     if let Some(old) = all.made.insert(kind, w.clone()) {
         all.retired.push(old);
     }
@@ -295,14 +306,20 @@ pub(crate) fn meet(
 }
 
 /// A new workspace for messages of up to `cap` bytes (rounded up), made collectively.
-fn make(group: &Group, cap: usize, bytes: impl Fn(usize) -> usize, timeout: Duration) -> Result<Arc<Mutex<Workspace>>> {
+fn make(
+    group: &Group,
+    kind: &'static str,
+    cap: usize,
+    bytes: impl Fn(usize) -> usize,
+    timeout: Duration,
+) -> Result<Arc<Mutex<Workspace>>> {
     let cap = cap.max(FIRST_CAP).next_power_of_two();
     let world = group.world_size();
     let t = symm::empty(&[words_bytes(world) + sigs_bytes(world) + bytes(cap)], DType::U8, Device::Cpu)?;
     let handle = symm::rendezvous(&t, group)?;
     handle.barrier(0, timeout)?;
     let words = Words::new(handle, 0);
-    Ok(Arc::new(Mutex::new(Workspace { _tensor: t, words, cap, epoch: 0, sent: Vec::new() })))
+    Ok(Arc::new(Mutex::new(Workspace { _tensor: t, words, kind, cap, epoch: 0, sent: Vec::new() })))
 }
 
 /// A call of the workspace's protocol that carries only the signatures: what a rank whose call
@@ -389,6 +406,57 @@ pub(crate) fn send_own_sig(w: &mut Workspace, l: usize, e: u32, sigs: &Sigs, tim
     Ok(())
 }
 
+/// Whether the signatures of this leader's host differ among themselves (a leader's look once
+/// its host's ranks arrived).
+pub(crate) fn host_split(hw: &SymmHandle, sigs: &Sigs) -> bool {
+    let mine = read_sig(hw, hw.rank(), sigs.slot(hw.rank()));
+    hw.local_ranks()[1..].iter().any(|&r| read_sig(hw, r, sigs.slot(r)) != mine)
+}
+
+/// Whether a rank whose signature in a call on a workspace of `kind` is `sig` left its messages
+/// to its leader (a host-push call of up to [`GATHERED_MAX`] bytes of the all-reduce or the
+/// all-to-all): it then raised no FROM word on any other host. A signature stamped with a
+/// call's digest ([`crate::ops::check::counts_stamped`]), or of the all-to-all-v family, is of
+/// a rank that sends its own.
+fn left_to_leader(kind: &str, sig: [u64; 2]) -> bool {
+    if kind == "all_to_all_vdev" || sig[1] >> 16 != 0 {
+        return false;
+    }
+    DType::from_code(sig[1] as u8)
+        .and_then(|d| usize::try_from(sig[0]).ok()?.checked_mul(d.size()))
+        .is_some_and(|n| n <= GATHERED_MAX)
+}
+
+/// A leader's part in a call of `e` whose ranks disagree (its host's signatures differ, or its
+/// judgement found it), before it releases its host: where the ranks straddle the gathering
+/// limit, a leader that sends its own data waits for the FROM word of every rank of the other
+/// hosts, and a rank of this host that left its messages to this leader raised none. This
+/// leader raises them for it, after its signature, on every other leader, and waits for them to
+/// land: that leader then holds every signature, finds the disagreement too, and reads none of
+/// the call's data (so no such word can overtake data of the rank's: it sent none). Landed
+/// before the release, a word raised here is never later than the rank's own of its next call.
+pub(crate) fn raise_for_gathered(w: &mut Workspace, e: u32, sigs: &Sigs, timeout: Duration) -> Result<()> {
+    let hw = w.words.h.clone();
+    let locals = hw.local_ranks();
+    let quiet: Vec<usize> =
+        locals[1..].iter().copied().filter(|&r| left_to_leader(w.kind, read_sig(&hw, r, sigs.slot(r)))).collect();
+    if quiet.is_empty() {
+        return Ok(());
+    }
+    gather_sigs(&hw, sigs);
+    let mut landed = Vec::new();
+    for l in hw.leaders().filter(|&l| l != locals[0]) {
+        hw.batch(l, || -> Result<()> {
+            for &r in &quiet {
+                w.sent.push((l, e, hw.start_push(l, sigs.slot(r), 16, sigs.slot(r), timeout)?));
+                landed.push(w.words.start_remote_landed(l, hw.world_size() + 1 + r, e, timeout)?);
+            }
+            Ok(())
+        })?;
+    }
+    landed.into_iter().try_for_each(|work| work.wait(Some(timeout)))
+}
+
 /// Writes `len` bytes at `src` of this rank's buffer to `dst` of `leader`'s, so that a remote
 /// atomic started next lands after them; returns the writes still in flight.
 pub(crate) fn send_before_signal(
@@ -437,3 +505,29 @@ pub(crate) fn fits_size(bytes: usize, ranks_per_host: usize, backend: Option<&st
 /// link busy). Both ways use the same workspace: FROM words count the sender's epochs either
 /// way, and a leader is a rank.
 pub(crate) const GATHERED_MAX: usize = 16 * 1024;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ops::check::{Stamp, counts, counts_stamped};
+    use crate::ops::reduce::ReduceOp;
+
+    #[test]
+    fn only_a_host_push_call_up_to_the_gathering_limit_leaves_its_messages_to_its_leader() {
+        let sig = |n: usize, dtype: DType| counts(&Tensor::zeros(&[n], dtype).unwrap(), Some(ReduceOp::Sum));
+        // 16 KiB of f32 or of bf16 are gathered; a byte more is not.
+        assert!(left_to_leader("all_reduce", sig(4096, DType::F32)));
+        assert!(left_to_leader("all_to_all", sig(8192, DType::BF16)));
+        assert!(!left_to_leader("all_reduce", sig(4097, DType::F32)));
+        assert!(!left_to_leader("all_reduce", sig(8192, DType::F32)));
+        // The all-to-all-v family always sends its own; so does the entry of a large call.
+        assert!(!left_to_leader("all_to_all_vdev", sig(4, DType::F32)));
+        let t = Tensor::zeros(&[4], DType::F32).unwrap();
+        let stamped = counts_stamped(&t, None, &Stamp::new("all_reduce", &t, 0, &[]));
+        assert!(stamped[1] >> 16 != 0);
+        assert!(!left_to_leader("all_reduce", stamped));
+        // A count whose bytes overflow, or an unknown dtype code, is not a gathered call.
+        assert!(!left_to_leader("all_reduce", [u64::MAX, u64::from(DType::F32.code())]));
+        assert!(!left_to_leader("all_reduce", [4, 0xff]));
+    }
+}

@@ -124,8 +124,18 @@ impl Words {
     /// Starts setting word `i` of `rank` (on another host) to `e`, without waiting; posted (the
     /// Work may complete once sent: the peer learns of it by watching the word).
     pub(crate) fn start_remote(&self, rank: usize, i: usize, e: u32, timeout: Duration) -> Result<Work> {
+        self.set_remote(rank, i, e, timeout, true)
+    }
+
+    /// [`Words::start_remote`], answered: its Work completes once the word landed (and with it
+    /// whatever was started on the link before it).
+    pub(crate) fn start_remote_landed(&self, rank: usize, i: usize, e: u32, timeout: Duration) -> Result<Work> {
+        self.set_remote(rank, i, e, timeout, false)
+    }
+
+    fn set_remote(&self, rank: usize, i: usize, e: u32, timeout: Duration, posted: bool) -> Result<Work> {
         let r = self.h.remote(rank).ok_or_else(|| Error::InvalidArgument(format!("rank {rank} is not remote")))?;
-        r.start_set(self.offset(i), 4, u64::from(e), timeout, true).map_err(|err| r.link.error("signalling", &err))
+        r.start_set(self.offset(i), 4, u64::from(e), timeout, posted).map_err(|err| r.link.error("signalling", &err))
     }
 }
 

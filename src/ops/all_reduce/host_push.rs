@@ -151,6 +151,12 @@ pub(crate) fn all_reduce(
                 })?;
             }
         }
+        // Ranks of this host on either side of the gathering limit: raise the FROM words of
+        // those that left their messages to this leader, which others may wait for.
+        let split = host_split(&hw, &sigs);
+        if split {
+            raise_for_gathered(w, e, &sigs, timeout)?;
+        }
         let senders: Vec<usize> =
             if gathered { other_leaders.clone() } else { (0..world).filter(|&r| !hw.is_local(r)).collect() };
         for r in senders {
@@ -161,6 +167,9 @@ pub(crate) fn all_reduce(
         let verdict = verdict_of(&hw, me, &sigs);
         word(&hw, me, sigs.verdict()).store(verdict, Ordering::Relaxed);
         if verdict != 0 {
+            if !split {
+                raise_for_gathered(w, e, &sigs, timeout)?;
+            }
             for &r in &locals[1..] {
                 w.words.publish(r, release, e);
             }

@@ -299,6 +299,12 @@ fn one_sided(j: &Job) {
         // Peers out of range: of the data's group, or of a smaller group the signal is on.
         let e = symm::nvshmem_put_with_signal(&data, &sig, 1, ws).unwrap_err().to_string();
         assert!(e.contains(&format!("peer {ws} must be smaller than world size {ws}")), "{e}");
+        // Waiting for a signal from a peer out of range: refused at once (it panicked once its
+        // wait went past spinning).
+        let t = std::time::Instant::now();
+        let e = symm::nvshmem_wait_for_signal(&sig, 1, ws).unwrap_err().to_string();
+        assert!(e.contains("nvshmem_wait_for_signal") && e.contains(&format!("rank must be in [0, {ws})")), "{e}");
+        assert!(t.elapsed() < Duration::from_secs(1), "refused after {:?}", t.elapsed());
         if let Some(pair) = j.g.split(&[0, 1]).unwrap() {
             let small = sym(&[1], DType::I64);
             symm::rendezvous(&small, &pair).unwrap();

@@ -1461,6 +1461,7 @@ pub fn nvshmem_put_with_signal(tensor: &Tensor, sigpad: &Tensor, signal: u64, pe
 /// (`SYMMEM_OP_TIMEOUT`). `peer` names who is expected to signal, for the error message.
 pub fn nvshmem_wait_for_signal(sigpad: &Tensor, signal: u64, peer: usize) -> Result<()> {
     let (h, width) = signal_word("nvshmem_wait_for_signal", sigpad)?;
+    h.check_rank(peer).map_err(|e| Error::InvalidArgument(format!("nvshmem_wait_for_signal: peer: {e}")))?;
     let timeout = crate::config::op_timeout();
     let me = h.rank();
     let read = || {
@@ -1486,7 +1487,17 @@ pub fn nvshmem_wait_for_signal(sigpad: &Tensor, signal: u64, peer: usize) -> Res
     let sleep = |seen: u32, nap: Duration| {
         crate::sys::futex::wait(low, seen, if width == 8 { nap.min(Duration::from_millis(1)) } else { nap })
     };
-    match wait_until(low, || read() == want, &h.patience(timeout), lost, sleep) {
+    // A signal from another host: while spinning, this thread applies it itself once it has
+    // arrived (no hand-off to the link's thread on the way).
+    let link = h.remote(peer).map(|r| &r.link.transport);
+    let done = || {
+        read() == want
+            || link.is_some_and(|t| {
+                t.serve_arrived();
+                read() == want
+            })
+    };
+    match wait_until(low, done, &h.patience(timeout), lost, sleep) {
         Ok(()) => Ok(()),
         Err(Stop::Failed(e)) => Err(e),
         Err(Stop::TimedOut) => Err(Error::timeout(

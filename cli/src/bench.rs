@@ -704,18 +704,20 @@ fn ping_pong(
 }
 
 /// One rank of the signal benchmark (run by `symmem bench signal` through the launcher).
-/// `pin`: each rank on its own core, and only the ping-pong is timed.
+/// `pin`: each rank's thread on its own core, and only the ping-pong is timed. It is pinned
+/// once its links to other hosts exist, so their transport threads stay free to run anywhere
+/// (pinned with it, they would wait for its spinning to end: 3x slower across played hosts).
 pub fn signal_rank(iters: usize, pin: bool) -> Result<()> {
     use symmem::symm::{self, Device};
     use symmem::tensor::DType;
     let group = symmem::Group::from_env()?;
     let (me, ws) = (group.rank(), group.world_size());
-    let pinned = pin && pin_to_cpu(me);
     let x = symm::empty(&[64], DType::U8, Device::Cpu)?;
     let h = symm::rendezvous(&x, &group)?;
     let t = Duration::from_secs(60);
     let mut rows = Vec::new();
     h.barrier(0, t)?;
+    let pinned = pin && pin_to_cpu(me);
     if ws == 2 {
         let other = 1 - me;
         let rtt = ping_pong(me, iters, |_| h.put_signal(other, 1, t), |_| h.wait_signal(other, 1, t))?;
@@ -727,7 +729,7 @@ pub fn signal_rank(iters: usize, pin: bool) -> Result<()> {
                 rtt,
                 "signal_pingpong_pinned",
                 2,
-                "put_signal+wait_signal, one way (RTT/2), pinned to cores 0 and 1",
+                "put_signal+wait_signal, one way (RTT/2), the callers pinned to cores 0 and 1",
             ),
             (true, false) => half_round_trips(rtt, "signal_pingpong_pinned", 2, "pinning refused: unpinned"),
         });

@@ -1461,7 +1461,12 @@ pub fn nvshmem_put_with_signal(tensor: &Tensor, sigpad: &Tensor, signal: u64, pe
 /// (`SYMMEM_OP_TIMEOUT`). `peer` names who is expected to signal, for the error message.
 pub fn nvshmem_wait_for_signal(sigpad: &Tensor, signal: u64, peer: usize) -> Result<()> {
     let (h, width) = signal_word("nvshmem_wait_for_signal", sigpad)?;
-    h.check_rank(peer).map_err(|e| Error::InvalidArgument(format!("nvshmem_wait_for_signal: peer: {e}")))?;
+    if peer >= h.world_size() {
+        return Err(Error::InvalidArgument(format!(
+            "nvshmem_wait_for_signal: peer {peer} must be smaller than world size {}",
+            h.world_size()
+        )));
+    }
     let timeout = crate::config::op_timeout();
     let me = h.rank();
     let read = || {

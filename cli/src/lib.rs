@@ -514,8 +514,9 @@ enum BenchCommand {
     #[command(after_help = COLLECTIVE_FIELDS)]
     AllToAllV(CollectiveArgs),
     /// One-sided write and read latency and bandwidth between two processes, next to the
-    /// baselines of the same run: a plain TCP stream and ping-pong between the same two
-    /// processes (cross-host backends), memcpy and process_vm_writev (same-host ones).
+    /// baselines of the same run: a plain TCP stream and ping-pong (blocking, and both sides
+    /// busy-polling) between the same two processes (cross-host backends), memcpy and
+    /// process_vm_writev (same-host ones).
     #[command(after_help = "Columns: time_us is the median time of one transfer (one at a time) and p99_us its 99th
 percentile; algbw = busbw = size / time_us (GB/s); stream_gbps is the bandwidth with --window
 transfers in flight (for the TCP stream: the stream's own, and time_us is its mean per message).")]

@@ -38,7 +38,10 @@
 //!
 //! Small requests started in a `Transport::batch` (a write, its signature and the signal after
 //! them) travel as one active message (AM_BATCH, in its header, so eagerly on every
-//! transport), which the owner takes apart and serves request by request, in order.
+//! transport), which the owner takes apart and serves request by request, in order. Going
+//! back, the requests an owner accepted in one pass over what arrived are answered together,
+//! one ACKS per peer endpoint (a window of small writes costs one message back, not one
+//! each); refusals, reads' bytes and a lone acceptance go as before.
 //!
 //! Each endpoint has a UCX worker in serialized mode behind a mutex. A caller sends its own
 //! requests (no hand-off to another thread on the way out); a progress thread per endpoint
@@ -93,6 +96,12 @@ const AM_FENCE: u32 = 8;
 const AM_BATCH: u32 = 9;
 /// The largest batch (its header, which UCX sends eagerly whatever the transport).
 const BATCH_MAX: usize = 1024;
+/// Several requests of one peer endpoint accepted: in its header, each one's id (a u64). The
+/// owner answers with it the requests it accepted in one pass over what arrived, rather than
+/// one DONE each.
+const AM_ACKS: u32 = 10;
+/// The most ids one ACKS carries (its header: 512 bytes, sent eagerly).
+const ACKS_MAX: usize = 64;
 /// The largest request a batch takes (header and data).
 const BATCHED_MAX: usize = 512;
 
@@ -594,6 +603,9 @@ struct Core {
     /// Open holds, and the small requests held for the last release (sent as one batch).
     held: usize,
     stash: Vec<Stashed>,
+    /// Requests accepted during the current pass over the events (reply endpoint, id), answered
+    /// at its end, together per endpoint.
+    acks: Vec<(Handle, u64)>,
 }
 
 /// A request held for a batch: its message, as `Core::send` would send it.
@@ -677,7 +689,7 @@ impl Core {
     /// A worker with its handlers, its address and its event descriptor.
     fn new(shared: Arc<Shared>, tls: ucx::Tls) -> std::result::Result<(Core, Vec<u8>, i32), String> {
         let worker = Worker::new(tls)?;
-        for id in [AM_PING, AM_WRITE, AM_READ, AM_ATOMIC, AM_DONE, AM_READ_DATA, AM_BYE, AM_FENCE, AM_BATCH] {
+        for id in [AM_PING, AM_WRITE, AM_READ, AM_ATOMIC, AM_DONE, AM_READ_DATA, AM_BYE, AM_FENCE, AM_BATCH, AM_ACKS] {
             // SAFETY: on_message only pushes onto the calling thread's event queue, which the
             // lock holder drains before letting go; the id rides in `arg` as an integer, never
             // dereferenced. Sound for the worker's life.
@@ -700,6 +712,7 @@ impl Core {
             unfenced: false,
             held: 0,
             stash: Vec::new(),
+            acks: Vec::new(),
         };
         Ok((core, address, efd))
     }
@@ -948,7 +961,8 @@ impl Core {
         }
     }
 
-    /// Handles what the callbacks reported; whether there was anything.
+    /// Handles what the callbacks reported, then answers the requests it accepted; whether
+    /// there was anything.
     fn handle_events(&mut self) -> bool {
         let events = EVENTS.with(|q| std::mem::take(&mut *q.borrow_mut()));
         let any = !events.is_empty();
@@ -962,7 +976,29 @@ impl Core {
                 }
             }
         }
+        self.send_acks();
         any
+    }
+
+    /// Answers the requests accepted in this pass: one DONE for a reply endpoint's only one,
+    /// else ACKS of up to [`ACKS_MAX`] ids each (a window of small writes costs the peer one
+    /// message back, not one per write).
+    fn send_acks(&mut self) {
+        let mut acks = std::mem::take(&mut self.acks);
+        while let Some(&(ep, _)) = acks.first() {
+            let mut ids = Vec::new();
+            acks.retain(|&(e, id)| {
+                let mine = e == ep && ids.len() < ACKS_MAX;
+                if mine {
+                    ids.push(id);
+                }
+                !mine
+            });
+            match ids[..] {
+                [id] => self.reply(ep, AM_DONE, header(&[id, OK], &[]), None, std::ptr::null(), 0, None),
+                _ => self.reply(ep, AM_ACKS, header(&ids, &[]), None, std::ptr::null(), 0, None),
+            };
+        }
     }
 
     fn peer_lost(&mut self, why: String) {
@@ -1007,29 +1043,17 @@ impl Core {
     fn message(&mut self, id: u32, h: &[u8], data: Data, reply_ep: Handle) {
         match id {
             AM_DONE => {
-                let (Some(t), Some(code)) = (field(h, 0), field(h, 1)) else { return self.drop_data(data) };
-                let msg = String::from_utf8_lossy(h.get(16..).unwrap_or_default()).into_owned();
-                let t = t & !SERVED;
-                if t & POSTED != 0 && !self.pending.contains_key(&(t & !POSTED)) {
-                    // Its Work completed when sent: the connection carries the refusal.
-                    self.drop_data(data);
-                    return self.peer_lost(format!("the peer refused a posted request: {msg}"));
-                }
-                let posted = t & POSTED != 0;
-                let t = t & !POSTED;
-                let answer = match code {
-                    OK => Ok(()),
-                    BUSY => Err(Failed::new(TransferKind::Busy, "ucx transport: the signal slot is busy")),
-                    _ => Err(Failed::new(TransferKind::Refused, msg)),
-                };
                 self.drop_data(data);
-                if posted && let Some(p) = self.pending.get_mut(&t) {
-                    // Refused before UCX was done sending it: its Work hears it (its answer
-                    // was presumed).
-                    p.answer = Some(answer);
-                    return self.try_finish(t);
+                let (Some(t), Some(code)) = (field(h, 0), field(h, 1)) else { return };
+                let msg = String::from_utf8_lossy(h.get(16..).unwrap_or_default()).into_owned();
+                self.done(t, code, msg);
+            }
+            AM_ACKS => {
+                self.drop_data(data);
+                // Whole ids only; at most ACKS_MAX of them.
+                for t in (0..(h.len() / 8).min(ACKS_MAX)).filter_map(|i| field(h, i)) {
+                    self.done(t, OK, String::new());
                 }
-                self.finish(t, Some(answer));
             }
             AM_READ_DATA => self.read_data(h, data),
             AM_BATCH => self.batch(h, data, reply_ep),
@@ -1064,6 +1088,29 @@ impl Core {
             }
             _ => self.drop_data(data),
         }
+    }
+
+    /// The answer `code` (with `msg`) to request `t` of ours.
+    fn done(&mut self, t: u64, code: u64, msg: String) {
+        let t = t & !SERVED;
+        if t & POSTED != 0 && !self.pending.contains_key(&(t & !POSTED)) {
+            // Its Work completed when sent: the connection carries the refusal.
+            return self.peer_lost(format!("the peer refused a posted request: {msg}"));
+        }
+        let posted = t & POSTED != 0;
+        let t = t & !POSTED;
+        let answer = match code {
+            OK => Ok(()),
+            BUSY => Err(Failed::new(TransferKind::Busy, "ucx transport: the signal slot is busy")),
+            _ => Err(Failed::new(TransferKind::Refused, msg)),
+        };
+        if posted && let Some(p) = self.pending.get_mut(&t) {
+            // Refused before UCX was done sending it: its Work hears it (its answer was
+            // presumed).
+            p.answer = Some(answer);
+            return self.try_finish(t);
+        }
+        self.finish(t, Some(answer));
     }
 
     /// Takes a batch apart: each of its requests is handled as if it came alone. Only eager
@@ -1172,6 +1219,11 @@ impl Core {
     fn answer(&mut self, ep: Handle, id: u32, req: u64, code: u64, msg: &str) {
         if code == OK && req & POSTED != 0 {
             // A posted request is answered only if refused.
+            return;
+        }
+        if id == AM_DONE && code == OK && msg.is_empty() {
+            // Answered with the pass's other acceptances (`send_acks`), which ends every pass.
+            self.acks.push((ep, req));
             return;
         }
         let msg = &msg.as_bytes()[..msg.len().min(MAX_MESSAGE)];
@@ -1583,7 +1635,7 @@ mod tests {
         ) -> i32 {
             0
         }
-        for id in 1..=7 {
+        for id in 1..=super::AM_ACKS {
             // SAFETY: `ignore` touches nothing.
             unsafe { w.set_am_handler(id, ignore, std::ptr::null_mut()) }.unwrap();
         }
@@ -1602,6 +1654,11 @@ mod tests {
             (super::AM_ATOMIC, h(&[6, 79, 1, d.buffer_id, 0, 9, 1], &d.access_key), 0, UCP_AM_SEND_FLAG_REPLY),
             (super::AM_DONE, h(&[123_456, 0], &[]), 0, UCP_AM_SEND_FLAG_REPLY),
             (super::AM_READ_DATA, h(&[123_456, 0], &[]), 64, 0),
+            // Acceptances: of a torn id, of ids nobody sent, more than an ACKS carries, with
+            // data beside them.
+            (super::AM_ACKS, vec![1, 2, 3], 0, UCP_AM_SEND_FLAG_REPLY),
+            (super::AM_ACKS, h(&[123_456, 654_321], &[]), 0, 0),
+            (super::AM_ACKS, h(&(1..=200).collect::<Vec<u64>>(), &[]), 64, UCP_AM_SEND_FLAG_REPLY),
             (999, vec![0; 8], 0, 0),
             // Batches: one whose entry overruns it, one with a ping and a nested batch inside,
             // one with data beside it, one without a reply endpoint.
@@ -1671,6 +1728,52 @@ mod tests {
         let a = new_transport("ucx", None, &Options::new()).unwrap();
         let (a, b) = testkit::connect(a, super::super::Transport::new(Box::new(owner), None));
         testkit::posted_requests_land_in_order_and_a_close_fences_them(a, &b, || core.lock().unwrap());
+    }
+
+    /// Requests that reach the owner in one pass over what arrived are answered together (ACKS
+    /// of up to `ACKS_MAX` ids per peer endpoint), each Work with its own outcome: 100 writes
+    /// and a refused one started while the owner's worker is held.
+    #[test]
+    fn requests_served_in_one_pass_are_answered_together_each_with_its_own_outcome() {
+        let owner = match super::UcxBackend::new(&Options::new()) {
+            Ok(b) => b,
+            Err(e) => {
+                eprintln!("SKIPPED: {e}");
+                return;
+            }
+        };
+        let core = owner.core.clone();
+        let a = new_transport("ucx", None, &Options::new()).unwrap();
+        let (a, b) = testkit::connect(a, super::super::Transport::new(Box::new(owner), None));
+        let n = 100;
+        let dst = Tensor::zeros(&[n * 8], DType::U8).unwrap();
+        let remote = b.register_memory(&dst).unwrap().to_remote_buffer().unwrap();
+        let gone = Tensor::zeros(&[8], DType::U8).unwrap();
+        let m = b.register_memory(&gone).unwrap();
+        let stale = m.to_remote_buffer().unwrap();
+        b.unregister_memory(&m).unwrap();
+        let src: Vec<u8> = (0..n * 8).map(|i| (i % 251) as u8 + 1).collect();
+        let src = Tensor::from_slice(&[n * 8], &src).unwrap();
+        let ms = a.register_memory(&src).unwrap();
+        let long = Some(std::time::Duration::from_secs(30));
+        let held = core.lock().unwrap();
+        let mut works: Vec<_> = (0..n)
+            .map(|i| a.start_write(&ms.to_view(i * 8, Some(8)).unwrap(), &remote.slice(i as u64 * 8, 8).unwrap(), long))
+            .collect::<crate::error::Result<_>>()
+            .unwrap();
+        let refused = a.start_write(&ms.to_view(0, Some(8)).unwrap(), &stale, long).unwrap();
+        works.extend((0..3).map(|i| {
+            a.start_write(&ms.to_view(i * 8, Some(8)).unwrap(), &remote.slice(i as u64 * 8, 8).unwrap(), long).unwrap()
+        }));
+        // Every request reaches the owner before it looks.
+        std::thread::sleep(std::time::Duration::from_millis(200));
+        drop(held);
+        for w in works {
+            w.wait(long).unwrap();
+        }
+        let e = refused.wait(long).unwrap_err();
+        assert_eq!(e.transfer_kind(), Some(TransferKind::Refused), "{e}");
+        assert_eq!(dst.to_vec::<u8>().unwrap(), src.to_vec::<u8>().unwrap());
     }
 
     #[test]

@@ -997,41 +997,36 @@ pub fn transport_rank(backend: &str, window: usize, sizes: &[usize]) -> Result<(
                 row.p99_us = None;
                 out.row(row)?;
             }
-            let mut b = [0u8; 8];
-            let mut lat = Vec::with_capacity(PINGS);
-            for _ in 0..PINGS {
-                let start = Instant::now();
-                s.write_all(&b).map_err(|e| Error::io("baseline ping", e))?;
-                s.read_exact(&mut b).map_err(|e| Error::io("baseline pong", e))?;
-                lat.push(start.elapsed());
-            }
-            let mut row = latency_row(
-                "tcp_pingpong",
-                &mut lat[PINGS / 10..],
-                "baseline: 8-byte TCP round trip between the two processes",
-            );
-            row.ranks = 2;
-            row.extra.remove("ops_per_s");
-            out.row(row.sized(8, 1.0))?;
+            // 8-byte round trips, `trip` each, as one row.
+            let mut pings = |bench: &str, note: &str, trip: &dyn Fn(&mut [u8; 8]) -> std::io::Result<()>| {
+                let mut b = [0u8; 8];
+                let mut lat = Vec::with_capacity(PINGS);
+                for _ in 0..PINGS {
+                    let start = Instant::now();
+                    trip(&mut b).map_err(|e| Error::io("baseline ping-pong", e))?;
+                    lat.push(start.elapsed());
+                }
+                let mut row = latency_row(bench, &mut lat[PINGS / 10..], note);
+                row.ranks = 2;
+                row.extra.remove("ops_per_s");
+                out.row(row.sized(8, 1.0))
+            };
+            pings("tcp_pingpong", "baseline: 8-byte TCP round trip between the two processes", &|b| {
+                (&s).write_all(b)?;
+                (&s).read_exact(b)
+            })?;
             // The same, both sides busy-polling non-blocking sockets as MPI libraries wait: no
             // wake-up of a sleeping thread on the way (on a virtual machine, of a halted vCPU),
             // the floor of any request and reply over TCP here.
             s.set_nonblocking(true).map_err(|e| Error::io("baseline socket", e))?;
-            lat.clear();
-            for _ in 0..PINGS {
-                let start = Instant::now();
-                spin_write_all(&s, &b).map_err(|e| Error::io("baseline ping", e))?;
-                spin_read_exact(&s, &mut b).map_err(|e| Error::io("baseline pong", e))?;
-                lat.push(start.elapsed());
-            }
-            let mut row = latency_row(
+            pings(
                 "tcp_pingpong_spin",
-                &mut lat[PINGS / 10..],
                 "baseline: 8-byte TCP round trip between the two processes, both busy-polling",
-            );
-            row.ranks = 2;
-            row.extra.remove("ops_per_s");
-            out.row(row.sized(8, 1.0))?;
+                &|b| {
+                    spin_write_all(&s, b)?;
+                    spin_read_exact(&s, b)
+                },
+            )?;
         }
     }
 

@@ -1480,7 +1480,10 @@ pub fn nvshmem_wait_for_signal(sigpad: &Tensor, signal: u64, peer: usize) -> Res
     let want = if width == 8 { signal } else { signal & 0xffff_ffff };
     // Sleep on the word's low half (little-endian), which every putter wakes after storing.
     let low = h.word32(me, h.offset);
-    let lost = || match h.remote(peer).and_then(|r| r.link.lost().map(|why| (r, why))) {
+    // The peer's link when it is on another host: watched for its loss, and served while
+    // spinning (see `done`).
+    let remote = h.remote(peer);
+    let lost = || match remote.and_then(|r| r.link.lost().map(|why| (r, why))) {
         Some((r, why)) => Err(Error::transfer(
             crate::error::TransferKind::PeerLost,
             format!("nvshmem_wait_for_signal: rank {} lost rank {peer} on host {}: {why}", h.rank(), r.link.host),
@@ -1494,11 +1497,10 @@ pub fn nvshmem_wait_for_signal(sigpad: &Tensor, signal: u64, peer: usize) -> Res
     };
     // A signal from another host: while spinning, this thread applies it itself once it has
     // arrived (no hand-off to the link's thread on the way).
-    let link = h.remote(peer).map(|r| &r.link.transport);
     let done = || {
         read() == want
-            || link.is_some_and(|t| {
-                t.serve_arrived();
+            || remote.is_some_and(|r| {
+                r.link.transport.serve_arrived();
                 read() == want
             })
     };

@@ -1713,20 +1713,28 @@ mod tests {
         w.progress();
     }
 
-    /// Posted requests are done once sent, land in order, and a close fences them (the owner
-    /// kept from serving by its locked worker).
-    #[test]
-    fn posted_requests_complete_once_sent_land_in_order_and_a_close_fences_them() {
+    /// A connected pair, `b` the owner, with the owner's core (whose lock keeps it from serving
+    /// anything); `None` (reported SKIPPED) without UCX.
+    fn pair_with_owner_core()
+    -> Option<(super::super::Transport, super::super::Transport, std::sync::Arc<std::sync::Mutex<super::Core>>)> {
         let owner = match super::UcxBackend::new(&Options::new()) {
             Ok(b) => b,
             Err(e) => {
                 eprintln!("SKIPPED: {e}");
-                return;
+                return None;
             }
         };
         let core = owner.core.clone();
         let a = new_transport("ucx", None, &Options::new()).unwrap();
         let (a, b) = testkit::connect(a, super::super::Transport::new(Box::new(owner), None));
+        Some((a, b, core))
+    }
+
+    /// Posted requests are done once sent, land in order, and a close fences them (the owner
+    /// kept from serving by its locked worker).
+    #[test]
+    fn posted_requests_complete_once_sent_land_in_order_and_a_close_fences_them() {
+        let Some((a, b, core)) = pair_with_owner_core() else { return };
         testkit::posted_requests_land_in_order_and_a_close_fences_them(a, &b, || core.lock().unwrap());
     }
 
@@ -1735,16 +1743,7 @@ mod tests {
     /// and a refused one started while the owner's worker is held.
     #[test]
     fn requests_served_in_one_pass_are_answered_together_each_with_its_own_outcome() {
-        let owner = match super::UcxBackend::new(&Options::new()) {
-            Ok(b) => b,
-            Err(e) => {
-                eprintln!("SKIPPED: {e}");
-                return;
-            }
-        };
-        let core = owner.core.clone();
-        let a = new_transport("ucx", None, &Options::new()).unwrap();
-        let (a, b) = testkit::connect(a, super::super::Transport::new(Box::new(owner), None));
+        let Some((a, b, core)) = pair_with_owner_core() else { return };
         let n = 100;
         let dst = Tensor::zeros(&[n * 8], DType::U8).unwrap();
         let remote = b.register_memory(&dst).unwrap().to_remote_buffer().unwrap();

@@ -257,11 +257,14 @@ fn torchrun_rank() {
 #[test]
 fn rust_ranks_run_under_torchrun() {
     let py = need_torch!();
+    // torchrun leaves a `torchelastic_*` log directory in the temporary directory: this test's own.
+    let tmp = tempfile::tempdir().unwrap();
     // `python -m torch.distributed.run` is torchrun, without depending on the script's shebang.
     let out = Command::new(&py)
         .args(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--no-python"])
         .arg(std::env::current_exe().unwrap())
         .args(["--exact", "torchrun_rank", "--include-ignored", "--nocapture"])
+        .env("TMPDIR", tmp.path())
         .output()
         .unwrap();
     let text = String::from_utf8_lossy(&out.stdout);
@@ -368,6 +371,8 @@ fn torchrun_on_two_machines_needs_no_symmem_settings() {
             return;
         }
     };
+    // torchrun's `torchelastic_*` log directories go into this test's directory.
+    let tmp = tempfile::tempdir().unwrap();
     let node = |i: usize| {
         let mut c = Command::new("ip");
         c.args(["netns", "exec", &hosts.names[i], "unshare", "--uts", "sh", "-c", "hostname \"$0\" && exec \"$@\""])
@@ -376,7 +381,8 @@ fn torchrun_on_two_machines_needs_no_symmem_settings() {
             .args(["-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", &i.to_string()])
             .args(["--master-addr", "10.213.0.1", "--master-port", "29500", "--nproc-per-node", "2"])
             .arg(script("across_hosts.py"))
-            .env("SYMMEM_JOB_SECRET", "a secret both machines share");
+            .env("SYMMEM_JOB_SECRET", "a secret both machines share")
+            .env("TMPDIR", tmp.path());
         for (k, _) in std::env::vars_os() {
             let k = k.to_string_lossy().into_owned();
             if k.starts_with("SYMMEM_") && k != "SYMMEM_JOB_SECRET" {
@@ -409,6 +415,8 @@ fn run_matches_torchrun_on_environment_and_error_files() {
             .args(&launcher[1..])
             .arg(script("record_fail.py"))
             .env("TORCHELASTIC_ERROR_FILE", file)
+            // torchrun's `torchelastic_*` log directory goes into this test's directory.
+            .env("TMPDIR", dir.path())
             .env_remove("OMP_NUM_THREADS")
             .env_remove("SYMMEM_STORE_SECRET")
             .output()

@@ -159,3 +159,16 @@ def test_every_torch_ops_symm_mem_kernel_symmem_registers_runs_pytorch_style(npr
     assert out.returncode == 0, out.stdout + out.stderr
     for r in range(nproc):
         assert f"torch ops ok {r}" in out.stdout, out.stdout + out.stderr
+
+
+def test_torchrun_leaves_its_log_directory_in_the_sessions_own_temporary_directory(private_tmpdir):
+    # torchrun makes a `torchelastic_*` directory in the temporary directory on every launch and
+    # never removes it: the session's own (conftest.py) is removed at its end, the system's is not.
+    system = os.path.dirname(private_tmpdir)
+    before = {n for n in os.listdir(system) if n.startswith("torchelastic_")}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1", "--no-python", "true"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    after = {n for n in os.listdir(system) if n.startswith("torchelastic_")}
+    assert after == before, sorted(after - before)
+    assert any(n.startswith("torchelastic_") for n in os.listdir(private_tmpdir)), os.listdir(private_tmpdir)

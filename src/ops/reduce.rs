@@ -3,7 +3,9 @@
 //!
 //! Elements are loaded into an accumulator type (f16 and bf16 accumulate in f32, as DeepSpeed
 //! and PyTorch do), reduced chunk by chunk through a stack buffer (so the inner loops are plain
-//! slices the compiler vectorizes, and `dst` may be one of the sources), then stored back.
+//! slices the compiler vectorizes, and `dst` may be one of the sources), then stored back. The
+//! first two sources meet in one pass, and the last goes straight into a single destination:
+//! two sources into one destination is one pass over memory, not three (`run`).
 
 use std::mem::MaybeUninit;
 
@@ -134,6 +136,28 @@ impl Elem for bf16 {
 /// Elements per chunk: the accumulator buffer stays in L1.
 const CHUNK: usize = 1024;
 
+/// How a destination chunk lies relative to a source chunk of the same length.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Lie {
+    /// The same elements.
+    Same,
+    /// No element in common.
+    Apart,
+    /// Partly overlapping: only the accumulator path is safe.
+    Overlap,
+}
+
+fn lie(dst: *const u8, src: *const u8, bytes: usize) -> Lie {
+    let (d, s) = (dst as usize, src as usize);
+    if d == s {
+        Lie::Same
+    } else if d.abs_diff(s) >= bytes {
+        Lie::Apart
+    } else {
+        Lie::Overlap
+    }
+}
+
 /// Reduces `n` elements of each source into `dst` (any `dst` may also be a source); with no
 /// source, nothing is written.
 ///
@@ -183,6 +207,15 @@ unsafe fn typed<T: Elem>(op: ReduceOp, srcs: &[*const u8], dsts: &[*mut u8], n: 
     }
 }
 
+/// The kernel. Per chunk of `CHUNK` elements: the first two sources combined into the
+/// accumulator in one pass, each further source folded in, and, with one destination and no
+/// division, the last source combined straight into the destination (a pass over the
+/// accumulator and a copy fewer); two sources into one destination take one pass in all. The
+/// order of combination is always source order, whatever the path, so results are the same
+/// bits. A destination that is one of the sources is written in place through that source's
+/// elements only; one that partly overlaps a source takes the accumulator path (every source of
+/// a chunk read before any destination is written).
+///
 /// # Safety
 ///
 /// As for [`reduce`].
@@ -197,38 +230,108 @@ unsafe fn run<T: Elem, F: Fn(T::A, T::A) -> T::A>(
     let Some((first, rest)) = srcs.split_first() else {
         return;
     };
-    // Uninitialized: the first source fills what a chunk uses (zeroing all of it cost a
-    // 4-8 KiB memset per call, a fifth of a small all-reduce).
+    let size = std::mem::size_of::<T>();
+    // Uninitialized: the sources fill what a chunk uses (zeroing all of it cost a 4-8 KiB
+    // memset per call, a fifth of a small all-reduce).
     let mut acc = [const { MaybeUninit::<T::A>::uninit() }; CHUNK];
     let mut at = 0;
     while at < n {
         let k = (n - at).min(CHUNK);
-        // SAFETY: the caller guarantees `n` valid, aligned, unwritten elements of each source;
-        // [at, at+k) is inside them. The slice lives only within this iteration.
-        let s = unsafe { std::slice::from_raw_parts(first.cast::<T>().add(at), k) };
-        for (a, x) in acc[..k].iter_mut().zip(s) {
-            a.write(x.load());
+        // Where slices of sources and destinations are alive together (the loops below): a
+        // shared slice of a source and a mutable one of a destination only where `lie` found
+        // them apart; a destination that is a source is accessed only through its mutable
+        // slice while that is alive.
+        let src = |p: &*const u8| {
+            // SAFETY: the caller guarantees `n` valid, aligned elements of each source,
+            // unwritten by anyone else; [at, at+k) is inside them (aliasing: see above).
+            unsafe { std::slice::from_raw_parts(p.cast::<T>().add(at), k) }
+        };
+        let dst = |p: &*mut u8| {
+            // SAFETY: as for `src`, for the destinations.
+            unsafe { std::slice::from_raw_parts_mut(p.cast::<T>().add(at), k) }
+        };
+        let out = match dsts {
+            [d] if avg.is_none() => Some(*d),
+            _ => None,
+        };
+        let bytes = k * size;
+        let at_b = at * size;
+        let rel = |d: *mut u8, s: &*const u8| lie(d.wrapping_add(at_b), s.wrapping_add(at_b), bytes);
+        // Two sources into one destination: one pass.
+        if let (Some(d), [second]) = (out, rest) {
+            match (rel(d, first), rel(d, second)) {
+                (Lie::Same, Lie::Apart) => {
+                    for (o, x) in dst(&d).iter_mut().zip(src(second)) {
+                        *o = T::store(f(o.load(), x.load()));
+                    }
+                    at += k;
+                    continue;
+                }
+                (Lie::Apart, Lie::Same) => {
+                    for (o, x) in dst(&d).iter_mut().zip(src(first)) {
+                        *o = T::store(f(x.load(), o.load()));
+                    }
+                    at += k;
+                    continue;
+                }
+                (Lie::Apart, Lie::Apart) => {
+                    for ((o, x), y) in dst(&d).iter_mut().zip(src(first)).zip(src(second)) {
+                        *o = T::store(f(x.load(), y.load()));
+                    }
+                    at += k;
+                    continue;
+                }
+                _ => {}
+            }
         }
-        // SAFETY: the loop above wrote all k elements (`s` has k), and MaybeUninit<A> has A's
-        // layout.
+        // The last source straight into the destination, when it may be.
+        let last = match (out, rest.split_last()) {
+            (Some(d), Some((l, mid))) if !mid.is_empty() && rel(d, l) != Lie::Overlap => Some((d, l)),
+            _ => None,
+        };
+        let folded = if last.is_some() { &rest[..rest.len() - 1] } else { rest };
+        match folded.split_first() {
+            Some((second, _)) => {
+                for ((a, x), y) in acc[..k].iter_mut().zip(src(first)).zip(src(second)) {
+                    a.write(f(x.load(), y.load()));
+                }
+            }
+            None => {
+                for (a, x) in acc[..k].iter_mut().zip(src(first)) {
+                    a.write(x.load());
+                }
+            }
+        }
+        // SAFETY: the loops above wrote all k elements (the sources have k), and
+        // MaybeUninit<A> has A's layout.
         let acc = unsafe { &mut *(std::ptr::from_mut(&mut acc[..k]) as *mut [T::A]) };
-        for src in rest {
-            // SAFETY: as for `s`.
-            let s = unsafe { std::slice::from_raw_parts(src.cast::<T>().add(at), k) };
-            for (a, x) in acc.iter_mut().zip(s) {
+        for s in folded.iter().skip(1) {
+            for (a, x) in acc.iter_mut().zip(src(s)) {
                 *a = f(*a, x.load());
             }
+        }
+        if let Some((d, l)) = last {
+            if rel(d, l) == Lie::Same {
+                for (o, a) in dst(&d).iter_mut().zip(acc.iter()) {
+                    *o = T::store(f(*a, o.load()));
+                }
+            } else {
+                for ((o, a), x) in dst(&d).iter_mut().zip(acc.iter()).zip(src(l)) {
+                    *o = T::store(f(*a, x.load()));
+                }
+            }
+            at += k;
+            continue;
         }
         if let Some(ranks) = avg {
             for a in acc.iter_mut() {
                 *a = a.div(ranks);
             }
         }
-        for dst in dsts {
-            // SAFETY: as above; every source of this chunk has been read into `acc` already,
-            // so writing a destination that is also a source is fine.
-            let d = unsafe { std::slice::from_raw_parts_mut(dst.cast::<T>().add(at), k) };
-            for (o, a) in d.iter_mut().zip(acc.iter()) {
+        for d in dsts {
+            // Every source of this chunk has been read into `acc` already, so writing a
+            // destination that is also a source is fine.
+            for (o, a) in dst(d).iter_mut().zip(acc.iter()) {
                 *o = T::store(*a);
             }
         }
@@ -269,6 +372,102 @@ mod tests {
         assert_eq!(r[0].to_f32(), 258.0);
         let h = |v: f32| f16::from_f32(v);
         assert_eq!(reduce_vecs(DType::F16, ReduceOp::Max, &[vec![h(-1.0)], vec![h(2.5)]])[0].to_f32(), 2.5);
+    }
+
+    /// Every path of the kernel (two sources in one pass, the last source into the destination,
+    /// the accumulator) against a plain fold in source order, bit for bit: destinations apart
+    /// from the sources or each one of them, one or two destinations, every op, across chunk
+    /// boundaries, with NaNs and signed zeros (whose min and max depend on the order).
+    #[test]
+    fn every_path_folds_in_source_order_bit_for_bit() {
+        fn reference<T: Elem>(op: ReduceOp, inputs: &[Vec<T>]) -> Vec<T> {
+            let f = |a: T::A, b: T::A| match op {
+                ReduceOp::Sum | ReduceOp::Avg => a.add(b),
+                ReduceOp::Min => a.lesser(b),
+                ReduceOp::Max => a.greater(b),
+            };
+            (0..inputs[0].len())
+                .map(|i| {
+                    let mut a = inputs[0][i].load();
+                    for v in &inputs[1..] {
+                        a = f(a, v[i].load());
+                    }
+                    if op == ReduceOp::Avg {
+                        a = a.div(inputs.len());
+                    }
+                    T::store(a)
+                })
+                .collect()
+        }
+        fn check<T: Elem + std::fmt::Debug>(dtype: DType, make: impl Fn(usize, usize) -> T) {
+            let n = 2 * CHUNK + 37;
+            for ranks in 1..=5 {
+                let inputs: Vec<Vec<T>> = (0..ranks).map(|r| (0..n).map(|i| make(r, i)).collect()).collect();
+                for op in [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Min, ReduceOp::Max] {
+                    let want: Vec<u8> = bytemuck::cast_slice(&reference(op, &inputs)).to_vec();
+                    // None: a destination of its own; Some(j): source j is the destination.
+                    for into in std::iter::once(None).chain((0..ranks).map(Some)) {
+                        for two in [false, true] {
+                            let mut bufs = inputs.clone();
+                            let mut own = vec![T::zeroed(); n];
+                            let mut extra = vec![T::zeroed(); n];
+                            let srcs: Vec<*const u8> = bufs.iter().map(|v| v.as_ptr().cast()).collect();
+                            let mut dsts = vec![match into {
+                                None => own.as_mut_ptr().cast::<u8>(),
+                                Some(j) => bufs[j].as_mut_ptr().cast::<u8>(),
+                            }];
+                            if two {
+                                dsts.push(extra.as_mut_ptr().cast());
+                            }
+                            // SAFETY: every buffer holds n elements; a destination that is a
+                            // source is the same buffer, which `reduce` allows.
+                            unsafe { reduce(dtype, op, &srcs, &dsts, n, ranks).unwrap() };
+                            let got = match into {
+                                None => own.clone(),
+                                Some(j) => std::mem::take(&mut bufs[j]),
+                            };
+                            let what = format!("{dtype:?} {op:?} {ranks} sources into {into:?}, two: {two}");
+                            assert_eq!(bytemuck::cast_slice::<T, u8>(&got), &want[..], "{what}");
+                            if two {
+                                assert_eq!(bytemuck::cast_slice::<T, u8>(&extra), &want[..], "{what}");
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        let special = [f32::NAN, -0.0, 0.0, f32::INFINITY, -1.5];
+        let float = |r: usize, i: usize| {
+            if (i + r).is_multiple_of(7) {
+                special[(i / 7 + r) % special.len()]
+            } else {
+                (i as f32) * 0.37 - (r as f32) * 11.0
+            }
+        };
+        check::<f32>(DType::F32, float);
+        check::<bf16>(DType::BF16, |r, i| bf16::from_f32(float(r, i)));
+        check::<f16>(DType::F16, |r, i| f16::from_f32(float(r, i) / 64.0));
+        check::<f64>(DType::F64, |r, i| f64::from(float(r, i)));
+        check::<i8>(DType::I8, |r, i| (i * 31 + r * 17) as i8);
+        check::<i64>(DType::I64, |r, i| (i as i64 - 1000) * (r as i64 + 1) * 1_000_000_007);
+    }
+
+    #[test]
+    fn partly_overlapping_destinations_take_the_accumulator() {
+        // A destination one element past the first source: every source of a chunk is read
+        // before the chunk is written, so the chunk's own elements are the originals' sums.
+        let mut a: Vec<i32> = (0..3000).collect();
+        let b: Vec<i32> = vec![1000; 3000];
+        let srcs = [a.as_ptr().cast::<u8>(), b.as_ptr().cast::<u8>()];
+        // SAFETY: a has 3000 elements, the destination 2999 of them from its second; `reduce`
+        // reads every source of a chunk before writing it, so the overlap only changes later
+        // chunks' first source elements.
+        unsafe {
+            let dst = a.as_mut_ptr().add(1).cast::<u8>();
+            reduce(DType::I32, ReduceOp::Sum, &srcs, &[dst], 100, 2).unwrap();
+        }
+        assert_eq!(a[0], 0);
+        assert!((1..=100).all(|i| a[i] == (i as i32 - 1) + 1000), "{:?}", &a[..8]);
     }
 
     #[test]

@@ -12,8 +12,13 @@ it). Its fp32 kernel needs AVX2. It joins through torch.distributed (gloo) on th
 `deepspeed.init_distributed` does, and takes its all-ranks-local test from LOCAL_SIZE, which this
 script sets from LOCAL_WORLD_SIZE.
 
-Prints rank 0's medians of 7 runs, in microseconds per call, float32, sum; and checks that every
-call gave the right sum before timing it.
+Also next to torch.distributed's own all_reduce on the gloo backend (PyTorch's CPU collectives,
+joined on the job's store), the baseline every PyTorch CPU program has.
+
+Prints rank 0's medians of 7 runs, in microseconds per call, sum, of DTYPE (float32 unless set:
+bfloat16 or float16); and checks that every call gave the right sum before timing it.
+
+    DTYPE=bfloat16 symmem run -n 2 -- python bench/python_allreduce.py 64K,1M,16M
 """
 
 import os
@@ -52,6 +57,15 @@ def deepspeed_op(world):
     return op
 
 
+def gloo_group():
+    """torch.distributed on gloo (joined on the job's store unless DeepSpeed already did)."""
+    import torch.distributed as dist  # noqa: PLC0415
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    return dist
+
+
 def checked(f, t, world):
     """Runs `f` once on a tensor of ones and checks the sum, so a broken path is not timed."""
     t.fill_(1.0)
@@ -64,27 +78,34 @@ def main():
     sizes = sys.argv[1] if len(sys.argv) > 1 else "8,4K,64K,1M,16M"
     units = {"K": 1 << 10, "M": 1 << 20}
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    dtype = getattr(torch, os.environ.get("DTYPE", "float32"))
     ds = deepspeed_op(world)
+    dist = gloo_group()
     if rank == 0:
-        head = f"{'bytes':>10}  {'symm.all_reduce':>15}  {'native call':>11}"
-        print(head + (f"  {'DeepSpeed op':>12}  {'symm / DS':>9}" if ds else "") + "   (us per call)", flush=True)
+        head = f"{'bytes':>10}  {'symm.all_reduce':>15}  {'native call':>11}  {'gloo':>9}  {'gloo/symm':>9}"
+        print(head + (f"  {'DeepSpeed op':>12}  {'symm / DS':>9}" if ds else "") + f"   (us per call, {dtype})", flush=True)
     for s in sizes.split(","):
         nbytes = int(s[:-1]) * units[s[-1]] if s[-1] in units else int(s)
         n = max(50, min(20000, (64 << 20) // max(nbytes, 1)))
-        t = symm.empty(max(nbytes // 4, 1), dtype=torch.float32)
+        numel = max(nbytes // dtype.itemsize, 1)
+        t = symm.empty(numel, dtype=dtype)
         checked(lambda: symm.all_reduce(t), t, world)
         wrapped = per_call_us(lambda: symm.all_reduce(t), n)
         native_t, group = symm._native_tensor(t, symmetric=True), symm._group(None)
         checked(lambda: _native.all_reduce(native_t, "sum", group), t, world)
         native = per_call_us(lambda: _native.all_reduce(native_t, "sum", group), n)
-        row = f"{nbytes:>10}  {wrapped:15.2f}  {native:11.2f}"
+        g = torch.empty(numel, dtype=dtype)
+        checked(lambda: dist.all_reduce(g), g, world)
+        gloo = per_call_us(lambda: dist.all_reduce(g), max(n // 10, 20))
+        row = f"{nbytes:>10}  {wrapped:15.2f}  {native:11.2f}  {gloo:9.2f}  {gloo / wrapped:9.2f}"
         if ds:
-            d = torch.empty(max(nbytes // 4, 1), dtype=torch.float32)
+            d = torch.empty(numel, dtype=dtype)
             checked(lambda: ds(d), d, world)
             theirs = per_call_us(lambda: ds(d), n)
             row += f"  {theirs:12.2f}  {wrapped / theirs:9.2f}"
         if rank == 0:
             print(row, flush=True)
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -4,15 +4,20 @@
 # (default 3); prints medians side by side.
 #   symmem: `symmem bench transport --backend ucx` (a one-sided write or read of SIZE bytes,
 #           latency = until its completion is known to the initiator, i.e. a round trip;
-#           bandwidth = a window of 8 in flight).
+#           bandwidth = WINDOW transfers in flight, 8 unless set).
 #   UCX:    ucp_put_lat (one-way latency of a put ping-pong, i.e. half a round trip) and
-#           ucp_put_bw (bandwidth of back-to-back puts).
+#           ucp_put_bw (bandwidth of back-to-back puts, with no bound on those outstanding:
+#           perftest's -O 0; WINDOW=128 comes closer to that for symmem's small writes, each
+#           of which its owner acknowledges).
 # Needs ucx-utils (ucx_perftest) and libucx0 (installed if missing, as root).
 #   bench/compare_ucx.sh [SIZES]      e.g. bench/compare_ucx.sh 8,65536,1048576,16777216
+#   WINDOW=128 bench/compare_ucx.sh 8,4096
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SIZES=${1:-8,65536,1048576,16777216}
 RUNS=${RUNS:-3}
+WINDOW=${WINDOW:-8}
+export WINDOW
 if ! command -v ucx_perftest >/dev/null; then
     apt-get update -qq && apt-get install -y -qq ucx-utils libucx0 >/dev/null
 fi
@@ -25,7 +30,7 @@ mkdir -p target/bench
 : > "$out"
 port=$((20000 + RANDOM % 20000))
 for run in $(seq "$RUNS"); do
-    target/release/symmem bench transport --backend ucx --json --sizes "$SIZES" | sed 's/^/SYMMEM /' >> "$out"
+    target/release/symmem bench transport --backend ucx --json --window "$WINDOW" --sizes "$SIZES" | sed 's/^/SYMMEM /' >> "$out"
     for s in $SIZES_B; do
         for t in ucp_put_lat ucp_put_bw; do
             n=$(( s >= 1048576 ? 200 : 2000 ))
@@ -54,7 +59,8 @@ for l in open(sys.argv[1]):
             ucx.setdefault((p[1], int(p[2])), []).append((float(p[5]), float(p[9]) * 1.048576e6 / 1e9))
 med = lambda xs, i: statistics.median(x[i] for x in xs) if xs else float("nan")
 sizes = sorted({b for (_, b) in sym} | {b for (_, b) in ucx})
-print(f"ucx transport over UCX_TLS={__import__('os').environ.get('UCX_TLS')}, medians of runs")
+env = __import__('os').environ
+print(f"ucx transport over UCX_TLS={env.get('UCX_TLS')}, symmem's window {env.get('WINDOW')}, medians of runs")
 print(f"{'bytes':>10} {'write RTT us':>13} {'put_lat x2 us':>14} {'write GB/s':>11} {'put_bw GB/s':>12} {'bw ratio':>9}")
 for b in sizes:
     w = sym.get(("write", b), [])

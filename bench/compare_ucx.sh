@@ -68,5 +68,5 @@ for b in sizes:
     bw = ucx.get(("ucp_put_bw", b), [])
     wl, ul = med(w, 0), 2 * med(lat, 0)
     wb, ub = med(w, 1), med(bw, 1)
-    print(f"{b:>10} {wl:>13.2f} {ul:>14.2f} {wb:>11.3f} {ub:>12.3f} {wb / ub if ub else float('nan'):>8.2f}x")
+    print(f"{b:>10} {wl:>13.2f} {ul:>14.2f} {wb:>11.4g} {ub:>12.4g} {wb / ub if ub else float('nan'):>8.2f}x")
 PY

@@ -231,26 +231,44 @@ pub(crate) unsafe fn reduce(
     unsafe { reduce_any(dtype, op, srcs, dsts, n, ranks) }
 }
 
-/// [`reduce`] compiled for AVX2: 256-bit loops, and bf16's conversions vectorized at all (the
-/// baseline x86-64 target's SSE2 leaves them scalar). The same operations in the same order, so
-/// the same bits as the baseline build.
-///
-/// # Safety
-///
-/// As for [`reduce`], on a CPU with AVX2.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-unsafe fn reduce_avx2(
-    dtype: DType,
-    op: ReduceOp,
-    srcs: &[*const u8],
-    dsts: &[*mut u8],
-    n: usize,
-    ranks: usize,
-) -> Result<()> {
-    // SAFETY: forwarded.
-    unsafe { reduce_any(dtype, op, srcs, dsts, n, ranks) }
+/// Defines `$name`: [`reduce`] compiled with the target features `$features` (the same
+/// operations in the same order as the baseline build, so the same bits).
+macro_rules! built_for {
+    ($(#[$doc:meta])* $name:ident, $features:literal) => {
+        $(#[$doc])*
+        ///
+        /// # Safety
+        ///
+        /// As for [`reduce`], on a CPU with these features.
+        #[cfg(target_arch = "x86_64")]
+        #[target_feature(enable = $features)]
+        unsafe fn $name(
+            dtype: DType,
+            op: ReduceOp,
+            srcs: &[*const u8],
+            dsts: &[*mut u8],
+            n: usize,
+            ranks: usize,
+        ) -> Result<()> {
+            // SAFETY: forwarded.
+            unsafe { reduce_any(dtype, op, srcs, dsts, n, ranks) }
+        }
+    };
 }
+
+built_for!(
+    /// [`reduce`] for AVX2: 256-bit loops, and bf16's conversions vectorized at all (the
+    /// baseline x86-64 target's SSE2 leaves them scalar).
+    reduce_avx2,
+    "avx2"
+);
+
+built_for!(
+    /// [`reduce`] for AVX-512, for bf16: its conversions 16 lanes at a time (1.6-1.9 times
+    /// the AVX2 build's speed).
+    reduce_avx512,
+    "avx512f,avx512bw,avx512vl"
+);
 
 /// Whether the CPU has what [`reduce_avx512`] is compiled for.
 #[cfg(target_arch = "x86_64")]
@@ -260,27 +278,8 @@ fn has_avx512() -> bool {
         && std::arch::is_x86_feature_detected!("avx512vl")
 }
 
-/// [`reduce`] compiled for AVX-512, for bf16: its conversions 16 lanes at a time (1.6-1.9
-/// times the AVX2 build's speed). The same operations in the same order, so the same bits.
-///
-/// # Safety
-///
-/// As for [`reduce`], on a CPU with AVX-512 F, BW and VL.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl")]
-unsafe fn reduce_avx512(
-    dtype: DType,
-    op: ReduceOp,
-    srcs: &[*const u8],
-    dsts: &[*mut u8],
-    n: usize,
-    ranks: usize,
-) -> Result<()> {
-    // SAFETY: forwarded.
-    unsafe { reduce_any(dtype, op, srcs, dsts, n, ranks) }
-}
-
-/// [`reduce`] for whatever target it is compiled into (inlined whole into [`reduce_avx2`]).
+/// [`reduce`] for whatever target it is compiled into (inlined whole into [`reduce_avx2`] and
+/// [`reduce_avx512`]).
 ///
 /// # Safety
 ///

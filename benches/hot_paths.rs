@@ -6,7 +6,9 @@
 //! - `shm_write/8B_shared`, `shm_write/8B_heap`, `shm_write/64KiB_shared`: the synchronous
 //!   transport write (its fast path: no Work); `shm_start_write_wait/8B_shared`: the same
 //!   through a Work.
-//! - `all_reduce/8B_2ranks`: the small all-reduce between two thread ranks.
+//! - `all_reduce/8B_2ranks`: the small all-reduce between two thread ranks;
+//!   `all_reduce/1MiB_{float32,bfloat16,float16}_2ranks`: 1 MiB of each, where the reduction
+//!   kernel (and for bf16 and f16 its conversions) is most of the time.
 //! - `signal/pingpong_2ranks`: a signal-pad put and the peer's wait, there and back.
 //! - `store/add` and `store/barrier_2ranks`: one TcpStore round trip; the group barrier.
 
@@ -83,6 +85,19 @@ fn collectives(c: &mut Criterion) {
             two_ranks(iters, setup, run, run)
         })
     });
+    for dtype in [DType::F32, DType::BF16, DType::F16] {
+        c.bench_function(&format!("all_reduce/1MiB_{dtype}_2ranks"), |bench| {
+            bench.iter_custom(|iters| {
+                let setup = |g: &symmem::Group| {
+                    let x = symm::empty(&[(1 << 20) / dtype.size()], dtype, Device::Cpu).unwrap();
+                    symm::rendezvous(&x, g).unwrap();
+                    x
+                };
+                let run = |g: &symmem::Group, x: &Tensor| ops::all_reduce(x, ReduceOp::Sum, g).unwrap();
+                two_ranks(iters, setup, run, run)
+            })
+        });
+    }
     c.bench_function("signal/pingpong_2ranks", |bench| {
         bench.iter_custom(|iters| {
             let setup = |g: &symmem::Group| {

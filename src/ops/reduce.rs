@@ -453,15 +453,39 @@ unsafe fn run<T: Elem, F: Fn(T::A, T::A) -> T::A>(
                 *a = a.div(ranks);
             }
         }
-        for d in dsts {
-            // Every source of this chunk has been read into `acc` already, so writing a
-            // destination that is also a source is fine.
-            for (o, a) in dst(d).iter_mut().zip(acc.iter()) {
-                *o = T::store(*a);
-            }
+        // Every source of this chunk has been read into `acc` already, so writing a
+        // destination that is also a source is fine.
+        let Some((d0, more)) = dsts.split_first() else {
+            at += k;
+            continue;
+        };
+        for (o, a) in dst(d0).iter_mut().zip(acc.iter()) {
+            *o = T::store(*a);
+        }
+        for d in more {
+            copy_converted::<T>(*d0, *d, at, k, || {
+                for (o, a) in dst(d).iter_mut().zip(acc.iter()) {
+                    *o = T::store(*a);
+                }
+            });
         }
         at += k;
     }
+}
+
+/// Fills chunk [at, at+k) of destination `d` with what the first destination `d0` got: for an
+/// element type that converts from its accumulator (bf16, f16), a copy of `d0`'s chunk, which
+/// costs less than converting again (two-shot writes every local rank's buffer); otherwise
+/// `store`, as for `d0`.
+#[inline(always)]
+fn copy_converted<T: Elem>(d0: *mut u8, d: *mut u8, at: usize, k: usize, store: impl FnOnce()) {
+    if std::mem::size_of::<T>() == std::mem::size_of::<T::A>() {
+        return store();
+    }
+    // SAFETY: both destinations hold `n` > at+k elements (the kernel's contract), chunk
+    // [at, at+k) of `d0` is final, and nobody else writes either; `copy` allows them to be the
+    // same buffer.
+    unsafe { std::ptr::copy(d0.cast::<T>().add(at).cast_const(), d.cast::<T>().add(at), k) };
 }
 
 /// The kernel for elements that convert a chunk at a time (`Elem::FUSED` false): each
@@ -504,11 +528,17 @@ unsafe fn run_chunked<T: Elem, F: Fn(T::A, T::A) -> T::A>(
                 *a = a.div(ranks);
             }
         }
-        for d in dsts {
-            // SAFETY: as for the sources; every source of this chunk has been read (and its
-            // slice dropped), so a destination that is also a source may be written.
-            let d = unsafe { std::slice::from_raw_parts_mut(d.cast::<T>().add(at), k) };
-            T::store_chunk(acc, d);
+        // Every source of this chunk has been read (and its slice dropped), so a destination
+        // that is also a source may be written.
+        let store = |d: &*mut u8| {
+            // SAFETY: as for the sources, for a destination.
+            T::store_chunk(acc, unsafe { std::slice::from_raw_parts_mut(d.cast::<T>().add(at), k) });
+        };
+        if let Some((d0, more)) = dsts.split_first() {
+            store(d0);
+            for d in more {
+                copy_converted::<T>(*d0, *d, at, k, || store(d));
+            }
         }
         at += k;
     }

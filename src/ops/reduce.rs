@@ -356,6 +356,11 @@ unsafe fn run<T: Elem, F: Fn(T::A, T::A) -> T::A>(
         return;
     };
     let size = std::mem::size_of::<T>();
+    // The one destination the last source may go straight into.
+    let out = match dsts {
+        [d] if avg.is_none() => Some(*d),
+        _ => None,
+    };
     // Uninitialized: the sources fill what a chunk uses (zeroing all of it cost a 4-8 KiB
     // memset per call, a fifth of a small all-reduce).
     let mut acc = [const { MaybeUninit::<T::A>::uninit() }; CHUNK];
@@ -374,10 +379,6 @@ unsafe fn run<T: Elem, F: Fn(T::A, T::A) -> T::A>(
         let dst = |p: &*mut u8| {
             // SAFETY: as for `src`, for the destinations.
             unsafe { std::slice::from_raw_parts_mut(p.cast::<T>().add(at), k) }
-        };
-        let out = match dsts {
-            [d] if avg.is_none() => Some(*d),
-            _ => None,
         };
         let bytes = k * size;
         let at_b = at * size;
@@ -463,11 +464,15 @@ unsafe fn run<T: Elem, F: Fn(T::A, T::A) -> T::A>(
             *o = T::store(*a);
         }
         for d in more {
-            copy_converted::<T>(*d0, *d, at, k, || {
-                for (o, a) in dst(d).iter_mut().zip(acc.iter()) {
-                    *o = T::store(*a);
-                }
-            });
+            // SAFETY: every destination holds `n` elements (the kernel's contract) and d0's
+            // chunk was just written.
+            unsafe {
+                copy_converted::<T>(*d0, *d, at, k, || {
+                    for (o, a) in dst(d).iter_mut().zip(acc.iter()) {
+                        *o = T::store(*a);
+                    }
+                });
+            }
         }
         at += k;
     }
@@ -477,14 +482,17 @@ unsafe fn run<T: Elem, F: Fn(T::A, T::A) -> T::A>(
 /// element type that converts from its accumulator (bf16, f16), a copy of `d0`'s chunk, which
 /// costs less than converting again (two-shot writes every local rank's buffer); otherwise
 /// `store`, as for `d0`.
+///
+/// # Safety
+///
+/// Both destinations are valid for at least `at + k` elements of `T` and written by nobody
+/// else, and chunk [at, at+k) of `d0` is final.
 #[inline(always)]
-fn copy_converted<T: Elem>(d0: *mut u8, d: *mut u8, at: usize, k: usize, store: impl FnOnce()) {
+unsafe fn copy_converted<T: Elem>(d0: *mut u8, d: *mut u8, at: usize, k: usize, store: impl FnOnce()) {
     if std::mem::size_of::<T>() == std::mem::size_of::<T::A>() {
         return store();
     }
-    // SAFETY: both destinations hold `n` > at+k elements (the kernel's contract), chunk
-    // [at, at+k) of `d0` is final, and nobody else writes either; `copy` allows them to be the
-    // same buffer.
+    // SAFETY: by the contract above; `copy` allows the two to be the same buffer.
     unsafe { std::ptr::copy(d0.cast::<T>().add(at).cast_const(), d.cast::<T>().add(at), k) };
 }
 
@@ -537,7 +545,9 @@ unsafe fn run_chunked<T: Elem, F: Fn(T::A, T::A) -> T::A>(
         if let Some((d0, more)) = dsts.split_first() {
             store(d0);
             for d in more {
-                copy_converted::<T>(*d0, *d, at, k, || store(d));
+                // SAFETY: every destination holds `n` elements (the kernel's contract) and d0's
+                // chunk was just stored.
+                unsafe { copy_converted::<T>(*d0, *d, at, k, || store(d)) };
             }
         }
         at += k;

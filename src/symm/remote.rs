@@ -32,8 +32,11 @@ use crate::transport::{self, Atomic, Memory, Options, Reach, RemoteBuffer, Trans
 
 /// Above this many bytes, a message a signal follows goes as one striped write (every flow of
 /// the link) that is waited for before the signal; below, as in-order pieces on one flow that
-/// the signal can follow at once ([`Link::write_before_signal`]).
-pub(crate) const STRIPED: usize = 512 * 1024;
+/// the signal can follow at once ([`Link::write_before_signal`]). A 1 MiB message goes in
+/// pieces: striped, the two ranks of a 1 MiB all-reduce between two played hosts (tcp) each
+/// kept 4 sender and 4 serving threads busy on 2 cores and waited for an acknowledgement before
+/// signalling, 428-719 us in 5 alternated runs against 284-617 in pieces (median 630 vs 375).
+pub(crate) const STRIPED: usize = 1 << 20;
 
 /// A connection from this rank to one rank on another host.
 #[derive(Debug)]

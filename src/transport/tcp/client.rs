@@ -303,7 +303,7 @@ pub(super) fn handshake(s: &mut TcpStream, url: &Url, opts: &TcpOptions, token: 
 
 impl Client {
     /// Connects the flows to the transport at `url`. `serve` serves what the peer sent this
-    /// side's own transport (its requests that arrived whole), for a waiter to call while it
+    /// side's own transport (what has arrived of its requests), for a waiter to call while it
     /// spins: two ranks waiting on each other's small reads answer them with no thread woken.
     pub(super) fn connect(
         url: &Url,

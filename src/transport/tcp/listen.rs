@@ -248,10 +248,11 @@ fn start_serving(inner: &Arc<Inner>, stream: TcpStream, flow: u32) {
 
 /// A flow being served. Whoever holds `conn` serves it: the flow's thread, which waits for
 /// requests without holding it, or a caller waiting for a signal from the peer
-/// ([`serve_arrived`]), which then needs no other thread to apply it. A caller serves only
-/// what has arrived whole and never waits for the peer; what it leaves (a request still
-/// arriving, a read, answers the socket had no room for) it hands to the thread through
-/// `kick`.
+/// ([`serve_arrived`]), which then needs no other thread to apply it. Nobody waits for a
+/// write's payload while holding it: whoever looks receives what has arrived, and the next
+/// look goes on (`Conn::land`), so a waiting caller receives a peer's message as it arrives. A
+/// caller never waits for the peer; what it leaves (a header still arriving, a large read,
+/// answers the socket had no room for) it hands to the thread through `kick`.
 pub(super) struct Served {
     /// The flow's index among its client's flows (flow 0 carries the small requests).
     flow: u32,
@@ -272,6 +273,9 @@ const CALLER_OUT_MAX: usize = 64 * 1024;
 /// The most requests a caller serves per look at a flow: a peer that keeps sending cannot
 /// keep a caller from its own work (the flow's thread takes the rest).
 const CALLER_QUOTA: usize = 64;
+/// The most payload bytes a caller receives per look at a flow (the flow's thread, or the
+/// caller's next look, receives the rest).
+const CALLER_BYTES: usize = 256 * 1024;
 
 /// Who is serving: the flow's thread, which may wait for the peer, or a caller that must not.
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -293,6 +297,21 @@ struct Conn {
     taken: u64,
     /// Requests the one serving it now may still take (a caller takes a few, then returns).
     quota: usize,
+    /// Payload bytes the one serving it now may still receive.
+    budget: usize,
+    /// The write whose payload is arriving, when a caller left it part-received (it received
+    /// what had arrived and never waits for the rest): whoever serves the flow next goes on.
+    landing: Option<Landing>,
+}
+
+/// A write's payload being received: into registered memory, or, refused, read and dropped.
+struct Landing {
+    h: Header,
+    /// Where it goes (the registration, kept alive while its bytes arrive), or `Err(why)`
+    /// for a refused write, answered with the reason once its payload is read.
+    dst: std::result::Result<Arc<crate::transport::Registration>, String>,
+    /// Payload bytes received so far.
+    done: usize,
 }
 
 /// What looking for the next request found.
@@ -345,6 +364,8 @@ impl Conn {
             who: Who::Thread,
             taken: 0,
             quota: usize::MAX,
+            budget: usize::MAX,
+            landing: None,
         }
     }
 
@@ -356,10 +377,10 @@ impl Conn {
     }
 
     /// The next request's header if one has begun to arrive: the thread reads it whole,
-    /// waiting for the rest; a caller takes it only if it arrived whole, with a write's
-    /// payload, and is not a large read (whose answer may not fit the socket), nor more than
-    /// its quota, nor while its gathered replies are large (a socket that took no more).
-    /// Otherwise, with the gathered replies written, `Empty` or `End`.
+    /// waiting for the rest; a caller takes it only if the header arrived whole, and not a
+    /// large read (whose answer may not fit the socket), nor more than its quota, nor while
+    /// its gathered replies are large (a socket that took no more). A write's payload is
+    /// received after (`land`). Otherwise, with the gathered replies written, `Empty` or `End`.
     fn next(&mut self, inner: &Inner) -> std::io::Result<Arrived> {
         let who = self.who;
         if who == Who::Caller && (self.quota == 0 || self.out.len() >= CALLER_OUT_MAX) {
@@ -375,30 +396,21 @@ impl Conn {
                 if h.length > MAX_CHUNK {
                     return Err(std::io::Error::other(format!("frame of {} bytes exceeds {MAX_CHUNK}", h.length)));
                 }
-                // The thread reads a payload straight into memory; a caller only from the
-                // read-ahead (MAX_CHUNK bounds the sum).
-                let need = HEADER_LEN + if h.op == Op::Write { h.length as usize } else { 0 };
-                if who == Who::Thread || buffered >= need {
-                    // A caller answers a small read into the gathered replies, as long as
-                    // they stay small; a socket that takes no more leaves them to the thread
-                    // (woken for them), which then waits for room: a peer that stops reading
-                    // its answers makes this side hold at most CALLER_OUT_MAX more bytes.
-                    if who == Who::Caller
-                        && h.op == Op::Read
-                        && (h.length > GATHER_MAX as u64 || self.out.len() + h.length as usize > CALLER_OUT_MAX)
-                    {
-                        self.flush(inner)?;
-                        return Ok(Arrived::Empty);
-                    }
-                    self.ahead.skip(HEADER_LEN as u64);
-                    self.taken += 1;
-                    self.quota = self.quota.saturating_sub(1);
-                    return Ok(Arrived::Request(h));
-                }
-                if need > READ_AHEAD {
+                // A caller answers a small read into the gathered replies, as long as they
+                // stay small; a socket that takes no more leaves them to the thread (woken for
+                // them), which then waits for room: a peer that stops reading its answers
+                // makes this side hold at most CALLER_OUT_MAX more bytes.
+                if who == Who::Caller
+                    && h.op == Op::Read
+                    && (h.length > GATHER_MAX as u64 || self.out.len() + h.length as usize > CALLER_OUT_MAX)
+                {
                     self.flush(inner)?;
                     return Ok(Arrived::Empty);
                 }
+                self.ahead.skip(HEADER_LEN as u64);
+                self.taken += 1;
+                self.quota = self.quota.saturating_sub(1);
+                return Ok(Arrived::Request(h));
             }
             match self.ahead.fill(&self.s)? {
                 None if self.ahead.buffered() == 0 => return Ok(Arrived::End),
@@ -416,35 +428,65 @@ impl Conn {
         }
     }
 
-    /// Fills `dst` with the stream's next bytes: those read ahead (all of them for a caller,
-    /// see `next`), then the rest straight from the socket, waiting for them.
-    fn read_exact(&mut self, inner: &Inner, dst: &mut [u8]) -> std::io::Result<()> {
-        let mut at = self.ahead.take(dst);
-        if at < dst.len() {
-            self.flush(inner)?;
+    /// Receives the payload of the write being landed: what was read ahead, then straight
+    /// from the socket into its destination (or dropped, for a refused write): what has
+    /// arrived, a caller at most its byte budget. The rest is left to whoever serves the flow
+    /// next, so no one holds the flow while a payload travels and a waiting caller can receive
+    /// it as it arrives. Once whole, the write is answered (unless posted and accepted) and
+    /// `true`; `false` if it is still arriving.
+    fn land(&mut self, inner: &Inner) -> std::io::Result<bool> {
+        let Conn { s, ahead, who, budget, landing, .. } = self;
+        let Some(l) = landing.as_mut() else { return Ok(true) };
+        // MAX_CHUNK (checked in `next`) bounds it.
+        let len = l.h.length as usize;
+        let mut sink = [0u8; 4096];
+        while l.done < len {
+            if *who == Who::Caller && *budget == 0 {
+                break;
+            }
+            let want = (len - l.done).min(*budget);
+            let dst: &mut [u8] = match &l.dst {
+                Ok(reg) => {
+                    // SAFETY: check_access put [offset, offset+length) inside the
+                    // registration, whose storage `reg` keeps alive, and done + want <= length.
+                    // The owner promised not to touch memory exposed to peers while transfers
+                    // run (the transport contract), and the one serving this flow (holding
+                    // `conn`) is the only writer of this payload.
+                    unsafe { std::slice::from_raw_parts_mut(reg.ptr().add(l.h.remote_offset as usize + l.done), want) }
+                }
+                Err(_) => {
+                    let k = want.min(sink.len());
+                    &mut sink[..k]
+                }
+            };
+            let mut got = ahead.take(dst);
+            if got == 0 {
+                match (&*s).read(dst) {
+                    Ok(0) => return Err(std::io::ErrorKind::UnexpectedEof.into()),
+                    Ok(k) => got = k,
+                    // The rest is for the next look (the thread's, once the socket is
+                    // readable, or a caller's): nobody holds the flow while it travels.
+                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+                    Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                    Err(e) => return Err(e),
+                }
+            }
+            l.done += got;
+            *budget = budget.saturating_sub(got);
         }
-        while at < dst.len() {
-            match (&self.s).read(&mut dst[at..]) {
-                Ok(0) => return Err(std::io::ErrorKind::UnexpectedEof.into()),
-                Ok(k) => at += k,
-                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => wait(inner, &self.s, PollFlags::IN)?,
-                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-                Err(e) => return Err(e),
+        if l.done < len {
+            self.flush(inner)?;
+            return Ok(false);
+        }
+        let Some(l) = self.landing.take() else { return Ok(true) };
+        match l.dst {
+            Ok(_) if l.h.flags & POSTED != 0 => Ok(true),
+            Ok(_) => self.reply(inner, &l.h, Op::Ack, &[]).map(|()| true),
+            Err(msg) => {
+                let m = msg.as_bytes();
+                self.reply(inner, &l.h, Op::Error, &m[..m.len().min(MAX_ERROR_LEN as usize)]).map(|()| true)
             }
         }
-        Ok(())
-    }
-
-    /// Skips the stream's next `n` bytes.
-    fn skip(&mut self, inner: &Inner, mut n: u64) -> std::io::Result<()> {
-        n -= self.ahead.skip(n);
-        let mut sink = [0u8; 4096];
-        while n > 0 {
-            let k = (n as usize).min(sink.len());
-            self.read_exact(inner, &mut sink[..k])?;
-            n -= k as u64;
-        }
-        Ok(())
     }
 
     /// Answers a request: gathered while more requests are buffered, written before the next
@@ -510,10 +552,11 @@ fn serve(inner: &Inner, served: &Served) -> std::io::Result<()> {
     }
 }
 
-/// Serves, on the calling thread, the requests that have arrived whole on the flows that
-/// carry small ones (flow 0 of each client), unless their threads are at it. Never waits for
-/// the peer (a request still arriving, room for an answer): what it leaves, the flow's thread
-/// is woken for.
+/// Serves, on the calling thread, what has arrived on the flows that carry the requests
+/// ordered with signals (flow 0 of each client), unless their threads are at it: requests
+/// whose header arrived, and of a write's payload what has arrived (at most [`CALLER_BYTES`]
+/// per look). Never waits for the peer (bytes still travelling, room for an answer): what it
+/// leaves, the next look or the flow's thread (woken by the socket or a kick) takes.
 pub(super) fn serve_arrived(inner: &Inner) {
     let served = inner.served.read().unwrap_or_else(|p| p.into_inner());
     for s in served.values().filter(|s| s.flow == 0) {
@@ -537,7 +580,12 @@ pub(super) fn serve_arrived(inner: &Inner) {
 fn serve_some(inner: &Inner, c: &mut Conn, who: Who) -> std::io::Result<bool> {
     c.who = who;
     c.quota = if who == Who::Caller { CALLER_QUOTA } else { usize::MAX };
+    c.budget = if who == Who::Caller { CALLER_BYTES } else { usize::MAX };
     loop {
+        // A write a caller left part-received comes first: the flow's order.
+        if !c.land(inner)? {
+            return Ok(true);
+        }
         let h = match c.next(inner)? {
             Arrived::Request(h) => h,
             Arrived::Empty => return Ok(true),
@@ -558,37 +606,28 @@ fn serve_some(inner: &Inner, c: &mut Conn, who: Who) -> std::io::Result<bool> {
             }
             other => return Err(std::io::Error::other(format!("unexpected {other:?} frame from the initiator"))),
         };
-        // A posted read makes no sense: it is answered as any other.
-        let posted = write && h.flags & POSTED != 0;
         let reg = inner.table.read().unwrap_or_else(|p| p.into_inner()).get(&h.buffer).cloned();
         let access = match reg {
             Some(r) => r.check_access(&h.key, h.remote_offset, h.length, write).map(|()| r),
             None => Err("unknown remote buffer".to_string()),
         };
+        if write {
+            // Its payload, accepted or not, is received next (the loop's `land`), and the write
+            // answered then (a posted one only if refused).
+            c.landing = Some(Landing { h, dst: access, done: 0 });
+            continue;
+        }
         match access {
             Ok(reg) => {
-                let at = reg.ptr().wrapping_add(h.remote_offset as usize);
-                let len = h.length as usize;
-                if write {
-                    // SAFETY: check_access put [offset, offset+len) inside the registration,
-                    // whose storage `reg` keeps alive. The owner promised not to touch memory
-                    // exposed to peers while transfers run (the transport contract), so this
-                    // thread has the bytes to itself.
-                    let dst = unsafe { std::slice::from_raw_parts_mut(at, len) };
-                    c.read_exact(inner, dst)?;
-                    if !posted {
-                        c.reply(inner, &h, Op::Ack, &[])?;
-                    }
-                } else {
-                    // SAFETY: as above; the bytes are only read.
-                    let src = unsafe { std::slice::from_raw_parts(at.cast_const(), len) };
-                    c.reply(inner, &h, Op::Data, src)?;
-                }
+                // SAFETY: check_access put [offset, offset+length) inside the registration,
+                // whose storage `reg` keeps alive; the bytes are only read. (A posted read
+                // makes no sense: it is answered as any other.)
+                let src = unsafe {
+                    std::slice::from_raw_parts(reg.ptr().add(h.remote_offset as usize).cast_const(), h.length as usize)
+                };
+                c.reply(inner, &h, Op::Data, src)?;
             }
             Err(msg) => {
-                if write {
-                    c.skip(inner, h.length)?;
-                }
                 let m = msg.as_bytes();
                 c.reply(inner, &h, Op::Error, &m[..m.len().min(MAX_ERROR_LEN as usize)])?;
             }
@@ -632,6 +671,111 @@ mod tests {
     use crate::tensor::Tensor;
     use crate::transport::{Options, Transport};
     use crate::wire::tcp::Op;
+
+    /// A write's payload is received as it arrives, by whoever looks at the flow (a caller at
+    /// most [`CALLER_BYTES`] per look), and nobody waits for the rest while holding the flow: a
+    /// look returns with the write part-received and the next one goes on, in the flow's order
+    /// (the writes after it, their answers, a refused write's payload dropped and answered).
+    #[test]
+    fn a_write_is_received_as_it_arrives_by_whoever_looks_next() {
+        let backend = super::super::TcpBackend::new(&Options::new()).unwrap();
+        let inner = backend.inner.clone();
+        let t = Transport::new(Box::new(backend), None);
+        const N: usize = 512 * 1024;
+        let dst = Tensor::zeros(&[N], crate::tensor::DType::U8).unwrap();
+        let d = t.register_memory(&dst).unwrap().to_remote_buffer().unwrap();
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let mut peer = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let (s, _) = l.accept().unwrap();
+        s.set_nonblocking(true).unwrap();
+        let mut c = Conn::new(s);
+        let write = |id: u64, at: usize, len: usize, key: [u8; 16]| {
+            Header {
+                op: Op::Write,
+                status: 0,
+                flags: 0,
+                request: id,
+                cookie: 0,
+                buffer: d.buffer_id,
+                key,
+                remote_offset: at as u64,
+                length: len as u64,
+            }
+            .encode()
+        };
+        let bytes = |id: u8, len: usize| -> Vec<u8> { (0..len).map(|i| (i % 251) as u8 ^ id).collect() };
+        // Until `n` bytes wait unread on the served socket.
+        let arrived = |c: &Conn, n: usize| {
+            let start = Instant::now();
+            while rustix::io::ioctl_fionread(&c.s).unwrap() < n as u64 {
+                assert!(start.elapsed() < Duration::from_secs(10), "{n} bytes never arrived");
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        };
+        let landed = |at: usize, want: &[u8]| dst.to_vec::<u8>().unwrap()[at..at + want.len()] == *want;
+
+        // Write 1 (64 KiB at 0): its header and 10 KiB, then a look by a caller.
+        let one = bytes(1, 64 << 10);
+        peer.write_all(&write(1, 0, one.len(), d.access_key)).unwrap();
+        peer.write_all(&one[..10 << 10]).unwrap();
+        arrived(&c, HEADER_LEN + (10 << 10));
+        assert!(serve_some(&inner, &mut c, Who::Caller).unwrap());
+        assert_eq!(c.landing.as_ref().map(|l| l.done), Some(10 << 10), "the caller took what had arrived");
+        assert!(landed(0, &one[..10 << 10]) && landed(10 << 10, &[0u8; 1024]));
+        // The flow's thread looks while nothing more came: it returns, not waiting for the peer.
+        let start = Instant::now();
+        assert!(serve_some(&inner, &mut c, Who::Thread).unwrap());
+        assert!(start.elapsed() < Duration::from_millis(500), "the thread waited for the payload");
+        assert_eq!(c.landing.as_ref().map(|l| l.done), Some(10 << 10));
+
+        // The rest of write 1, write 2 (a wrong key: refused, its 20 KiB dropped) and write 3
+        // (384 KiB at 64 KiB): a caller's look receives at most its budget.
+        let three = bytes(3, 384 << 10);
+        let mut rest = one[10 << 10..].to_vec();
+        rest.extend_from_slice(&write(2, 0, 20 << 10, [7; 16]));
+        rest.extend_from_slice(&bytes(2, 20 << 10));
+        rest.extend_from_slice(&write(3, 64 << 10, three.len(), d.access_key));
+        rest.extend_from_slice(&three);
+        let all = rest.len();
+        let writer = std::thread::spawn(move || peer.write_all(&rest).map(|()| peer));
+        arrived(&c, 96 << 10);
+        assert!(serve_some(&inner, &mut c, Who::Caller).unwrap());
+        let done = c.landing.as_ref().map_or(0, |l| l.done);
+        assert!(landed(0, &one), "write 1 was not completed first");
+        assert_eq!(c.landing.as_ref().map(|l| l.h.request), Some(3), "the caller stopped before write 3");
+        // 54 KiB of write 1, 20 KiB dropped, and write 3's bytes: at most the budget.
+        assert!((54 << 10) + (20 << 10) + done <= CALLER_BYTES, "{done} bytes of write 3 in one look");
+        // The next looks go on where it stopped.
+        let start = Instant::now();
+        while c.landing.is_some() {
+            assert!(start.elapsed() < Duration::from_secs(10), "write 3 never completed");
+            serve_some(&inner, &mut c, Who::Caller).unwrap();
+        }
+        assert!(landed(64 << 10, &three), "write 3's bytes");
+        assert!(landed(0, &one), "the refused write touched memory");
+        let mut peer = writer.join().unwrap().unwrap();
+        assert!(all > CALLER_BYTES);
+        // Answers, in order: 1 accepted, 2 refused with the reason, 3 accepted.
+        let start = Instant::now();
+        while !c.out.is_empty() {
+            assert!(start.elapsed() < Duration::from_secs(10), "the answers are never written");
+            c.flush(&inner).unwrap();
+        }
+        peer.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        let mut answer = || {
+            let mut hdr = [0u8; HEADER_LEN];
+            peer.read_exact(&mut hdr).unwrap();
+            let h = Header::decode(&hdr).unwrap();
+            let mut msg = vec![0u8; if h.op == Op::Error { h.length as usize } else { 0 }];
+            peer.read_exact(&mut msg).unwrap();
+            (h.op, h.request, String::from_utf8(msg).unwrap())
+        };
+        assert_eq!(answer(), (Op::Ack, 1, String::new()));
+        let (op, id, why) = answer();
+        assert_eq!((op, id), (Op::Error, 2));
+        assert!(why.contains("unknown remote buffer"), "{why}");
+        assert_eq!(answer(), (Op::Ack, 3, String::new()));
+    }
 
     /// A caller serving a flow answers small reads, at most [`CALLER_QUOTA`] requests per look,
     /// and a peer that sends read after read and never reads the answers cannot make it gather

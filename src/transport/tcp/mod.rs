@@ -20,7 +20,11 @@
 //!   (waits for the peer to have served them).
 //! - A thread waiting for a word the peer sets serves the peer's flow 0 itself
 //!   (`Transport::serve_arrived`): whoever holds a served flow's state serves it, the flow's
-//!   thread waiting for requests without holding it.
+//!   thread waiting for requests without holding it. Nobody holds it while a write's payload
+//!   travels: each look receives what has arrived and the next goes on, so a rank waiting for
+//!   a peer's message receives it into memory itself as it arrives, with no thread woken (2
+//!   ranks on 2 played hosts, all-reduce 64 KiB / 256 KiB / 1 MiB: 0.68-0.75x / 0.75-0.82x /
+//!   0.59-0.86x of the time when only the flow's thread received payloads).
 //!
 //! - Many requests may be in flight per endpoint; each carries an id, and replies complete
 //!   them in any order. Large requests are striped over `flows` connections in chunks, so the
@@ -542,7 +546,7 @@ mod tests {
         assert!(server.join().unwrap() > 1000);
     }
 
-    /// A caller serving its link while it waits takes only requests that arrived whole: a peer
+    /// A caller serving its link while it waits never waits for the rest of a frame: a peer
     /// that sent half a write and stopped (a process stopped mid-frame) cannot hold it; the
     /// rest, when it comes, is served. (Before c48652b the caller read a begun request whole:
     /// this fails there at its second round.)

@@ -506,6 +506,14 @@ fn operators(j: &Job) {
     ops::all_to_all(&first, &second, g).unwrap();
     ops::all_to_all(&second, &back, g).unwrap();
     j.report("all_to_all_pulled_into_symmetric", &back);
+    // Blocks of over 1 MiB: over ucx each remote block is read as pieces of 512 KiB
+    // (symm::remote::UCX_READ_PIECE), two whole and a part.
+    let n = ws * (2 * (512 << 10) / 4 + 16);
+    let pieces = sym(&[n], DType::F32);
+    fill(&pieces, |i| val(me, i));
+    let pieces_out = Tensor::zeros(&[n], DType::F32).unwrap();
+    ops::all_to_all(&pieces, &pieces_out, g).unwrap();
+    j.report("all_to_all_pulled_in_pieces", &pieces_out);
 
     // all-to-all-v, its 2-D dispatch and combine.
     let (cap, cols) = (64, 3);

@@ -758,7 +758,8 @@ impl SymmHandle {
     /// every read landed (or failed). With every rank on this host it just runs `meanwhile`.
     /// `out` is registered privately on each link for the call only
     /// (`Transport::register_private`: unreachable by peers, and leaving any registration of
-    /// its own in place).
+    /// its own in place). A read larger than the link's [`remote::Link::read_piece`] goes as
+    /// pieces, all in flight.
     pub(crate) fn fetch_into(
         &self,
         out: &Tensor,
@@ -773,12 +774,18 @@ impl SymmHandle {
             if len == 0 {
                 continue;
             }
-            let started = r.link.transport.register_private(out).and_then(|reg| {
-                let view = reg.to_mutable_view(to, Some(len));
-                regs.push((r, reg));
-                r.start_read_into(&view?, at, len, timeout)
-            });
-            works.push((r, started));
+            let reg = match r.link.transport.register_private(out) {
+                Ok(reg) => reg,
+                Err(e) => {
+                    works.push((r, Err(e)));
+                    continue;
+                }
+            };
+            for (o, n) in remote::pieces(len, r.link.read_piece()) {
+                let view = reg.to_mutable_view(to + o, Some(n));
+                works.push((r, view.and_then(|v| r.start_read_into(&v, at + o, n, timeout))));
+            }
+            regs.push((r, reg));
         }
         meanwhile();
         let fetched = remote::wait_all(works, "reading from");

@@ -435,42 +435,45 @@ impl Conn {
     /// it as it arrives. Once whole, the write is answered (unless posted and accepted) and
     /// `true`; `false` if it is still arriving.
     fn land(&mut self, inner: &Inner) -> std::io::Result<bool> {
-        let Conn { s, ahead, who, budget, landing, .. } = self;
+        let Conn { s, ahead, budget, landing, .. } = self;
         let Some(l) = landing.as_mut() else { return Ok(true) };
-        // MAX_CHUNK (checked in `next`) bounds it.
+        // MAX_CHUNK (checked in `next`) bounds it; the thread's budget never runs out.
         let len = l.h.length as usize;
-        let mut sink = [0u8; 4096];
-        while l.done < len {
-            if *who == Who::Caller && *budget == 0 {
-                break;
-            }
+        while l.done < len && *budget > 0 {
             let want = (len - l.done).min(*budget);
-            let dst: &mut [u8] = match &l.dst {
+            let got = match &l.dst {
                 Ok(reg) => {
                     // SAFETY: check_access put [offset, offset+length) inside the
                     // registration, whose storage `reg` keeps alive, and done + want <= length.
                     // The owner promised not to touch memory exposed to peers while transfers
                     // run (the transport contract), and the one serving this flow (holding
                     // `conn`) is the only writer of this payload.
-                    unsafe { std::slice::from_raw_parts_mut(reg.ptr().add(l.h.remote_offset as usize + l.done), want) }
+                    let dst = unsafe {
+                        std::slice::from_raw_parts_mut(reg.ptr().add(l.h.remote_offset as usize + l.done), want)
+                    };
+                    match ahead.take(dst) {
+                        0 => match (&*s).read(dst) {
+                            Ok(0) => return Err(std::io::ErrorKind::UnexpectedEof.into()),
+                            Ok(k) => k,
+                            // The rest is for the next look (the thread's, once the socket is
+                            // readable, or a caller's): nobody holds the flow while it travels.
+                            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+                            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                            Err(e) => return Err(e),
+                        },
+                        k => k,
+                    }
                 }
-                Err(_) => {
-                    let k = want.min(sink.len());
-                    &mut sink[..k]
-                }
+                // Refused: its bytes are dropped through the read-ahead.
+                Err(_) => match ahead.skip(want as u64) {
+                    0 => match ahead.fill(s)? {
+                        None => return Err(std::io::ErrorKind::UnexpectedEof.into()),
+                        Some(0) => break,
+                        Some(_) => continue,
+                    },
+                    k => k as usize,
+                },
             };
-            let mut got = ahead.take(dst);
-            if got == 0 {
-                match (&*s).read(dst) {
-                    Ok(0) => return Err(std::io::ErrorKind::UnexpectedEof.into()),
-                    Ok(k) => got = k,
-                    // The rest is for the next look (the thread's, once the socket is
-                    // readable, or a caller's): nobody holds the flow while it travels.
-                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
-                    Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
-                    Err(e) => return Err(e),
-                }
-            }
             l.done += got;
             *budget = budget.saturating_sub(got);
         }
@@ -480,13 +483,11 @@ impl Conn {
         }
         let Some(l) = self.landing.take() else { return Ok(true) };
         match l.dst {
-            Ok(_) if l.h.flags & POSTED != 0 => Ok(true),
-            Ok(_) => self.reply(inner, &l.h, Op::Ack, &[]).map(|()| true),
-            Err(msg) => {
-                let m = msg.as_bytes();
-                self.reply(inner, &l.h, Op::Error, &m[..m.len().min(MAX_ERROR_LEN as usize)]).map(|()| true)
-            }
+            Ok(_) if l.h.flags & POSTED != 0 => {}
+            Ok(_) => self.reply(inner, &l.h, Op::Ack, &[])?,
+            Err(msg) => self.refuse(inner, &l.h, &msg)?,
         }
+        Ok(true)
     }
 
     /// Answers a request: gathered while more requests are buffered, written before the next
@@ -504,6 +505,12 @@ impl Conn {
             self.flush(inner)?;
         }
         Ok(())
+    }
+
+    /// Answers a request with an ERROR carrying why (cut to the wire's limit).
+    fn refuse(&mut self, inner: &Inner, req: &Header, why: &str) -> std::io::Result<()> {
+        let m = why.as_bytes();
+        self.reply(inner, req, Op::Error, &m[..m.len().min(MAX_ERROR_LEN as usize)])
     }
 
     fn reply(&mut self, inner: &Inner, req: &Header, op: Op, payload: &[u8]) -> std::io::Result<()> {
@@ -627,19 +634,14 @@ fn serve_some(inner: &Inner, c: &mut Conn, who: Who) -> std::io::Result<bool> {
                 };
                 c.reply(inner, &h, Op::Data, src)?;
             }
-            Err(msg) => {
-                let m = msg.as_bytes();
-                c.reply(inner, &h, Op::Error, &m[..m.len().min(MAX_ERROR_LEN as usize)])?;
-            }
+            Err(msg) => c.refuse(inner, &h, &msg)?,
         }
     }
 }
 
 /// Performs an ATOMIC request on a registered word and answers it.
 fn atomic(inner: &Inner, c: &mut Conn, h: &Header) -> std::io::Result<()> {
-    let refuse = |c: &mut Conn, msg: &str| {
-        c.reply(inner, h, Op::Error, &msg.as_bytes()[..msg.len().min(MAX_ERROR_LEN as usize)])
-    };
+    let refuse = |c: &mut Conn, msg: &str| c.refuse(inner, h, msg);
     let op = match Atomic::from_byte(h.status) {
         Some(Atomic::SlotPut) => crate::transport::Atomic::SlotPut,
         Some(Atomic::Set32) => crate::transport::Atomic::Set32,

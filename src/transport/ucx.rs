@@ -47,7 +47,9 @@
 //! requests (no hand-off to another thread on the way out); a progress thread per endpoint
 //! progresses the worker whenever it is not idle, serving peers and completing Works, keeps
 //! looking for the spin budget (`SYMMEM_SPIN_US`) after it fell idle, and sleeps on the
-//! worker's event descriptor otherwise. UCX's callbacks run on whichever thread
+//! worker's event descriptor otherwise. It stays out of the way while a caller sends or
+//! progresses the worker itself (waiting for a Work or a word), and for 50 us after: the
+//! two taking turns at the lock cost a futex sleep and wake-up per request. UCX's callbacks run on whichever thread
 //! progresses and queue what they saw in that thread's queue, which it drains before letting
 //! go of the lock.
 
@@ -55,7 +57,7 @@ use std::cell::RefCell;
 use std::collections::HashMap;
 use std::ffi::c_void;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, RwLock, mpsc};
 use std::time::{Duration, Instant};
 
@@ -233,11 +235,61 @@ struct Shared {
     /// core's lock to send them, rather than trying it, since it may stop trying (asleep) and
     /// nothing else sends them before the batch ends (which may wait for that waiter).
     stashed: AtomicBool,
+    /// Callers inside [`UcxBackend::with_core`] (waiting for the core's lock or holding it).
+    callers: AtomicUsize,
+    /// When a caller last had the core (`Shared::now`): the progress thread stays out of the
+    /// way of callers that progress the worker themselves.
+    caller_at: AtomicU64,
+    /// The origin of `caller_at`.
+    epoch: Instant,
 }
+
+/// The progress thread leaves the worker to callers that had it this recently: one that waits
+/// for a completion progresses the worker itself every few microseconds, and the thread taking
+/// the lock between its looks only makes it wait (a futex sleep and wake-up per request).
+const STEP_ASIDE: Duration = Duration::from_micros(50);
 
 impl Shared {
     fn poke(&self) {
         let _ = rustix::io::write(&self.wake, &1u64.to_ne_bytes());
+    }
+
+    /// Nanoseconds since `epoch`.
+    fn now(&self) -> u64 {
+        u64::try_from(self.epoch.elapsed().as_nanos()).unwrap_or(u64::MAX)
+    }
+
+    /// A caller had the core just now.
+    fn caller_had_it(&self) {
+        // Relaxed: a hint read by the progress thread; acting on a stale value only costs it a
+        // look at the lock, or a few microseconds' wait.
+        self.caller_at.store(self.now(), Ordering::Relaxed);
+    }
+
+    /// Whether the progress thread should leave the core to callers.
+    fn callers_have_it(&self) -> bool {
+        // Relaxed: hints (see `caller_had_it`); the lock orders everything done on the core.
+        self.callers.load(Ordering::Relaxed) > 0
+            || self.now().saturating_sub(self.caller_at.load(Ordering::Relaxed)) < STEP_ASIDE.as_nanos() as u64
+    }
+}
+
+/// Counts a caller in [`Shared::callers`] while it lives.
+struct CallerIn<'a>(&'a Shared);
+
+impl<'a> CallerIn<'a> {
+    fn new(s: &'a Shared) -> CallerIn<'a> {
+        // Relaxed: a hint (see `Shared::callers_have_it`).
+        s.callers.fetch_add(1, Ordering::Relaxed);
+        CallerIn(s)
+    }
+}
+
+impl Drop for CallerIn<'_> {
+    fn drop(&mut self) {
+        self.0.caller_had_it();
+        // Relaxed: as in `new`.
+        self.0.callers.fetch_sub(1, Ordering::Relaxed);
     }
 }
 
@@ -274,6 +326,9 @@ impl UcxBackend {
             lost: OnceLock::new(),
             stop: AtomicBool::new(false),
             stashed: AtomicBool::new(false),
+            callers: AtomicUsize::new(0),
+            caller_at: AtomicU64::new(0),
+            epoch: Instant::now(),
         });
         let (core, address, efd) = Core::new(shared.clone(), tls).map_err(unavailable)?;
         let core = Arc::new(Mutex::new(core));
@@ -288,6 +343,7 @@ impl UcxBackend {
 
     /// Runs `f` on the core, then handles what UCX reported meanwhile.
     fn with_core<T>(&self, f: impl FnOnce(&mut Core) -> T) -> T {
+        let _in = CallerIn::new(&self.shared);
         let mut c = self.core.lock().unwrap_or_else(|p| p.into_inner());
         let out = f(&mut c);
         c.worker.progress();
@@ -298,7 +354,8 @@ impl UcxBackend {
 
 /// The progress thread: progresses the worker while there is anything to do, serving peers
 /// and completing transfers, looks again (yielding between looks, without the lock) for
-/// `SYMMEM_SPIN_US` once idle, then sleeps on the worker's event descriptor.
+/// `SYMMEM_SPIN_US` once idle, then sleeps on the worker's event descriptor. It leaves the
+/// worker alone while callers have it (see [`STEP_ASIDE`]).
 fn progress_loop(core: &Mutex<Core>, shared: &Shared, efd: i32) {
     // SAFETY: UCX's event descriptor lives as long as the worker, which the core keeps until
     // after this loop (it is closed below, then dropped with the last handle).
@@ -309,6 +366,16 @@ fn progress_loop(core: &Mutex<Core>, shared: &Shared, efd: i32) {
     let linger = crate::config::spin();
     let mut idle_since: Option<Instant> = None;
     while !shared.stop.load(Ordering::Acquire) {
+        if shared.callers_have_it() {
+            // A caller progresses the worker (or is about to send): out of its way, yielding
+            // (napping instead, 4 ranks on 2 played hosts took 1.3-2x the time for small
+            // all-reduces and all-to-alls: a caller descheduled for a while left peers waiting
+            // for the nap's end). Once the caller's looks stop, this thread looks again, the
+            // spin budget afresh.
+            idle_since = None;
+            std::thread::yield_now();
+            continue;
+        }
         {
             let mut c = core.lock().unwrap_or_else(|p| p.into_inner());
             let mut busy = false;
@@ -421,6 +488,10 @@ impl Backend for UcxBackend {
                 c.send_stash();
                 c.worker.progress();
                 c.handle_events();
+                drop(c);
+                if let Some(s) = shared.upgrade() {
+                    s.caller_had_it();
+                }
             }
         }));
         // Sent from this thread: no hand-off to the progress thread on the way out.
@@ -436,6 +507,8 @@ impl Backend for UcxBackend {
         if let Ok(mut c) = self.core.try_lock() {
             c.worker.progress();
             c.handle_events();
+            drop(c);
+            self.shared.caller_had_it();
         }
     }
 

@@ -244,6 +244,9 @@ struct Shared {
     epoch: Instant,
 }
 
+/// A caller starting a request progresses the worker if nobody did for this long.
+const LOOK_EVERY: Duration = Duration::from_micros(20);
+
 /// The progress thread leaves the worker to callers that had it this recently: one that waits
 /// for a completion progresses the worker itself every few microseconds, and the thread taking
 /// the lock between its looks only makes it wait (a futex sleep and wake-up per request).
@@ -341,16 +344,18 @@ impl UcxBackend {
         Ok(UcxBackend { shared, core, url, timeout, thread: Mutex::new(Some(thread)) })
     }
 
-    /// Runs `f` on the core, then handles what UCX reported meanwhile. It does not progress
-    /// the worker (a look is a system call or more: a write, its signature and its signal in a
-    /// batch took 12-18 us to start with five of them, 2 ranks on 2 played hosts): whoever
-    /// waits for what `f` started progresses it, and the progress thread otherwise.
+    /// Runs `f` on the core, then handles what UCX reported meanwhile. It progresses the worker
+    /// only if UCX kept a send of `f`'s, or nobody did for [`LOOK_EVERY`] (a caller starting
+    /// requests back to back still serves its peers): a look is a system call or more, and a
+    /// write, its signature and its signal in a batch took 12-18 us to start with five of
+    /// them (2 ranks on 2 played hosts); whoever waits for what `f` started progresses it.
     fn with_core<T>(&self, f: impl FnOnce(&mut Core) -> T) -> T {
         let _in = CallerIn::new(&self.shared);
         let mut c = self.core.lock().unwrap_or_else(|p| p.into_inner());
         let out = f(&mut c);
-        if std::mem::take(&mut c.unsent) {
-            c.worker.progress();
+        let stale = self.shared.now().saturating_sub(c.looked) > LOOK_EVERY.as_nanos() as u64;
+        if std::mem::take(&mut c.unsent) || stale {
+            c.look();
         }
         c.handle_events();
         out
@@ -384,7 +389,7 @@ fn progress_loop(core: &Mutex<Core>, shared: &Shared, efd: i32) {
         {
             let mut c = core.lock().unwrap_or_else(|p| p.into_inner());
             let mut busy = false;
-            while c.worker.progress() > 0 {
+            while c.look() > 0 {
                 busy = true;
             }
             if c.handle_events() || busy {
@@ -491,7 +496,7 @@ impl Backend for UcxBackend {
             if let Some(mut c) = guard {
                 // Held, it leaves now.
                 c.send_stash();
-                c.worker.progress();
+                c.look();
                 c.handle_events();
                 drop(c);
                 if let Some(s) = shared.upgrade() {
@@ -510,7 +515,7 @@ impl Backend for UcxBackend {
 
     fn serve_arrived(&self) {
         if let Ok(mut c) = self.core.try_lock() {
-            c.worker.progress();
+            c.look();
             c.handle_events();
             drop(c);
             self.shared.caller_had_it();
@@ -678,6 +683,8 @@ struct Core {
     orders: HashMap<u64, Order>,
     /// A posted request was sent since the last fence.
     unfenced: bool,
+    /// When the worker was last progressed (`Shared::now`).
+    looked: u64,
     /// A send of this caller's did not leave at once (UCX holds it, or a rendezvous started):
     /// its caller progresses the worker once before letting go.
     unsent: bool,
@@ -791,12 +798,19 @@ impl Core {
             served: HashMap::new(),
             orders: HashMap::new(),
             unfenced: false,
+            looked: 0,
             unsent: false,
             held: 0,
             stash: Vec::new(),
             acks: Vec::new(),
         };
         Ok((core, address, efd))
+    }
+
+    /// Progresses the worker once; what it reported (UCX's count of events).
+    fn look(&mut self) -> u32 {
+        self.looked = self.shared.now();
+        self.worker.progress()
     }
 
     fn token(&mut self) -> u64 {
@@ -1877,6 +1891,47 @@ mod tests {
     fn remote_atomics_over_tcp_and_ucx_agree() {
         atomics_on("tcp");
         atomics_on("ucx");
+    }
+
+    /// A caller that starts requests back to back and waits for none of them still serves its
+    /// peers: the progress thread leaves the worker to a caller that has it, so starting a
+    /// request looks at the worker once nobody did for a while. Here a peer's reads complete
+    /// while the caller still posts writes (the symmetric-memory layer's pattern; without
+    /// those looks, each read waited for the loop's end).
+    #[test]
+    fn a_caller_starting_requests_back_to_back_still_serves_its_peers() {
+        use std::sync::atomic::{AtomicBool, Ordering};
+        use std::time::{Duration, Instant};
+        let Some((a, b)) = testkit::pair("ucx") else { return };
+        let (ta, tb) = (Tensor::zeros(&[64], DType::U8).unwrap(), Tensor::zeros(&[64], DType::U8).unwrap());
+        ta.copy_from_slice(&[7u8; 64]).unwrap();
+        let (ma, mb) = (a.register_memory(&ta).unwrap(), b.register_memory(&tb).unwrap());
+        let (ra, rb) = (ma.to_remote_buffer().unwrap(), mb.to_remote_buffer().unwrap());
+        let writing = AtomicBool::new(true);
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                let view = ma.to_view(0, Some(8)).unwrap();
+                let to = rb.slice(0, 8).unwrap();
+                let end = Instant::now() + Duration::from_millis(1500);
+                while Instant::now() < end {
+                    // Posted: done once sent, never waited for.
+                    a.post_write(&view, &to, testkit::LONG).unwrap();
+                }
+                // Release: pairs with the Acquire load below.
+                writing.store(false, Ordering::Release);
+            });
+            std::thread::sleep(Duration::from_millis(100));
+            let sink = mb.to_mutable_view(8, Some(8)).unwrap();
+            let from = ra.slice(0, 8).unwrap();
+            for _ in 0..20 {
+                let t = Instant::now();
+                b.read(&sink, &from, testkit::LONG).unwrap();
+                assert!(t.elapsed() < Duration::from_millis(300), "a read took {:?}", t.elapsed());
+            }
+            // Acquire: pairs with the writer's Release store.
+            assert!(writing.load(Ordering::Acquire), "the writer stopped before the reads ended");
+        });
+        assert_eq!(tb.to_vec::<u8>().unwrap()[..16], [7u8; 16]);
     }
 
     /// A waiter inside a batch sends what the batch holds even when it spins not at all

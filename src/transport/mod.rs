@@ -908,7 +908,18 @@ impl Transport {
         // pending needs draining at close.
         if state.is_pending() {
             let mut out = self.outstanding.lock().unwrap_or_else(|p| p.into_inner());
-            out.retain(|w| w.is_pending());
+            // Finished work leaves the list when it is full, and the list at least doubles
+            // when over half of it is still pending: amortized constant time per transfer,
+            // however many are started before any is waited for (with a sweep on every start,
+            // 40 000 writes to a peer that had not answered 10 000 took 1.7 s to start; 0.1 s
+            // now).
+            if out.len() == out.capacity() {
+                out.retain(|w| w.is_pending());
+                if 2 * out.len() > out.capacity() {
+                    let more = out.len().max(16);
+                    out.reserve(more);
+                }
+            }
             out.push(state.clone());
         }
         Ok(Work::new(state, Some(self.timeout(timeout))))

@@ -48,10 +48,10 @@
 //! progresses the worker whenever it is not idle, serving peers and completing Works, keeps
 //! looking for the spin budget (`SYMMEM_SPIN_US`) after it fell idle, and sleeps on the
 //! worker's event descriptor otherwise. It stays out of the way while a caller sends or
-//! progresses the worker itself (waiting for a Work or a word), and for 50 us after: the
-//! two taking turns at the lock cost a futex sleep and wake-up per request. UCX's callbacks run on whichever thread
-//! progresses and queue what they saw in that thread's queue, which it drains before letting
-//! go of the lock.
+//! progresses the worker itself (waiting for a Work or a word), and for 50 us after: the two
+//! taking turns at the lock cost a futex sleep and wake-up per request. UCX's callbacks run on
+//! whichever thread progresses and queue what they saw in that thread's queue, which it drains
+//! before letting go of the lock.
 
 use std::cell::RefCell;
 use std::collections::HashMap;

@@ -262,11 +262,11 @@ impl Shared {
         u64::try_from(self.epoch.elapsed().as_nanos()).unwrap_or(u64::MAX)
     }
 
-    /// A caller had the core just now.
-    fn caller_had_it(&self) {
+    /// A caller had the core at `at` (`Shared::now`).
+    fn caller_had_it(&self, at: u64) {
         // Relaxed: a hint read by the progress thread; acting on a stale value only costs it a
         // look at the lock, or a few microseconds' wait.
-        self.caller_at.store(self.now(), Ordering::Relaxed);
+        self.caller_at.store(at, Ordering::Relaxed);
     }
 
     /// Whether the progress thread should leave the core to callers.
@@ -277,7 +277,7 @@ impl Shared {
     }
 }
 
-/// Counts a caller in [`Shared::callers`] while it lives.
+/// Counts a caller in [`Shared::callers`] while it lives (its time goes in `caller_at`).
 struct CallerIn<'a>(&'a Shared);
 
 impl<'a> CallerIn<'a> {
@@ -290,7 +290,6 @@ impl<'a> CallerIn<'a> {
 
 impl Drop for CallerIn<'_> {
     fn drop(&mut self) {
-        self.0.caller_had_it();
         // Relaxed: as in `new`.
         self.0.callers.fetch_sub(1, Ordering::Relaxed);
     }
@@ -353,11 +352,13 @@ impl UcxBackend {
         let _in = CallerIn::new(&self.shared);
         let mut c = self.core.lock().unwrap_or_else(|p| p.into_inner());
         let out = f(&mut c);
-        let stale = self.shared.now().saturating_sub(c.looked) > LOOK_EVERY.as_nanos() as u64;
+        let now = self.shared.now();
+        let stale = now.saturating_sub(c.looked) > LOOK_EVERY.as_nanos() as u64;
         if std::mem::take(&mut c.unsent) || stale {
             c.look();
         }
         c.handle_events();
+        self.shared.caller_had_it(now);
         out
     }
 }
@@ -498,9 +499,8 @@ impl Backend for UcxBackend {
                 c.send_stash();
                 c.look();
                 c.handle_events();
-                drop(c);
                 if let Some(s) = shared.upgrade() {
-                    s.caller_had_it();
+                    s.caller_had_it(c.looked);
                 }
             }
         }));
@@ -517,8 +517,7 @@ impl Backend for UcxBackend {
         if let Ok(mut c) = self.core.try_lock() {
             c.look();
             c.handle_events();
-            drop(c);
-            self.shared.caller_had_it();
+            self.shared.caller_had_it(c.looked);
         }
     }
 

@@ -466,9 +466,11 @@ impl Tensor {
         self.dtype
     }
 
-    /// The number of elements.
+    /// The number of elements. A shape with a zero dimension holds none, whatever its other
+    /// dimensions (their product alone may overflow: `[4, 2^62, 0]` is a valid empty view);
+    /// otherwise the product was checked when the tensor was made.
     pub fn numel(&self) -> usize {
-        self.shape.iter().product()
+        if self.shape.contains(&0) { 0 } else { self.shape.iter().product() }
     }
 
     /// The number of bytes of its elements.

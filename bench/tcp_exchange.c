@@ -1,0 +1,123 @@
+// The floor of a small cross-host exchange on this machine: two processes send each other an
+// N-byte message at the same time over loopback TCP and busy-poll for the other's, as a 2-rank
+// all-reduce across played hosts does, over one connection used both ways (as Open MPI's tcp
+// btl does) or over two, one per direction (as symmem's tcp links do: each rank's requests go
+// out on the connection it opened to its peer's listener).
+//
+//   gcc -O2 -o target/bench/tcp_exchange bench/tcp_exchange.c
+//   target/bench/tcp_exchange [BYTES] [ITERS]     (defaults: 216, the 2-rank 8-byte
+//                                                  all-reduce's batch; 20000)
+//
+// Prints the median time of one exchange for each way. With one connection each message
+// carries the acknowledgement of the other's; with two, every message costs a separate bare
+// acknowledgement in the other direction, which both kernels process.
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+static double now_us(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return t.tv_sec * 1e6 + t.tv_nsec / 1e3;
+}
+
+static void check(int ok, const char *what) {
+    if (!ok) {
+        perror(what);
+        exit(1);
+    }
+}
+
+static int listener(int *port) {
+    int s = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+    socklen_t l = sizeof a;
+    check(s >= 0 && bind(s, (void *)&a, sizeof a) == 0 && listen(s, 4) == 0, "listen");
+    check(getsockname(s, (void *)&a, &l) == 0, "getsockname");
+    *port = ntohs(a.sin_port);
+    return s;
+}
+
+static int dial(int port) {
+    int s = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in a = {
+        .sin_family = AF_INET, .sin_port = htons(port), .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+    check(s >= 0 && connect(s, (void *)&a, sizeof a) == 0, "connect");
+    return s;
+}
+
+static void fast(int s) {
+    int one = 1;
+    check(setsockopt(s, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one) == 0, "TCP_NODELAY");
+    check(fcntl(s, F_SETFL, O_NONBLOCK) == 0, "O_NONBLOCK");
+}
+
+static int by_value(const void *a, const void *b) {
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+// One run: `both_ways` one connection, else one per direction. The parent prints the median.
+static void run(int both_ways, int len, int iters) {
+    int p1, p2, l1 = listener(&p1), l2 = listener(&p2), tx, rx;
+    fflush(stdout);
+    pid_t child = fork();
+    check(child >= 0, "fork");
+    if (both_ways) {
+        tx = rx = child == 0 ? dial(p1) : accept(l1, 0, 0);
+    } else if (child == 0) {
+        tx = dial(p1);
+        rx = accept(l2, 0, 0);
+    } else {
+        rx = accept(l1, 0, 0);
+        tx = dial(p2);
+    }
+    check(tx >= 0 && rx >= 0, "accept");
+    fast(tx);
+    fast(rx);
+    char *buf = malloc(len);
+    double *lat = malloc(sizeof(double) * iters);
+    check(buf && lat, "malloc");
+    memset(buf, 1, len);
+    for (int i = 0; i < iters; i++) {
+        double t = now_us();
+        for (int sent = 0; sent < len;) {
+            ssize_t k = write(tx, buf + sent, len - sent);
+            if (k > 0) sent += k;
+        }
+        for (int got = 0; got < len;) {
+            ssize_t k = recv(rx, buf + got, len - got, 0);
+            if (k > 0) got += k;
+        }
+        lat[i] = now_us() - t;
+    }
+    if (child == 0) _exit(0);
+    waitpid(child, 0, 0);
+    qsort(lat, iters, sizeof(double), by_value);
+    printf("%-29s %6d bytes  median %7.2f us\n", both_ways ? "one connection, both ways" : "two connections, one each way", len,
+           lat[iters / 2]);
+    close(l1), close(l2), close(tx);
+    if (rx != tx) close(rx);
+    free(buf), free(lat);
+}
+
+int main(int argc, char **argv) {
+    int len = argc > 1 ? atoi(argv[1]) : 216, iters = argc > 2 ? atoi(argv[2]) : 20000;
+    if (len <= 0 || iters <= 0) {
+        fprintf(stderr, "usage: %s [BYTES>0] [ITERS>0]\n", argv[0]);
+        return 2;
+    }
+    for (int round = 0; round < 3; round++) {
+        run(1, len, iters);
+        run(0, len, iters);
+    }
+    return 0;
+}

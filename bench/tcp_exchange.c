@@ -102,8 +102,8 @@ static void run(int both_ways, int len, int iters) {
     if (child == 0) _exit(0);
     waitpid(child, 0, 0);
     qsort(lat, iters, sizeof(double), by_value);
-    printf("%-29s %6d bytes  median %7.2f us\n", both_ways ? "one connection, both ways" : "two connections, one each way", len,
-           lat[iters / 2]);
+    const char *how = both_ways ? "one connection, both ways" : "two connections, one each way";
+    printf("%-29s %6d bytes  median %7.2f us\n", how, len, lat[iters / 2]);
     close(l1), close(l2), close(tx);
     if (rx != tx) close(rx);
     free(buf), free(lat);

@@ -100,6 +100,12 @@ knobs! {
     /// UCX's transports, read by UCX itself.
     UCX_TLS = "UCX_TLS", "(UCX's: all)",
         "the transports UCX may use (read by UCX); where symmem picks ucx by itself it leaves UCX's tcp out of them";
+    /// UCX's tcp send segment, read by UCX.
+    UCX_TCP_TX_SEG_SIZE = "UCX_TCP_TX_SEG_SIZE", "64K (symmem's; UCX's: 8K)",
+        "UCX's tcp send segment (read by UCX): unless this or UCX_TCP_RX_SEG_SIZE is set, symmem sets 64K and 256K, so a message UCX sends eagerly (symmem's up to 64 KiB) leaves whole rather than in 8 KiB fragments";
+    /// UCX's tcp receive segment, read by UCX.
+    UCX_TCP_RX_SEG_SIZE = "UCX_TCP_RX_SEG_SIZE", "256K (symmem's; UCX's: 64K)",
+        "UCX's tcp receive segment (read by UCX): see UCX_TCP_TX_SEG_SIZE; set either, and UCX's values hold for both unless set";
     /// Where this user's configuration lives.
     XDG_CONFIG_HOME = "XDG_CONFIG_HOME", "~/.config", "where this user's key is kept (`symmem/secret` under it)";
     /// The user's home.
@@ -241,6 +247,12 @@ pub fn log_filter() -> Option<&'static str> {
 /// `UCX_TLS`, if set: the transports UCX may use.
 pub fn ucx_tls() -> Option<&'static str> {
     value(env::UCX_TLS)
+}
+
+/// Whether `UCX_TCP_TX_SEG_SIZE` or `UCX_TCP_RX_SEG_SIZE` is set: UCX's tcp segments are then
+/// the user's (and UCX's defaults), not symmem's.
+pub fn ucx_tcp_segments_set() -> bool {
+    value(env::UCX_TCP_TX_SEG_SIZE).is_some() || value(env::UCX_TCP_RX_SEG_SIZE).is_some()
 }
 
 /// Where this user's configuration lives: `$XDG_CONFIG_HOME`, else `$HOME/.config`.

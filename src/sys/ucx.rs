@@ -101,7 +101,11 @@ struct Api {
     config_read: unsafe extern "C" fn(*const c_char, *const c_char, *mut Handle) -> Status,
     config_modify: unsafe extern "C" fn(Handle, *const c_char, *const c_char) -> Status,
     config_release: unsafe extern "C" fn(Handle),
+    #[cfg_attr(not(test), allow(dead_code, reason = "read by tests only (`config_text`)"))]
+    config_print: unsafe extern "C" fn(Handle, *mut libc::FILE, *const c_char, c_int),
     context_print_info: unsafe extern "C" fn(Handle, *mut libc::FILE),
+    #[cfg_attr(not(test), allow(dead_code, reason = "read by tests only (an endpoint's protocols)"))]
+    ep_print_info: unsafe extern "C" fn(Handle, *mut libc::FILE),
     init_version: unsafe extern "C" fn(c_uint, c_uint, *const u8, Handle, *mut Handle) -> Status,
     worker_create: unsafe extern "C" fn(Handle, *const u8, *mut Handle) -> Status,
     worker_destroy: unsafe extern "C" fn(Handle),
@@ -150,7 +154,9 @@ fn load() -> Result<Api, String> {
         config_read: sym!(ucp, "ucp_config_read"),
         config_modify: sym!(ucp, "ucp_config_modify"),
         config_release: sym!(ucp, "ucp_config_release"),
+        config_print: sym!(ucp, "ucp_config_print"),
         context_print_info: sym!(ucp, "ucp_context_print_info"),
+        ep_print_info: sym!(ucp, "ucp_ep_print_info"),
         init_version: sym!(ucp, "ucp_init_version"),
         worker_create: sym!(ucp, "ucp_worker_create"),
         worker_destroy: sym!(ucp, "ucp_worker_destroy"),
@@ -305,38 +311,102 @@ fn context(tls: Tls) -> Result<&'static Context, String> {
     }
 }
 
-fn new_context(tls: Tls) -> Result<Context, String> {
-    let a = api()?;
-    let mut config: Handle = std::ptr::null_mut();
-    // SAFETY: null prefix and file mean the defaults and UCX_* variables; `config` is an
-    // out-pointer.
-    let s = unsafe { (a.config_read)(std::ptr::null(), std::ptr::null(), &mut config) };
-    if s != UCS_OK {
-        return Err(format!("reading UCX's configuration: {}", status_string(s)));
-    }
-    let made = configure(a, config, tls).and_then(|()| {
-        let mut p = Params::<{ PARAMS_SIZE / 8 }>::new();
-        p.set64(0, UCP_PARAM_FIELD_FEATURES).set64(8, UCP_FEATURE_AM | UCP_FEATURE_WAKEUP);
-        let mut ctx: Handle = std::ptr::null_mut();
-        // SAFETY: `p` is a ucp_params_t of UCX 1.13's size naming only `features`; `config`
-        // came from ucp_config_read; `ctx` is an out-pointer.
-        match unsafe { (a.init_version)(UCP_API_MAJOR, UCP_API_MINOR, p.ptr(), config, &mut ctx) } {
-            UCS_OK => Ok(Context(ctx)),
-            s => Err(format!("initializing UCX: {}", status_string(s))),
-        }
-    });
-    // SAFETY: `config` is no longer needed once the context exists (or failed).
-    unsafe { (a.config_release)(config) };
-    made
+/// UCX's tcp segments as symmem sets them ([`set_tcp_segments`]): sending and receiving. UCX's
+/// (8 KiB, 64 KiB) send a message of more than 8 KiB as 8 KiB fragments that the receiver
+/// reassembles with a copy, and symmem sends up to 64 KiB eagerly (its rendezvous messages too
+/// go whole). Over UCX's tcp, `bench/ab_builds.py` both ways round: a 1 MiB read 0.69x and
+/// 0.75x of the time, 2 ranks on 2 played hosts all-reduce 4 MiB 0.64x and 0.71x, 16 MiB 0.69x
+/// and 0.74x, 4 ranks all-to-all 16 MiB 0.82x and 0.81x; 8 bytes unchanged. Named as UCX's tcp
+/// transport names its fields (`ucp_config_modify` hands names it does not know to the
+/// transports, matched without their `TCP_` prefix); no other transport of UCX 1.13 has
+/// fields of these names (its shared-memory and verbs ones have `SEG_SIZE`).
+const TCP_SEGMENTS: [(&std::ffi::CStr, &std::ffi::CStr); 2] = [(c"TX_SEG_SIZE", c"64K"), (c"RX_SEG_SIZE", c"256K")];
+
+/// Whether contexts made from now on get [`TCP_SEGMENTS`] (the default).
+static SETS_TCP_SEGMENTS: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(true);
+
+/// Whether contexts made from now on set UCX's tcp segments to symmem's ([`TCP_SEGMENTS`]) or
+/// leave them to UCX's configuration (the caller's policy: the user set either). Contexts are
+/// made once per [`Tls`] and kept, so a caller says this before it asks for any.
+pub fn set_tcp_segments(on: bool) {
+    // Relaxed: read when a context is made, which the caller orders after this call on its
+    // own thread (it says this before asking for a context).
+    SETS_TCP_SEGMENTS.store(on, std::sync::atomic::Ordering::Relaxed);
 }
 
-/// Sets `UCX_TLS` in `config` as `tls` asks, and keeps a UCX before 1.16 on its established
-/// protocols ([`keeps_v1_protocols`]).
-fn configure(a: &Api, config: Handle, tls: Tls) -> Result<(), String> {
+/// Whether contexts made now get [`TCP_SEGMENTS`] ([`set_tcp_segments`]).
+pub(crate) fn sets_tcp_segments() -> bool {
+    // Relaxed: see `set_tcp_segments`.
+    SETS_TCP_SEGMENTS.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+/// UCX's configuration read from its defaults and `UCX_*` variables, then set as `tls` and
+/// `segments` ask ([`configure`]); released when dropped.
+struct Config(&'static Api, Handle);
+
+impl Config {
+    fn read(tls: Tls, segments: bool) -> Result<Config, String> {
+        let a = api()?;
+        let mut config: Handle = std::ptr::null_mut();
+        // SAFETY: null prefix and file mean the defaults and UCX_* variables; `config` is an
+        // out-pointer.
+        let s = unsafe { (a.config_read)(std::ptr::null(), std::ptr::null(), &mut config) };
+        if s != UCS_OK {
+            return Err(format!("reading UCX's configuration: {}", status_string(s)));
+        }
+        let c = Config(a, config);
+        configure(a, c.1, tls, segments)?;
+        Ok(c)
+    }
+}
+
+impl Drop for Config {
+    fn drop(&mut self) {
+        // SAFETY: `self.1` came from ucp_config_read and is released once; a context made from
+        // it keeps its own copy.
+        unsafe { (self.0.config_release)(self.1) };
+    }
+}
+
+/// UCX's configuration as a context of `tls` would be made with it (`segments` as
+/// [`set_tcp_segments`]), printed by UCX: `UCX_NAME=value` lines, then the settings given for
+/// its transports as `NAME=value`.
+#[cfg(test)]
+pub(crate) fn config_text(tls: Tls, segments: bool) -> Result<String, String> {
+    let c = Config::read(tls, segments)?;
+    // SAFETY: `c.1` is a live configuration; the title is NUL-terminated; 1 is
+    // UCS_CONFIG_PRINT_CONFIG (the values); `f` is a stream open for writing.
+    memstream(|f| unsafe { (c.0.config_print)(c.1, f, c"symmem".as_ptr(), 1) })
+}
+
+fn new_context(tls: Tls) -> Result<Context, String> {
+    let c = Config::read(tls, sets_tcp_segments())?;
+    let mut p = Params::<{ PARAMS_SIZE / 8 }>::new();
+    p.set64(0, UCP_PARAM_FIELD_FEATURES).set64(8, UCP_FEATURE_AM | UCP_FEATURE_WAKEUP);
+    let mut ctx: Handle = std::ptr::null_mut();
+    // SAFETY: `p` is a ucp_params_t of UCX 1.13's size naming only `features`; `c.1` came
+    // from ucp_config_read and outlives the call (the context copies what it needs); `ctx` is
+    // an out-pointer.
+    match unsafe { (c.0.init_version)(UCP_API_MAJOR, UCP_API_MINOR, p.ptr(), c.1, &mut ctx) } {
+        UCS_OK => Ok(Context(ctx)),
+        s => Err(format!("initializing UCX: {}", status_string(s))),
+    }
+}
+
+/// Sets `UCX_TLS` in `config` as `tls` asks, UCX's tcp segments to symmem's if `segments`
+/// ([`TCP_SEGMENTS`]), and keeps a UCX before 1.16 on its established protocols
+/// ([`keeps_v1_protocols`]).
+fn configure(a: &Api, config: Handle, tls: Tls, segments: bool) -> Result<(), String> {
     if version().is_ok_and(|v| keeps_v1_protocols(&v)) {
         // SAFETY: `config` came from ucp_config_read; both strings are NUL-terminated and UCX
         // copies them. A UCX without the variable refuses it, and then has nothing to keep.
         let _ = unsafe { (a.config_modify)(config, c"PROTO_ENABLE".as_ptr(), c"n".as_ptr()) };
+    }
+    if segments {
+        for (name, value) in TCP_SEGMENTS {
+            // SAFETY: as above. A UCX without its tcp transport refuses the names: nothing to set.
+            let _ = unsafe { (a.config_modify)(config, name.as_ptr(), value.as_ptr()) };
+        }
     }
     let Tls::Set(v) = tls else { return Ok(()) };
     let c = std::ffi::CString::new(v).map_err(|_| "UCX_TLS holds a NUL byte".to_string())?;
@@ -416,14 +486,19 @@ pub fn resources(tls: Tls) -> Result<Vec<Resource>, String> {
 /// What `ucp_context_print_info` writes for `ctx`.
 fn print_info(ctx: &Context) -> Result<String, String> {
     let a = api()?;
+    // SAFETY: the context is live for the process; `f` is a stream open for writing.
+    memstream(|f| unsafe { (a.context_print_info)(ctx.0, f) })
+}
+
+/// What `write` writes to a stream it is given, as text.
+fn memstream(write: impl FnOnce(*mut libc::FILE)) -> Result<String, String> {
     let (mut buf, mut len): (*mut c_char, libc::size_t) = (std::ptr::null_mut(), 0);
     // SAFETY: out-pointers that open_memstream fills when the stream is flushed or closed.
     let f = unsafe { libc::open_memstream(&mut buf, &mut len) };
     if f.is_null() {
         return Err(format!("open_memstream: {}", std::io::Error::last_os_error()));
     }
-    // SAFETY: the context is live for the process; `f` is a stream open for writing.
-    unsafe { (a.context_print_info)(ctx.0, f) };
+    write(f);
     // SAFETY: `f` came from open_memstream; closing it sets `buf` and `len` for the last time.
     unsafe { libc::fclose(f) };
     if buf.is_null() {
@@ -782,6 +857,42 @@ printf("%zu %zu\n", sizeof(ucp_am_recv_param_t), offsetof(ucp_am_recv_param_t,re
         let n: Vec<usize> = line.split(' ').map(|v| v.parse().unwrap()).collect();
         assert_eq!(n[0], 0, "a worker without UCX's tcp listens on a TCP port");
         assert!(n[1] > 0, "the control (UCX's tcp included) opened no listener: the check sees nothing");
+    }
+
+    /// symmem's tcp segments reach UCX's tcp transport: an endpoint of a worker on UCX's tcp
+    /// alone sends a message eagerly in one piece up to about 64 KiB (its `egr/short` range,
+    /// as `ucp_ep_print_info` reports it), where UCX's own segments stop at about 8 KiB.
+    #[test]
+    fn symmems_tcp_segments_reach_ucxs_tcp_transport() {
+        if available().is_err() {
+            eprintln!("SKIPPED: UCX unavailable");
+            return;
+        }
+        if !sets_tcp_segments() {
+            eprintln!("SKIPPED: the user set UCX's tcp segments");
+            return;
+        }
+        let w = Worker::new(Tls::Set("tcp")).unwrap();
+        // SAFETY: the worker's own address; no error handler.
+        let ep = unsafe { w.connect(&w.address().unwrap(), None, std::ptr::null_mut()) }.unwrap();
+        // SAFETY: `ep` is a live endpoint of `w`; `f` is a stream open for writing.
+        let text = memstream(|f| unsafe { (w.api.ep_print_info)(ep, f) }).unwrap();
+        // "am_send: 0..<egr/short>..65529..<egr/zcopy>..65536..<rndv>..(inf)"
+        let short_up_to = text
+            .lines()
+            .find_map(|l| l.split_once("am_send:").map(|(_, r)| r.to_string()))
+            .and_then(|r| r.split("<egr/short>..").nth(1).and_then(|t| t.split("..").next()?.parse::<usize>().ok()))
+            .unwrap_or_else(|| panic!("no eager range in the endpoint's configuration:\n{text}"));
+        assert!((60 << 10..=64 << 10).contains(&short_up_to), "eager in one piece up to {short_up_to}:\n{text}");
+        // SAFETY: `ep` is a live endpoint of `w`, closed once.
+        if let Started::Pending(r) = unsafe { w.close(ep, true) } {
+            // SAFETY: `r` is the close's request, checked until done, then freed once.
+            while unsafe { w.request_status(r) } == UCS_INPROGRESS {
+                w.progress();
+            }
+            // SAFETY: as above.
+            unsafe { request_free(r) };
+        }
     }
 
     #[test]

@@ -119,12 +119,22 @@ const POSTED: u64 = 1 << 62;
 
 /// Whether UCX can be used in this process, or why not.
 pub fn available() -> std::result::Result<(), String> {
+    tuned();
     ucx::available()
 }
 
 /// The loaded UCX's version, or why UCX cannot be used.
 pub fn version() -> std::result::Result<String, String> {
-    ucx::available().and_then(|()| ucx::version())
+    available().and_then(|()| ucx::version())
+}
+
+/// Tells UCX's layer, once and before it makes any context (every way there starts here),
+/// whether UCX's tcp segments are symmem's or the user's: the user's once they set either
+/// (`config::ucx_tcp_segments_set`), so UCX never sees a receive segment of symmem's next to a
+/// larger send segment of theirs.
+fn tuned() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| ucx::set_tcp_segments(!crate::config::ucx_tcp_segments_set()));
 }
 
 pub use crate::sys::ucx::{DeviceKind, Resource};
@@ -168,6 +178,7 @@ fn no_tcp() -> std::result::Result<ucx::Tls, String> {
 /// The transports and devices UCX uses here, after `UCX_TLS` and `UCX_NET_DEVICES` (what
 /// `ucx` named by the user runs on), or why UCX cannot be used.
 pub fn resources() -> std::result::Result<Vec<Resource>, String> {
+    tuned();
     ucx::resources(ucx::Tls::Configured)
 }
 
@@ -189,6 +200,7 @@ pub fn fabric() -> std::result::Result<Vec<Resource>, String> {
                             transport but tcp, which symmem does not pick by itself"
                     .into());
             }
+            tuned();
             network(ucx::resources(no_tcp()?)?)
         })
         .clone()
@@ -313,6 +325,7 @@ impl UcxBackend {
     }
 
     fn with(o: &Options, tls: ucx::Tls) -> Result<UcxBackend> {
+        tuned();
         let timeout = super::timeout_option("ucx", o)?;
         let unavailable = |why: String| Error::Unsupported {
             what: "the ucx transport".into(),
@@ -1713,6 +1726,7 @@ mod tests {
         let md = b.register_memory(&dst).unwrap();
         let d = md.to_remote_buffer().unwrap();
         // The stranger: a raw worker of its own, no handlers.
+        super::tuned();
         let w = Worker::new(crate::sys::ucx::Tls::Configured).unwrap();
         let address = super::parse_url(super::super::split_endpoint(&ub).unwrap().0).unwrap();
         unsafe extern "C" fn nothing(_: *mut std::ffi::c_void, _: crate::sys::ucx::Handle, _: i32) {}
@@ -1986,5 +2000,50 @@ mod tests {
             "transport::ucx::tests::remote_atomics_over_tcp_and_ucx_agree",
         ];
         in_a_child(&tests, ("UCX_PROTO_ENABLE", "y"));
+    }
+
+    /// The value of `name` among the transport settings symmem gave UCX's configuration, as
+    /// UCX prints them (`NAME=value` lines after its own `UCX_*` ones).
+    fn given(text: &str, name: &str) -> Option<String> {
+        text.lines().find_map(|l| l.trim().strip_prefix(&format!("{name}="))).map(str::to_string)
+    }
+
+    /// UCX's tcp segments are set to symmem's (64K to send, 256K to receive) in the
+    /// configuration a context is made from, unless the user set either: then symmem sets
+    /// neither and UCX reads the user's. Run as it is (neither set under `cargo test`) and in a
+    /// child with `UCX_TCP_TX_SEG_SIZE=16K` by `a_users_tcp_segment_size_is_left_alone`; that
+    /// the setting reaches UCX's tcp transport is `sys::ucx`'s
+    /// `symmems_tcp_segments_reach_ucxs_tcp_transport`.
+    #[test]
+    fn tcp_segments_are_symmems_unless_the_user_set_one() {
+        if let Err(e) = super::available() {
+            eprintln!("SKIPPED: {e}");
+            return;
+        }
+        let text = crate::sys::ucx::config_text(crate::sys::ucx::Tls::Configured, crate::sys::ucx::sets_tcp_segments())
+            .unwrap();
+        let set = (given(&text, "TX_SEG_SIZE"), given(&text, "RX_SEG_SIZE"));
+        if crate::config::ucx_tcp_segments_set() {
+            assert_eq!(crate::config::value("UCX_TCP_TX_SEG_SIZE"), Some("16K"));
+            assert_eq!(set, (None, None), "{text}");
+        } else {
+            assert_eq!(set, (Some("64K".into()), Some("256K".into())), "{text}");
+        }
+        // The control: a configuration symmem gives no segments to shows none.
+        let plain = crate::sys::ucx::config_text(crate::sys::ucx::Tls::Configured, false).unwrap();
+        assert_eq!(given(&plain, "TX_SEG_SIZE"), None, "{plain}");
+    }
+
+    #[test]
+    fn a_users_tcp_segment_size_is_left_alone() {
+        if let Err(e) = super::available() {
+            eprintln!("SKIPPED: {e}");
+            return;
+        }
+        let tests = [
+            "transport::ucx::tests::tcp_segments_are_symmems_unless_the_user_set_one",
+            "transport::ucx::tests::a_batch_of_mixed_requests_each_get_their_own_outcome",
+        ];
+        in_a_child(&tests, ("UCX_TCP_TX_SEG_SIZE", "16K"));
     }
 }

@@ -11,7 +11,7 @@
 # tcp; MPI_PML=ucx runs Open MPI on its UCX pml instead of ob1 with the tcp btl. With HOSTS=2,
 # both UCX users are restricted to UCX's tcp transport (UCX_TLS=tcp), as between hosts here.
 # Open MPI's UCX runs with UCX's own tcp segments (8 KiB to send) and symmem's with its own
-# (64 KiB; see UCX_TCP_TX_SEG_SIZE in `symmem info`); MPI_UCX_SEGMENTS=symmem gives Open MPI
+# (64 KiB; see UCX_TCP_TX_SEG_SIZE in `symmem info`); MPI_SEGMENTS=symmem gives Open MPI
 # symmem's too, to tell what the segments alone are worth to it.
 # Needs Debian's openmpi-bin and libopenmpi-dev (installed if missing, as root), and libucx0
 # for the UCX variants.
@@ -31,7 +31,7 @@ MPI_PML=${MPI_PML:-ob1}
 MPI_ARGS=()
 if [ "$HOSTS" -gt 1 ]; then
     if [ "$MPI_PML" = ucx ]; then MPI_ARGS=(--mca pml ucx --mca pml_ucx_tls any --mca pml_ucx_devices any -x UCX_TLS=tcp); else MPI_ARGS=(--mca pml ob1 --mca btl tcp,self); fi
-    if [ "$MPI_PML" = ucx ] && [ "${MPI_UCX_SEGMENTS:-}" = symmem ]; then
+    if [ "$MPI_PML" = ucx ] && [ "${MPI_SEGMENTS:-}" = symmem ]; then
         MPI_ARGS+=(-x UCX_TCP_TX_SEG_SIZE=64K -x UCX_TCP_RX_SEG_SIZE=256K)
     fi
     export UCX_TLS=tcp

@@ -1277,6 +1277,32 @@ pub fn parse_dtype(s: &str) -> Result<DType> {
         .ok_or_else(|| Error::InvalidArgument(format!("unknown dtype {s:?}")))
 }
 
+/// The least time a collective benchmark warms up for before it times its first size. The
+/// launched ranks are not bound to cores (torchrun does not bind them either; mpirun does), and
+/// their threads take up to ~200 ms after the launch to settle on the cores: until then two
+/// spinning ranks may share one. 2 ranks on 2 played hosts, the first 8-byte row of a run took
+/// 28-36 us, the same size right after 10.6 (and 36 us with both ranks held on one core).
+const SETTLE: Duration = Duration::from_millis(500);
+
+/// Runs `run` (a collective every rank calls) in rounds until every rank has spent [`SETTLE`]
+/// here: the ranks agree after each round (the all-reduce of a flag), so all make the same
+/// calls.
+fn settle(group: &symmem::Group, mut run: impl FnMut() -> Result<()>) -> Result<()> {
+    use symmem::symm::{self, Device};
+    let t0 = Instant::now();
+    let more = symm::empty(&[1], DType::F32, Device::Cpu)?;
+    loop {
+        for _ in 0..20 {
+            run()?;
+        }
+        more.fill(if t0.elapsed() < SETTLE { 1.0f32 } else { 0.0 })?;
+        symmem::ops::all_reduce(&more, symmem::ops::ReduceOp::Max, group)?;
+        if more.to_vec::<f32>()?.first().is_none_or(|&v| v == 0.0) {
+            return Ok(());
+        }
+    }
+}
+
 /// One rank of `symmem bench <collective>`.
 pub fn collective_rank(op: &str, algo: &str, dtype: DType, iters: usize, warmup: usize, sizes: &[usize]) -> Result<()> {
     use symmem::ops::{self, ReduceOp};
@@ -1286,6 +1312,7 @@ pub fn collective_rank(op: &str, algo: &str, dtype: DType, iters: usize, warmup:
     let ws = group.world_size();
     let es = dtype.size();
     let mut out_rows = Reporter::new(group.rank() == 0)?;
+    let mut settled = false;
     for &size in sizes {
         // Elements per rank's input, rounded to what every operator accepts.
         let aligned = es.max(4) / es;
@@ -1325,6 +1352,10 @@ pub fn collective_rank(op: &str, algo: &str, dtype: DType, iters: usize, warmup:
         let n_iters = ops_for(size, 256 << 20, 10, iters);
         for _ in 0..warmup.min(n_iters) {
             run()?;
+        }
+        if !settled {
+            settle(&group, &run)?;
+            settled = true;
         }
         let mut lat = Vec::with_capacity(n_iters);
         for _ in 0..n_iters {

@@ -37,6 +37,10 @@ if [ "$HOSTS" -gt 1 ]; then
     export UCX_TLS=tcp
 fi
 export SYMMEM_XHOST_BACKEND="$XHOST" XHOST MPI_PML
+# mpirun binds each rank to a core when they do not outnumber the cores (its default); symmem's
+# ranks are then bound too (`--pin`), so both run like for like. PIN=0 leaves symmem's unbound.
+PIN_ARGS=()
+if [ "${PIN:-1}" != 0 ] && [ "$RANKS" -le "$(nproc)" ]; then PIN_ARGS=(--pin); fi
 if [ "$OP" = all-to-all ]; then export MPI_BENCH_OP=alltoall; MPI_NAME=mpi_alltoall; SYM_NAME=all_to_all;
 elif [ "$OP" = all-to-all-v ]; then export MPI_BENCH_OP=alltoallv; MPI_NAME=mpi_alltoallv; SYM_NAME=all_to_all_v;
 else MPI_NAME=mpi_allreduce; SYM_NAME=all_reduce; fi
@@ -52,7 +56,7 @@ out=target/bench/compare.jsonl
 : > "$out"
 for run in $(seq "$RUNS"); do
     mpirun --allow-run-as-root --oversubscribe "${MPI_ARGS[@]}" -np "$RANKS" target/bench/mpi_allreduce $SIZES_B >> "$out"
-    target/release/symmem bench "$OP" --json -n "$RANKS" --hosts "$HOSTS" --sizes "$SIZES" --no-baseline >> "$out"
+    target/release/symmem bench "$OP" --json -n "$RANKS" --hosts "$HOSTS" --sizes "$SIZES" --no-baseline "${PIN_ARGS[@]}" >> "$out"
 done
 python3 - "$out" "$RANKS" "$MPI_NAME" "$SYM_NAME" "$HOSTS" <<'PY'
 import json, statistics, sys

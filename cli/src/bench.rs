@@ -1168,6 +1168,8 @@ pub struct OpBenchOptions {
     /// Hosts to play (`--hosts`): the ranks are split evenly over them, and ranks on
     /// different "hosts" reach each other through the tcp transport.
     pub hosts: usize,
+    /// Bind each rank's calling thread to a core (`--pin`).
+    pub pin: bool,
 }
 
 use symmem::tensor::DType;
@@ -1184,7 +1186,7 @@ fn bus_factor(op: &str, n: usize) -> f64 {
 /// Latency and bandwidth of a collective across launched ranks.
 pub fn collective(options: &OpBenchOptions, mut emit: impl FnMut(BenchResult)) -> Result<()> {
     let sizes = options.sizes.iter().map(usize::to_string).collect::<Vec<_>>().join(",");
-    let args: Vec<std::ffi::OsString> = vec![
+    let mut args: Vec<std::ffi::OsString> = vec![
         "__bench-op-rank".into(),
         "--op".into(),
         options.op.clone().into(),
@@ -1199,6 +1201,9 @@ pub fn collective(options: &OpBenchOptions, mut emit: impl FnMut(BenchResult)) -
         "--sizes".into(),
         sizes.into(),
     ];
+    if options.pin {
+        args.push("--pin".into());
+    }
     launch_bench(&options.exe, args, options.ranks, options.hosts, Duration::from_secs(1200), &mut emit)
 }
 
@@ -1304,7 +1309,17 @@ fn settle(group: &symmem::Group, mut run: impl FnMut() -> Result<()>) -> Result<
 }
 
 /// One rank of `symmem bench <collective>`.
-pub fn collective_rank(op: &str, algo: &str, dtype: DType, iters: usize, warmup: usize, sizes: &[usize]) -> Result<()> {
+/// `pin`: its calling thread bound to a core of its own once its links exist (rows say
+/// whether it was: `pinned` true or false).
+pub fn collective_rank(
+    op: &str,
+    algo: &str,
+    dtype: DType,
+    iters: usize,
+    warmup: usize,
+    sizes: &[usize],
+    pin: bool,
+) -> Result<()> {
     use symmem::ops::{self, ReduceOp};
     use symmem::symm::{self, Device};
     use symmem::tensor::Tensor;
@@ -1313,6 +1328,7 @@ pub fn collective_rank(op: &str, algo: &str, dtype: DType, iters: usize, warmup:
     let es = dtype.size();
     let mut out_rows = Reporter::new(group.rank() == 0)?;
     let mut settled = false;
+    let mut pinned = None;
     for &size in sizes {
         // Elements per rank's input, rounded to what every operator accepts.
         let aligned = es.max(4) / es;
@@ -1353,6 +1369,11 @@ pub fn collective_rank(op: &str, algo: &str, dtype: DType, iters: usize, warmup:
         for _ in 0..warmup.min(n_iters) {
             run()?;
         }
+        if pin && pinned.is_none() {
+            // After the first calls: its links to other hosts exist, and their transport threads
+            // stay free to run anywhere (pinned with it, they wait for its spinning to end).
+            pinned = Some(pin_to_cpu(group.rank()));
+        }
         if !settled {
             settle(&group, &run)?;
             settled = true;
@@ -1384,6 +1405,9 @@ pub fn collective_rank(op: &str, algo: &str, dtype: DType, iters: usize, warmup:
         row.hosts = hosts;
         row.count = Some((bytes / es) as u64);
         row.dtype = Some(dtype.to_string());
+        if let Some(p) = pinned {
+            row = row.with("pinned", p);
+        }
         out_rows.row(row)?;
         // Every rank starts the next size together.
         group.barrier(Duration::from_secs(60))?;

@@ -91,6 +91,8 @@ enum Command {
         warmup: usize,
         #[arg(long, value_delimiter = ',')]
         sizes: Vec<usize>,
+        #[arg(long)]
+        pin: bool,
     },
     /// One rank of `symmem bench transport`.
     #[command(name = "__bench-transport-rank", hide = true)]
@@ -269,6 +271,10 @@ struct CollectiveArgs {
     /// Untimed iterations before timing.
     #[arg(long, default_value_t = 100)]
     warmup: usize,
+    /// Bind each rank's calling thread to a core of its own (rank modulo the CPUs), as mpirun
+    /// binds its ranks, once its links exist (its transport threads stay free); rows say so.
+    #[arg(long)]
+    pin: bool,
     /// Also draw latency and bus bandwidth against size into this file (.png or .svg).
     #[arg(long)]
     plot: Option<std::path::PathBuf>,
@@ -373,6 +379,7 @@ fn bench_collective(op: &str, a: &CollectiveArgs, algo: AllReduceAlgo) -> Result
         warmup: a.warmup,
         exe: self_exe()?,
         hosts: a.hosts,
+        pin: a.pin,
     };
     let mut table = Table::new(Format::of(a.json, a.csv));
     // A progress bar on a terminal only (indicatif draws nothing when stderr is not one).
@@ -683,9 +690,9 @@ fn dispatch(command: Command) -> Result<u8> {
         Command::DemoRank => demo_rank().map(|()| SUCCESS),
         Command::BenchSignalRank { iters, pin } => bench::signal_rank(iters, pin).map(|()| SUCCESS).map_err(Into::into),
         Command::BenchFlagRank { iters, pin } => bench::flag_rank(iters, pin).map(|()| SUCCESS).map_err(Into::into),
-        Command::BenchOpRank { op, algo, dtype, iters, warmup, sizes } => {
+        Command::BenchOpRank { op, algo, dtype, iters, warmup, sizes, pin } => {
             let dtype = bench::parse_dtype(&dtype)?;
-            bench::collective_rank(&op, &algo, dtype, iters, warmup, &sizes).map(|()| SUCCESS).map_err(Into::into)
+            bench::collective_rank(&op, &algo, dtype, iters, warmup, &sizes, pin).map(|()| SUCCESS).map_err(Into::into)
         }
         Command::BenchTransportRank { backend, window, sizes } => {
             bench::transport_rank(&backend, window, &sizes).map(|()| SUCCESS).map_err(Into::into)

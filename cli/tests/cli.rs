@@ -846,3 +846,34 @@ fn run_records_a_failed_ranks_error_file_as_the_root_cause() {
         .any(|e| e.file_name().to_string_lossy().starts_with(&format!("symmem-run-{launcher}-")));
     assert!(!leftover);
 }
+
+/// `--pin` reaches the ranks of a collective benchmark: its rows say whether the calling
+/// thread was bound, and rows without it say nothing; the rows are timed as usual either way.
+#[test]
+fn bench_collective_pin_binds_the_callers_and_says_so() {
+    let run = |pin: bool| {
+        let mut args = vec!["bench", "all-reduce", "--json", "-n", "2", "--sizes", "8,4K", "--iters", "50"];
+        args.extend(["--warmup", "5", "--no-baseline"]);
+        if pin {
+            args.push("--pin");
+        }
+        let out = symmem(&args);
+        assert!(out.status.success(), "{}", text(&out.stderr));
+        let rows: Vec<serde_json::Value> =
+            text(&out.stdout).lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+        assert_eq!(rows.len(), 2, "{rows:?}");
+        for r in &rows {
+            assert!(r["time_us"].as_f64().is_some_and(|v| v > 0.0) && r["iters"].as_u64() == Some(50), "{r}");
+        }
+        rows
+    };
+    // The rows are rank 0's, bound to CPU 0 (rank modulo the CPUs): refused where this
+    // process may not run there.
+    let can_pin = rustix::thread::sched_getaffinity(None).unwrap().is_set(0);
+    for r in run(true) {
+        assert_eq!(r["pinned"].as_bool(), Some(can_pin), "{r}");
+    }
+    for r in run(false) {
+        assert!(r.get("pinned").is_none(), "{r}");
+    }
+}

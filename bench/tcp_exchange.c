@@ -13,6 +13,7 @@
 // (`nstat TcpOutSegs`: twice the messages). symmem's links are not this plain loop: in its
 // 2-rank 8-byte all-reduce the kernel sends about 1.5 segments per message, not 2.
 #include <arpa/inet.h>
+#include <errno.h>
 #include <fcntl.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
@@ -93,10 +94,16 @@ static void run(int both_ways, int len, int iters) {
         for (int sent = 0; sent < len;) {
             ssize_t k = write(tx, buf + sent, len - sent);
             if (k > 0) sent += k;
+            else check(k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK), "write");
         }
         for (int got = 0; got < len;) {
             ssize_t k = recv(rx, buf + got, len - got, 0);
             if (k > 0) got += k;
+            else if (k == 0) {
+                fprintf(stderr, "recv: the other process closed its end\n");
+                exit(1);
+            }
+            else check(errno == EAGAIN || errno == EWOULDBLOCK, "recv");
         }
         lat[i] = now_us() - t;
     }

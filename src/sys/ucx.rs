@@ -886,8 +886,10 @@ printf("%zu %zu\n", sizeof(ucp_am_recv_param_t), offsetof(ucp_am_recv_param_t,re
         assert!((60 << 10..=64 << 10).contains(&short_up_to), "eager in one piece up to {short_up_to}:\n{text}");
         // SAFETY: `ep` is a live endpoint of `w`, closed once.
         if let Started::Pending(r) = unsafe { w.close(ep, true) } {
+            let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
             // SAFETY: `r` is the close's request, checked until done, then freed once.
             while unsafe { w.request_status(r) } == UCS_INPROGRESS {
+                assert!(std::time::Instant::now() < deadline, "closing an endpoint to itself took over 10 s");
                 w.progress();
             }
             // SAFETY: as above.

@@ -2034,6 +2034,9 @@ mod tests {
         assert_eq!(given(&plain, "TX_SEG_SIZE"), None, "{plain}");
     }
 
+    /// A user's `UCX_TCP_TX_SEG_SIZE` wins: in a child with it set, symmem gives UCX no
+    /// segments of its own (so UCX never pairs the user's send segment with symmem's receive
+    /// segment), and requests still run.
     #[test]
     fn a_users_tcp_segment_size_is_left_alone() {
         if let Err(e) = super::available() {

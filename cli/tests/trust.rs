@@ -1343,13 +1343,13 @@ fn rank_out_of_step() {
         assert!((0..ws).all(|r| got[r * per..(r + 1) * per].iter().all(|&v| v == r as f32)), "{rows} rows");
     }
 
-    // A rank that comes to a call after the others gave up on it (their timeout is 3 s): they
-    // time out, their calls ended at different points. So does the late one, its peers gone;
-    // only alone with one peer (1+1) does it still find that peer's data of the call, and
-    // finish it.
+    // A rank that comes to a call after the others gave up on it (their timeout is the job's
+    // SYMMEM_OP_TIMEOUT): they time out, their calls ended at different points. So does the
+    // late one, its peers gone; only alone with one peer (1+1) does it still find that peer's
+    // data of the call, and finish it.
     g.barrier(Duration::from_secs(30)).unwrap();
     if me == 1 {
-        std::thread::sleep(Duration::from_secs(4));
+        std::thread::sleep(symmem::config::op_timeout() + Duration::from_secs(1));
     }
     small.fill(1000.0f32).unwrap();
     let t = std::time::Instant::now();
@@ -1392,13 +1392,17 @@ fn rank_out_of_step() {
 
 #[test]
 fn ranks_out_of_step_across_hosts_are_refused_not_mixed() {
+    // Each disagreement must be found within 2 s (asserted by the ranks), far below the
+    // operator timeout: the refusal comes from the protocol, never from a timeout. The timeout
+    // itself bounds a hang, leaves setup room on a loaded machine (3 s was too tight once, with
+    // the whole suite running on 2 cores), and is how long the late rank's peers wait for it.
     for per_host in [1, 2] {
-        two_hosts_job_with(per_host, "rank_out_of_step", &[("SYMMEM_OP_TIMEOUT", "3")]);
+        two_hosts_job_with(per_host, "rank_out_of_step", &[("SYMMEM_OP_TIMEOUT", "6")]);
     }
     // The same over ucx links (UCX's tcp transport here).
     match symmem::transport::ucx::available() {
         Ok(()) => {
-            let ucx = [("SYMMEM_OP_TIMEOUT", "3"), ("SYMMEM_XHOST_BACKEND", "ucx"), ("UCX_TLS", "tcp")];
+            let ucx = [("SYMMEM_OP_TIMEOUT", "6"), ("SYMMEM_XHOST_BACKEND", "ucx"), ("UCX_TLS", "tcp")];
             two_hosts_job_with(2, "rank_out_of_step", &ucx);
         }
         Err(why) => eprintln!("SKIPPED over ucx: no ucx here ({why})"),

@@ -40,6 +40,28 @@ use crate::store::{AsyncStoreClient, ClientOptions, Secret, ServerOptions, Store
 /// How long ranks get between SIGTERM and SIGKILL once the job is being stopped.
 pub const GRACE: Duration = Duration::from_millis(500);
 
+/// How the launcher binds its ranks to CPUs (`symmem run --bind`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Bind {
+    /// Where the scheduler puts them, as torchrun leaves them.
+    #[default]
+    None,
+    /// Each rank on a share of its own of the CPUs the launcher may use, every thread of the
+    /// rank included (its transports' too), as mpirun binds a rank per core: the host's ranks
+    /// split those CPUs into equal blocks of neighbouring ones, rank by rank; with more ranks
+    /// than CPUs, a CPU each, taken round (several ranks per CPU). Ranks that spin while they
+    /// wait for each other then never share a core while another core idles.
+    Cores,
+    /// [`Bind::Cores`] for a launcher that shares the machine with others of the same job
+    /// (played hosts): its ranks are ranks `first..` of the `of` ranks on the machine.
+    CoresFrom {
+        /// The machine-wide index of this launcher's first rank.
+        first: usize,
+        /// Ranks on the machine, every launcher's.
+        of: usize,
+    },
+}
+
 /// What to launch, and where this host stands in the job.
 #[derive(Clone, Debug)]
 pub struct LaunchOptions {
@@ -72,6 +94,8 @@ pub struct LaunchOptions {
     /// A command that runs [`guard`] (e.g. `symmem __guard --`), to put in front of the rank
     /// program. Without it a rank's own children outlive a `kill -9` of the launcher.
     pub guard: Option<(OsString, Vec<OsString>)>,
+    /// Whether and how the ranks are bound to CPUs.
+    pub bind: Bind,
 }
 
 impl LaunchOptions {
@@ -90,6 +114,7 @@ impl LaunchOptions {
             args,
             env: Vec::new(),
             guard: None,
+            bind: Bind::None,
         }
     }
 
@@ -397,6 +422,10 @@ pub fn run_hosts(options: &LaunchOptions, hosts: usize) -> Result<Outcome> {
                 o.master_port = port;
                 o.secret = secret.clone();
                 o.env.push((crate::config::env::HOST_ID.into(), format!("host{i}").into()));
+                if o.bind == Bind::Cores {
+                    let n = o.nproc_per_node;
+                    o.bind = Bind::CoresFrom { first: i * n, of: hosts * n };
+                }
                 s.spawn(move || run(&o))
             })
             .collect();
@@ -413,6 +442,59 @@ pub fn run_hosts(options: &LaunchOptions, hosts: usize) -> Result<Outcome> {
         }
     }
     Ok(first)
+}
+
+/// The CPUs each of this launcher's ranks is bound to (by local rank), or none ([`Bind`]).
+fn cpu_shares(o: &LaunchOptions) -> Result<Vec<rustix::thread::CpuSet>> {
+    let (first, of) = match o.bind {
+        Bind::None => return Ok(Vec::new()),
+        Bind::Cores => (0, o.nproc_per_node),
+        Bind::CoresFrom { first, of } => (first, of),
+    };
+    let mine = rustix::thread::sched_getaffinity(None).map_err(|e| Error::io("read the launcher's CPUs", e.into()))?;
+    let cpus: Vec<usize> = (0..rustix::thread::CpuSet::MAX_CPU).filter(|&c| mine.is_set(c)).collect();
+    if cpus.is_empty() || first.checked_add(o.nproc_per_node).is_none_or(|last| last > of) {
+        return Err(Error::InvalidArgument(format!(
+            "cannot bind ranks {first}.. ({} of them) of {of} to the {} CPUs this launcher may use",
+            o.nproc_per_node,
+            cpus.len()
+        )));
+    }
+    let blocks = cpu_blocks(cpus.len(), of);
+    let shares: Vec<_> = (first..first + o.nproc_per_node)
+        .map(|r| {
+            let (from, to) = blocks[r % blocks.len()];
+            let mut set = rustix::thread::CpuSet::new();
+            for &c in &cpus[from..to] {
+                set.set(c);
+            }
+            set
+        })
+        .collect();
+    if of > cpus.len() {
+        tracing::warn!("--bind cores: {of} ranks on {} CPUs, so several ranks share each CPU", cpus.len());
+    }
+    tracing::info!(
+        "ranks bound to CPUs: {}",
+        shares
+            .iter()
+            .enumerate()
+            .map(|(i, s)| {
+                let on: Vec<String> = cpus.iter().filter(|&&c| s.is_set(c)).map(|c| c.to_string()).collect();
+                format!("local rank {i} on {}", on.join(","))
+            })
+            .collect::<Vec<_>>()
+            .join("; ")
+    );
+    Ok(shares)
+}
+
+/// `[from, to)` index ranges that split `cpus` CPUs among `ranks` ranks: one block of
+/// neighbours per rank, their sizes differing by one at most, or, with more ranks than CPUs,
+/// a CPU per block (ranks take them round).
+fn cpu_blocks(cpus: usize, ranks: usize) -> Vec<(usize, usize)> {
+    let n = ranks.min(cpus).max(1);
+    (0..n).map(|i| (i * cpus / n, (i + 1) * cpus / n)).collect()
 }
 
 /// The job's secret (see [`LaunchOptions::secret`]).
@@ -501,6 +583,7 @@ async fn run_async(o: &LaunchOptions) -> Result<Outcome> {
     } else {
         None
     };
+    let cpus = cpu_shares(o)?;
     let id = run_id();
     let mut pids = Vec::new();
     let mut children = Vec::new();
@@ -547,6 +630,9 @@ async fn run_async(o: &LaunchOptions) -> Result<Outcome> {
             None => cmd.env_remove(env::STORE_SECRET),
         };
         crate::sys::die_with_parent(&mut cmd);
+        if let Some(set) = cpus.get(local) {
+            crate::sys::bind_to(&mut cmd, *set);
+        }
         let mut child = match cmd.spawn() {
             Ok(c) => c,
             Err(e) => {
@@ -818,4 +904,54 @@ pub fn guard(program: &OsString, args: &[OsString]) -> i32 {
 #[allow(clippy::print_stderr, reason = "the guard has no caller to return errors to but its rank's stderr")]
 fn eprintln_guard(msg: &str) {
     eprintln!("symmem guard: {msg}");
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cpu_blocks_split_the_cpus_evenly_or_take_them_round() {
+        assert_eq!(cpu_blocks(4, 2), [(0, 2), (2, 4)]);
+        assert_eq!(cpu_blocks(5, 2), [(0, 2), (2, 5)]);
+        assert_eq!(cpu_blocks(64, 3), [(0, 21), (21, 42), (42, 64)]);
+        assert_eq!(cpu_blocks(2, 2), [(0, 1), (1, 2)]);
+        // More ranks than CPUs: a CPU per block; ranks take them round.
+        assert_eq!(cpu_blocks(2, 5), [(0, 1), (1, 2)]);
+        assert_eq!(cpu_blocks(1, 1), [(0, 1)]);
+    }
+
+    fn listed(s: &rustix::thread::CpuSet) -> Vec<usize> {
+        (0..rustix::thread::CpuSet::MAX_CPU).filter(|&c| s.is_set(c)).collect()
+    }
+
+    #[test]
+    fn a_played_hosts_ranks_get_their_machine_wide_shares() {
+        let mine = listed(&rustix::thread::sched_getaffinity(None).unwrap());
+        let mut o = LaunchOptions::local(2, "true", Vec::new());
+        o.bind = Bind::Cores;
+        let alone = cpu_shares(&o).unwrap();
+        // A launcher whose 2 ranks are ranks 1 and 2 of 3 on the machine: not the shares of
+        // local ranks 0 and 1 (on 2 or more CPUs).
+        o.bind = Bind::CoresFrom { first: 1, of: 3 };
+        let later = cpu_shares(&o).unwrap();
+        let blocks = cpu_blocks(mine.len(), 3);
+        for (local, share) in later.iter().enumerate() {
+            let (from, to) = blocks[(1 + local) % blocks.len()];
+            assert_eq!(listed(share), mine[from..to], "local rank {local}");
+        }
+        let blocks = cpu_blocks(mine.len(), 2);
+        for (local, share) in alone.iter().enumerate() {
+            let (from, to) = blocks[local];
+            assert_eq!(listed(share), mine[from..to]);
+        }
+        o.bind = Bind::None;
+        assert!(cpu_shares(&o).unwrap().is_empty());
+        // Ranks past the machine's count, or a count that overflows, are refused by name.
+        for (first, of) in [(3, 4), (usize::MAX, usize::MAX)] {
+            o.bind = Bind::CoresFrom { first, of };
+            let e = cpu_shares(&o).unwrap_err().to_string();
+            assert!(e.contains("cannot bind ranks") && e.contains(&format!("of {of}")), "{e}");
+        }
+    }
 }

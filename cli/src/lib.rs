@@ -162,9 +162,23 @@ struct RunArgs {
     /// authenticate): anyone who reaches it can read and change the job's keys.
     #[arg(long)]
     no_auth: bool,
+    /// Bind each rank to CPUs of its own: `cores` splits the CPUs this launcher may use into
+    /// equal blocks, one per rank on this host (more ranks than CPUs: a CPU each, taken round),
+    /// as mpirun binds; `none` leaves them to the scheduler, as torchrun does.
+    #[arg(long, value_enum, default_value_t = BindArg::None)]
+    bind: BindArg,
     /// The program and its arguments.
     #[arg(required = true, trailing_var_arg = true, allow_hyphen_values = true)]
     command: Vec<OsString>,
+}
+
+/// `symmem run --bind`'s values (see [`launch::Bind`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+enum BindArg {
+    /// Where the scheduler puts them.
+    None,
+    /// A block of CPUs of its own for each rank.
+    Cores,
 }
 
 #[derive(Args)]
@@ -782,6 +796,10 @@ fn run(args: RunArgs) -> Result<u8> {
         args: command.collect(),
         env: Vec::new(),
         guard: None,
+        bind: match args.bind {
+            BindArg::None => launch::Bind::None,
+            BindArg::Cores => launch::Bind::Cores,
+        },
     };
     launch_and_report(&options)
 }

@@ -74,6 +74,64 @@ fn run_sets_the_torchrun_variables_and_prefixes_output() {
     assert_eq!(text(&out.stdout).lines().filter(|l| l.ends_with("2 127.0.0.1 True port")).count(), 2);
 }
 
+/// The CPUs a `Cpus_allowed_list` value names (`0-3,6`).
+fn cpu_list(s: &str) -> Vec<usize> {
+    let mut cpus = Vec::new();
+    for part in s.trim().split(',').filter(|p| !p.is_empty()) {
+        match part.split_once('-') {
+            Some((a, b)) => cpus.extend(a.parse::<usize>().unwrap()..=b.parse::<usize>().unwrap()),
+            None => cpus.push(part.parse().unwrap()),
+        }
+    }
+    cpus
+}
+
+/// The CPUs each rank of `symmem run -n N [args]` may use, by rank.
+fn ranks_cpus(n: usize, args: &[&str]) -> Vec<Vec<usize>> {
+    let n_arg = n.to_string();
+    let mut all = vec!["run", "-n", &n_arg];
+    all.extend_from_slice(args);
+    all.extend_from_slice(&["--", "sh", "-c", "grep Cpus_allowed_list /proc/self/status"]);
+    let out = symmem(&all);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let mut by_rank = vec![None; n];
+    for line in text(&out.stdout).lines() {
+        let (rank, list) = line.split_once("] Cpus_allowed_list:").unwrap_or_else(|| panic!("{line}"));
+        by_rank[rank.trim_start_matches('[').parse::<usize>().unwrap()] = Some(cpu_list(list));
+    }
+    by_rank.into_iter().map(|c| c.expect("every rank reports")).collect()
+}
+
+#[test]
+fn run_bind_cores_gives_each_rank_cpus_of_its_own() {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap();
+    let mine = cpu_list(status.lines().find_map(|l| l.strip_prefix("Cpus_allowed_list:")).unwrap());
+    let m = mine.len();
+    // Unbound (the default, and `none`): every rank may use every CPU the launcher may.
+    for args in [&[][..], &["--bind", "none"]] {
+        assert!(ranks_cpus(2, args).iter().all(|c| *c == mine), "{args:?}");
+    }
+    for n in [2, 3, m + 1] {
+        let got = ranks_cpus(n, &["--bind", "cores"]);
+        assert!(got.iter().all(|c| !c.is_empty() && c.iter().all(|x| mine.contains(x))), "{n} ranks: {got:?}");
+        if n <= m {
+            // Disjoint blocks of neighbours, sizes within one of each other, covering them all.
+            let mut union: Vec<usize> = got.concat();
+            union.sort_unstable();
+            assert_eq!(union, mine, "{n} ranks: {got:?}");
+            let sizes: Vec<usize> = got.iter().map(Vec::len).collect();
+            assert!(sizes.iter().max().unwrap() - sizes.iter().min().unwrap() <= 1, "{n} ranks: {got:?}");
+        } else {
+            // More ranks than CPUs: a CPU each, taken round.
+            assert!((0..n).all(|r| got[r] == [mine[r % m]]), "{n} ranks on {m} CPUs: {got:?}");
+        }
+    }
+    // Only the values it knows.
+    let out = symmem(&["run", "-n", "2", "--bind", "sockets", "--", "true"]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(text(&out.stderr).contains("--bind"), "{}", text(&out.stderr));
+}
+
 #[test]
 fn a_failing_rank_stops_the_job_with_its_exit_code() {
     let dir = tempfile::tempdir().unwrap();

@@ -24,6 +24,18 @@ pub(crate) fn die_with_parent(cmd: &mut tokio::process::Command) {
     }
 }
 
+/// Makes the child started by `cmd` run on the CPUs of `cpus` only (every thread it starts
+/// inherits the mask).
+pub(crate) fn bind_to(cmd: &mut tokio::process::Command, cpus: rustix::thread::CpuSet) {
+    // SAFETY: `pre_exec` runs this closure in the forked child before exec, where only
+    // async-signal-safe calls are allowed. It makes one raw syscall through rustix
+    // (sched_setaffinity) on a set built before the fork and moved in by value, allocates
+    // nothing and takes no lock, so it is async-signal-safe.
+    unsafe {
+        cmd.pre_exec(move || rustix::thread::sched_setaffinity(None, &cpus).map_err(std::io::Error::from));
+    }
+}
+
 /// Sends `signal` to every process in the process group led by `pid`; a group that is already
 /// gone is not an error.
 pub(crate) fn signal_group(pid: u32, signal: Signal) {

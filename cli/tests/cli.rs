@@ -126,6 +126,20 @@ fn run_bind_cores_gives_each_rank_cpus_of_its_own() {
             assert!((0..n).all(|r| got[r] == [mine[r % m]]), "{n} ranks on {m} CPUs: {got:?}");
         }
     }
+    // Played hosts (launchers sharing the machine) split its CPUs among all their ranks: 2
+    // hosts of a rank each, bound, get the shares of ranks 0 and 1, not both rank 0's.
+    let dir = tempfile::tempdir().unwrap();
+    let script = format!("grep Cpus_allowed_list /proc/self/status > {}/$RANK", dir.path().display());
+    let mut o = symmem::launch::LaunchOptions::local(1, "sh", vec!["-c".into(), script.into()]);
+    o.bind = symmem::launch::Bind::Cores;
+    assert_eq!(symmem::launch::run_hosts(&o, 2).unwrap(), symmem::launch::Outcome::Success);
+    let played: Vec<Vec<usize>> = (0..2)
+        .map(|r| {
+            let line = std::fs::read_to_string(dir.path().join(r.to_string())).unwrap();
+            cpu_list(line.trim_start_matches("Cpus_allowed_list:"))
+        })
+        .collect();
+    assert_eq!(played, ranks_cpus(2, &["--bind", "cores"]), "2 played hosts of a rank each");
     // Only the values it knows.
     let out = symmem(&["run", "-n", "2", "--bind", "sockets", "--", "true"]);
     assert_eq!(out.status.code(), Some(2));

@@ -21,7 +21,8 @@
 //!   one message per other host (FROM words then count leaders, not ranks; a FROM word is
 //!   raised by its own rank, so it never overtakes that rank's data on another link, except
 //!   by a leader whose ranks disagree: it raises those of its ranks that sent nothing, so a
-//!   leader waiting for them finds the disagreement too, see `raise_for_gathered`)
+//!   leader waiting for them finds the disagreement too, see `raise_for_gathered`; such a
+//!   rank first makes sure its own raises of earlier calls landed, see `land_own_raises`)
 //!   a call that needs a larger workspace: first a vote, a call of signatures only on the
 //!   workspace the ranks have; if they agree they all need the same size and grow it together
 //!   a call of the operator above host push's limit (another algorithm): the same vote, without
@@ -72,6 +73,9 @@ pub(crate) struct Workspace {
     pub(crate) cap: usize,
     pub(crate) epoch: u32,
     pub(crate) sent: Sent,
+    /// The epoch of this rank's last own FROM word ([`send_own_sig`]) not known to have landed
+    /// (a posted write's Work completes once sent): see [`land_own_raises`].
+    pub(crate) raised: Option<u32>,
 }
 
 /// Bytes of epoch words at the start of the workspace.
@@ -159,6 +163,9 @@ pub(crate) fn exchange_and_judge(
     let locals = hw.local_ranks();
     let leader = locals[0];
     if me != leader {
+        if left_to_leader(w.kind, read_sig(&hw, me, sigs.slot(me))) {
+            land_own_raises(w, timeout)?;
+        }
         w.words.publish(leader, arrive(me), e);
         w.words.wait_for(release, e, leader, &p, timeout)?;
     } else {
@@ -319,7 +326,7 @@ fn make(
     let handle = symm::rendezvous(&t, group)?;
     handle.barrier(0, timeout)?;
     let words = Words::new(handle, 0);
-    Ok(Arc::new(Mutex::new(Workspace { _tensor: t, words, kind, cap, epoch: 0, sent: Vec::new() })))
+    Ok(Arc::new(Mutex::new(Workspace { _tensor: t, words, kind, cap, epoch: 0, sent: Vec::new(), raised: None })))
 }
 
 /// A call of the workspace's protocol that carries only the signatures: what a rank whose call
@@ -403,6 +410,31 @@ pub(crate) fn send_own_sig(w: &mut Workspace, l: usize, e: u32, sigs: &Sigs, tim
     let me = hw.rank();
     w.sent.push((l, e, hw.start_push(l, sigs.slot(me), 16, sigs.slot(me), timeout)?));
     w.sent.push((l, e, w.words.start_remote(l, hw.world_size() + 1 + me, e, timeout)?));
+    w.raised = Some(e);
+    Ok(())
+}
+
+/// On a rank other than its host's leader, before it tells its leader it arrived in a call
+/// whose messages it leaves to that leader (whose FROM word the leader may then raise on the
+/// other leaders, [`raise_for_gathered`]): makes sure its own FROM words of earlier calls have
+/// landed. Those travel on this rank's links, the leader's raise on the leader's: an older
+/// one still on its way could land after the leader's, setting the word back (a leader would
+/// then wait for this call's word until its timeout), or be overtaken by it (a leader still in
+/// the earlier call would take the word for that call's and read this rank's data before it
+/// landed). A posted write's Work completes once sent, so this raises the last one again,
+/// answered, on each other leader (the same value: it changes nothing there); its answer comes
+/// after every earlier request on the link ran. A round trip per other host, only in the first
+/// such call after one in which this rank sent its own.
+pub(crate) fn land_own_raises(w: &mut Workspace, timeout: Duration) -> Result<()> {
+    let Some(e) = w.raised else { return Ok(()) };
+    let hw = w.words.h.clone();
+    let (me, leader) = (hw.rank(), hw.local_ranks()[0]);
+    let mut landed = Vec::new();
+    for l in hw.leaders().filter(|&l| l != leader) {
+        landed.push(w.words.start_remote_landed(l, hw.world_size() + 1 + me, e, timeout)?);
+    }
+    landed.into_iter().try_for_each(|work| work.wait(Some(timeout)))?;
+    w.raised = None;
     Ok(())
 }
 

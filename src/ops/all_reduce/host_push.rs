@@ -109,6 +109,10 @@ pub(crate) fn all_reduce(
             }
         }
         if me != leader {
+            if gathered {
+                // Its leader may raise its FROM word for it (see land_own_raises).
+                land_own_raises(w, timeout)?;
+            }
             w.words.publish(leader, arrive(me), e);
             w.words.wait_for(release, e, leader, &p, timeout)?;
             w.epoch = e;

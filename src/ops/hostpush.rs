@@ -431,11 +431,21 @@ pub(crate) fn land_own_raises(w: &mut Workspace, timeout: Duration) -> Result<()
     let (me, leader) = (hw.rank(), hw.local_ranks()[0]);
     let mut landed = Vec::new();
     for l in hw.leaders().filter(|&l| l != leader) {
-        landed.push(w.words.start_remote_landed(l, hw.world_size() + 1 + me, e, timeout)?);
+        landed.push((l, w.words.start_remote_landed(l, hw.world_size() + 1 + me, e, timeout)?));
     }
-    landed.into_iter().try_for_each(|work| work.wait(Some(timeout)))?;
+    wait_landed(&hw, landed, timeout)?;
     w.raised = None;
     Ok(())
+}
+
+/// Waits for answered signals, each to a leader `l`; a failure names the rank it was sent to.
+fn wait_landed(hw: &SymmHandle, landed: Vec<(usize, Work)>, timeout: Duration) -> Result<()> {
+    landed.into_iter().try_for_each(|(l, work)| {
+        work.wait(Some(timeout)).map_err(|e| match hw.remote(l) {
+            Some(r) => r.link.error("signalling", &e),
+            None => e,
+        })
+    })
 }
 
 /// Whether the signatures of this leader's host differ among themselves (a leader's look once
@@ -481,12 +491,12 @@ pub(crate) fn raise_for_gathered(w: &mut Workspace, e: u32, sigs: &Sigs, timeout
         hw.batch(l, || -> Result<()> {
             for &r in &quiet {
                 w.sent.push((l, e, hw.start_push(l, sigs.slot(r), 16, sigs.slot(r), timeout)?));
-                landed.push(w.words.start_remote_landed(l, hw.world_size() + 1 + r, e, timeout)?);
+                landed.push((l, w.words.start_remote_landed(l, hw.world_size() + 1 + r, e, timeout)?));
             }
             Ok(())
         })?;
     }
-    landed.into_iter().try_for_each(|work| work.wait(Some(timeout)))
+    wait_landed(&hw, landed, timeout)
 }
 
 /// Writes `len` bytes at `src` of this rank's buffer to `dst` of `leader`'s, so that a remote

@@ -532,6 +532,41 @@ mod tests {
     use super::*;
 
     #[test]
+    fn pinning_stays_inside_the_cpus_the_thread_may_use() {
+        let cpus = |s: &rustix::thread::CpuSet| {
+            (0..rustix::thread::CpuSet::MAX_CPU).filter(|&c| s.is_set(c)).collect::<Vec<_>>()
+        };
+        let allowed = cpus(&rustix::thread::sched_getaffinity(None).unwrap());
+        // A thread held (as by `taskset`) on the last CPU it may use, then pinned as rank 0, 1
+        // and 2: it stays there, never moved to CPU 0 outside its mask.
+        let last = *allowed.last().unwrap();
+        std::thread::spawn(move || {
+            let mut only = rustix::thread::CpuSet::new();
+            only.set(last);
+            rustix::thread::sched_setaffinity(None, &only).unwrap();
+            for rank in 0..3 {
+                assert!(pin_to_cpu(rank));
+                assert_eq!(cpus(&rustix::thread::sched_getaffinity(None).unwrap()), [last], "rank {rank}");
+            }
+        })
+        .join()
+        .unwrap();
+        // Unrestricted, rank i goes to the i-th CPU it may use, round.
+        std::thread::spawn(move || {
+            for rank in 0..allowed.len() + 1 {
+                assert!(pin_to_cpu(rank));
+                let on = cpus(&rustix::thread::sched_getaffinity(None).unwrap());
+                assert_eq!(on, [allowed[rank % allowed.len()]], "rank {rank}");
+                let mut back = rustix::thread::CpuSet::new();
+                allowed.iter().for_each(|&c| back.set(c));
+                rustix::thread::sched_setaffinity(None, &back).unwrap();
+            }
+        })
+        .join()
+        .unwrap();
+    }
+
+    #[test]
     fn percentiles_pick_ranks() {
         let mut v: Vec<Duration> = (1..=100).rev().map(Duration::from_micros).collect();
         let (m, p) = percentiles(&mut v);
@@ -689,10 +724,14 @@ impl Reporter {
     }
 }
 
-fn pin_to_cpu(cpu: usize) -> bool {
-    let n = std::thread::available_parallelism().map_or(1, |n| n.get());
+/// Binds the calling thread to the `i`-th (modulo their count) of the CPUs it may use: under
+/// `taskset` or a cgroup those need not be CPUs 0, 1, ...
+fn pin_to_cpu(i: usize) -> bool {
+    let Ok(mine) = rustix::thread::sched_getaffinity(None) else { return false };
+    let allowed: Vec<usize> = (0..rustix::thread::CpuSet::MAX_CPU).filter(|&c| mine.is_set(c)).collect();
+    let Some(&cpu) = allowed.get(i % allowed.len().max(1)) else { return false };
     let mut set = rustix::thread::CpuSet::new();
-    set.set(cpu % n);
+    set.set(cpu);
     rustix::thread::sched_setaffinity(None, &set).is_ok()
 }
 

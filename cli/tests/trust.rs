@@ -1191,6 +1191,82 @@ fn ranks_on_two_hosts_that_disagree_get_the_same_error() {
     }
 }
 
+#[test]
+fn a_late_link_does_not_let_a_leaders_raise_overtake_a_ranks_own() {
+    // Rank 1's frames leave its tcp links 300 ms late. In the call after one in which it sent
+    // its own message, its leader raises its FROM word on the other leader for it (the call
+    // disagrees, rank 1 gathered): that raise must not land before rank 1's own raise of the
+    // call before, still on its way (the order a loaded machine produced once; leader 2 then
+    // took the call's word for the earlier one's, read rank 1's data before it landed, and
+    // waited for the later word until its timeout).
+    two_hosts_job_with(2, "rank_late_link", &[("SYMMEM_OP_TIMEOUT", "10")]);
+}
+
+#[test]
+#[ignore = "a rank program; run by a_late_link_does_not_let_a_leaders_raise_overtake_a_ranks_own"]
+fn rank_late_link() {
+    use symmem::ops::ReduceOp;
+    let Some(g) = in_job() else { return };
+    let (me, ws) = (g.rank(), g.world_size());
+    assert_eq!(ws, 4, "2 hosts of 2 ranks");
+    let x = symm::empty(&[1 << 16], DType::F32, Device::Cpu).unwrap();
+    let mut call = 0;
+    let mut agree = |n: usize| {
+        call += 1;
+        let v = x.narrow(0, 0, n).unwrap();
+        v.fill((me + 1) as f32 * call as f32).unwrap();
+        ops::all_reduce(&v, ReduceOp::Sum, &g).unwrap();
+        let want = (ws * (ws + 1) / 2) as f32 * call as f32;
+        assert!(v.to_vec::<f32>().unwrap().iter().all(|&v| v == want), "call {call}: {n} floats");
+    };
+    agree(8192);
+    g.barrier(Duration::from_secs(30)).unwrap();
+    if me == 1 {
+        symmem::transport::tcp::lag_sends(Duration::from_millis(300));
+    }
+    // The leaders pass 32 KiB (they send their own), the others 256 bytes (gathered): each
+    // leader finds its host split and raises its other rank's word on the other leader.
+    let straddle = |what: &str| {
+        let n = if me % 2 == 0 { 8192 } else { 64 };
+        let v = x.narrow(0, 0, n).unwrap();
+        v.fill(3.0f32).unwrap();
+        let t = std::time::Instant::now();
+        let e = ops::all_reduce(&v, ReduceOp::Sum, &g).unwrap_err().to_string();
+        assert!(e.contains("disagree"), "{what}: {e}");
+        assert!(t.elapsed() < Duration::from_secs(3), "{what}: after {:?}: {e}", t.elapsed());
+        assert!(v.to_vec::<f32>().unwrap().iter().all(|&f| f == 3.0), "{what}: untouched");
+    };
+    for round in 0..3 {
+        // Rank 1 sends its own (32 KiB), late; then the disagreeing call.
+        agree(8192);
+        straddle(&format!("all_reduce after an own call, round {round}"));
+        agree(64);
+    }
+    // The same for the all-to-all (32 KiB a rank past the gathering limit, 4 rows below it).
+    let rows_at = |big: bool| if big { ws * 256 } else { ws };
+    let a2a = |rows: usize| {
+        let a2a_in = x.narrow(0, 0, rows * 8).unwrap().view(&[rows, 8]).unwrap();
+        a2a_in.fill(me as f32).unwrap();
+        let a2a_out = Tensor::zeros(&[rows, 8], DType::F32).unwrap();
+        (ops::all_to_all(&a2a_in, &a2a_out, &g), a2a_out)
+    };
+    for round in 0..3 {
+        let (r, out) = a2a(rows_at(true));
+        r.unwrap();
+        let (got, per) = (out.to_vec::<f32>().unwrap(), rows_at(true) / ws * 8);
+        assert!((0..ws).all(|r| got[r * per..(r + 1) * per].iter().all(|&v| v == r as f32)), "round {round}");
+        let t = std::time::Instant::now();
+        let e = a2a(rows_at(me % 2 == 0)).0.unwrap_err().to_string();
+        assert!(e.contains("disagree") && t.elapsed() < Duration::from_secs(3), "all_to_all, round {round}: {e}");
+    }
+    agree(64);
+    if me == 1 {
+        symmem::transport::tcp::lag_sends(Duration::ZERO);
+    }
+    g.barrier(Duration::from_secs(30)).unwrap();
+    println!("rank {me} ok");
+}
+
 // Across hosts, ranks that pass sizes needing different workspaces (one must grow it), taking
 // different algorithms, or sending differently (gathered by their leader or not) get the same
 // disagreement error at once, and the group goes on. Ranks whose call fails part-way (a rank

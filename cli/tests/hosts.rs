@@ -183,11 +183,11 @@ impl Job {
         std::env::var("RANK").ok()?;
         let g = Group::from_env().unwrap();
         let hosts = std::env::var("SYMMEM_TEST_HOSTS").unwrap().parse().unwrap();
-        // "RANK:MS": that rank's tcp frames leave MS milliseconds late.
+        // "RANK:MS": that rank's requests to other hosts leave MS milliseconds late.
         if let Ok(late) = std::env::var("SYMMEM_TEST_LATE") {
             let (r, ms) = late.split_once(':').unwrap();
             if g.rank() == r.parse::<usize>().unwrap() {
-                symmem::transport::tcp::lag_sends(Duration::from_millis(ms.parse().unwrap()));
+                symmem::transport::lag_sends(Duration::from_millis(ms.parse().unwrap()));
             }
         }
         Some(Job { me: g.rank(), ws: g.world_size(), hosts, g })
@@ -717,14 +717,20 @@ fn two_hosts_on_loopback_match_one_host_bit_for_bit() {
     assert_same(&got, &reference());
 }
 
-/// The same with one rank's links running late (its tcp frames leave 5 ms after they were
-/// started, in order), a non-leader and then a leader: whatever overtakes what between links
-/// then, every result is the same bit for bit.
+/// The same with one rank's links running late (its requests leave 5 ms after they were
+/// started, in order: `transport::lag_sends`), a non-leader and then a leader: whatever
+/// overtakes what between links then, every result is the same bit for bit.
 #[test]
 fn two_hosts_with_a_late_rank_match_one_host_bit_for_bit() {
-    for late in ["1:5", "2:5"] {
-        let got = digests(&launch(Layout::Loopback, 2, "rank_hosts", &[("SYMMEM_TEST_LATE", late)]), 4);
-        assert_same(&got, &reference());
+    for backend in ["tcp", "ucx"] {
+        if backend == "ucx" && !have_ucx() {
+            continue;
+        }
+        for late in ["1:5", "2:5"] {
+            let env = [("SYMMEM_TEST_LATE", late), ("SYMMEM_XHOST_BACKEND", backend)];
+            let got = digests(&launch(Layout::Loopback, 2, "rank_hosts", &env), 4);
+            assert_same(&got, &reference());
+        }
     }
 }
 

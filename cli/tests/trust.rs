@@ -1193,13 +1193,20 @@ fn ranks_on_two_hosts_that_disagree_get_the_same_error() {
 
 #[test]
 fn a_late_link_does_not_let_a_leaders_raise_overtake_a_ranks_own() {
-    // Rank 1's frames leave its tcp links 300 ms late. In the call after one in which it sent
-    // its own message, its leader raises its FROM word on the other leader for it (the call
-    // disagrees, rank 1 gathered): that raise must not land before rank 1's own raise of the
-    // call before, still on its way (the order a loaded machine produced once; leader 2 then
-    // took the call's word for the earlier one's, read rank 1's data before it landed, and
-    // waited for the later word until its timeout).
+    // Rank 1's requests leave for its links 300 ms late (`transport::lag_sends`). In the call
+    // after one in which it sent its own message, its leader raises its FROM word on the other
+    // leader for it (the call disagrees, rank 1 gathered): that raise must not land before
+    // rank 1's own raise of the call before, still on its way (the order a loaded machine
+    // produced once; leader 2 then took the call's word for the earlier one's, read rank 1's
+    // data before it landed, and waited for the later word until its timeout).
     two_hosts_job_with(2, "rank_late_link", &[("SYMMEM_OP_TIMEOUT", "10")]);
+    match symmem::transport::ucx::available() {
+        Ok(()) => {
+            let ucx = [("SYMMEM_OP_TIMEOUT", "10"), ("SYMMEM_XHOST_BACKEND", "ucx"), ("UCX_TLS", "tcp")];
+            two_hosts_job_with(2, "rank_late_link", &ucx);
+        }
+        Err(why) => eprintln!("SKIPPED over ucx: no ucx here ({why})"),
+    }
 }
 
 #[test]
@@ -1222,7 +1229,7 @@ fn rank_late_link() {
     agree(8192);
     g.barrier(Duration::from_secs(30)).unwrap();
     if me == 1 {
-        symmem::transport::tcp::lag_sends(Duration::from_millis(300));
+        symmem::transport::lag_sends(Duration::from_millis(300));
     }
     // The leaders pass 32 KiB (they send their own), the others 256 bytes (gathered): each
     // leader finds its host split and raises its other rank's word on the other leader.
@@ -1261,7 +1268,7 @@ fn rank_late_link() {
     }
     agree(64);
     if me == 1 {
-        symmem::transport::tcp::lag_sends(Duration::ZERO);
+        symmem::transport::lag_sends(Duration::ZERO);
     }
     g.barrier(Duration::from_secs(30)).unwrap();
     println!("rank {me} ok");

@@ -47,6 +47,28 @@ use crate::wire::descriptor::{self, Kind, Value};
 /// Backend constructor options, `key=value` as given to `new_transport`.
 pub type Options = BTreeMap<String, String>;
 
+/// Nanoseconds every request a transport starts waits before its backend gets it
+/// ([`lag_sends`]; 0: none).
+static LAG_NS: AtomicU64 = AtomicU64::new(0);
+
+fn lag_now() -> Duration {
+    // Relaxed: a test's setting, read per request started; it publishes nothing.
+    Duration::from_nanos(LAG_NS.load(Ordering::Relaxed))
+}
+
+/// Delays every request this process's transports start from now on by `lag` (zero: none)
+/// before their backends get it, keeping their order: a fault injection for tests. One
+/// process's links then run late, as on a loaded machine or a congested network, which forces
+/// the orders between links that occur there only rarely (a rank's message arriving after a
+/// later one another rank sent on its behalf). A transport that lagged once hands its requests
+/// to a thread of its own from then on. Requests complete as usual, late; copies a backend makes
+/// on the caller's thread (`shm`) are not lagged.
+#[doc(hidden)]
+pub fn lag_sends(lag: Duration) {
+    // Relaxed: see `lag_now`.
+    LAG_NS.store(u64::try_from(lag.as_nanos()).unwrap_or(u64::MAX), Ordering::Relaxed);
+}
+
 /// A transport backend: binds, connects to one peer, exposes registrations to it, and moves
 /// bytes. Everything else is [`Transport`]'s.
 pub trait Backend: Send + Sync + 'static {
@@ -586,9 +608,12 @@ pub struct Transport {
     endpoint: u64,
     /// The connected peer's endpoint id, when its URL carried one.
     peer_endpoint: std::sync::OnceLock<u64>,
-    backend: Box<dyn Backend>,
+    backend: Arc<dyn Backend>,
     device: Option<Device>,
     regs: Mutex<HashMap<(usize, usize), Arc<Registration>>>,
+    /// Where started requests wait their time once this process lags its sends
+    /// ([`lag_sends`]): a thread hands them to the backend, in order.
+    lagged: std::sync::OnceLock<std::sync::mpsc::Sender<(Instant, Request)>>,
     outstanding: Mutex<Vec<Arc<WorkState>>>,
     state: std::sync::atomic::AtomicU8,
 }
@@ -636,12 +661,39 @@ impl Transport {
             id: NEXT_TRANSPORT.fetch_add(1, Ordering::Relaxed),
             endpoint: random_u64(),
             peer_endpoint: std::sync::OnceLock::new(),
-            backend,
+            backend: Arc::from(backend),
             device,
             regs: Mutex::new(HashMap::new()),
+            lagged: std::sync::OnceLock::new(),
             outstanding: Mutex::new(Vec::new()),
             state: std::sync::atomic::AtomicU8::new(OPEN),
         }
+    }
+
+    /// The queue of lagged requests, once this process lags its sends (and from then on, so
+    /// that requests stay in the order they were started).
+    fn lag(&self) -> Option<&std::sync::mpsc::Sender<(Instant, Request)>> {
+        if let Some(tx) = self.lagged.get() {
+            return Some(tx);
+        }
+        if lag_now().is_zero() {
+            return None;
+        }
+        let (tx, rx) = std::sync::mpsc::channel::<(Instant, Request)>();
+        let backend = self.backend.clone();
+        let spawned = std::thread::Builder::new().name("symmem-lag".into()).spawn(move || {
+            for (due, req) in rx {
+                std::thread::sleep(due.saturating_duration_since(Instant::now()));
+                let work = req.work.clone();
+                if let Err(e) = backend.submit(req) {
+                    work.complete(Err(Failed::new(e.transfer_kind().unwrap_or(TransferKind::Refused), e.to_string())));
+                }
+            }
+        });
+        if spawned.is_err() {
+            return None;
+        }
+        Some(self.lagged.get_or_init(|| tx))
     }
 
     fn check_open(&self) -> Result<()> {
@@ -900,7 +952,13 @@ impl Transport {
             posted,
             work: state.clone(),
         };
-        if let Err(e) = self.backend.submit(req) {
+        if let Some(lag) = self.lag() {
+            if lag.send((Instant::now() + lag_now(), req)).is_err() {
+                // Its thread is gone (only if a backend panicked in it).
+                state.complete(Err(Failed::new(TransferKind::Refused, "transport: the lagged requests' thread ended")));
+                return Err(Error::Closed("transport"));
+            }
+        } else if let Err(e) = self.backend.submit(req) {
             state.complete(Err(Failed::new(e.transfer_kind().unwrap_or(TransferKind::Refused), e.to_string())));
             return Err(e);
         }

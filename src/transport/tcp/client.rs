@@ -25,7 +25,7 @@ use std::io::{IoSlice, Read, Write};
 use std::net::{TcpStream, ToSocketAddrs};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use rustix::event::{PollFd, PollFlags, poll};
 
@@ -69,28 +69,9 @@ struct Frame {
     len: usize,
     /// Bytes of header and payload already written.
     done: usize,
-    /// When it may leave, if this process lags its sends ([`super::lag_sends`]).
-    due: Option<Instant>,
-}
-
-/// Nanoseconds every frame waits before it leaves (0: none): [`super::lag_sends`].
-pub(super) static LAG_NS: AtomicU64 = AtomicU64::new(0);
-
-/// When a frame queued now may leave: `None` (at once) unless sends lag.
-fn due() -> Option<Instant> {
-    // Relaxed: a test's setting, taken by the frames queued after it; it publishes nothing.
-    match LAG_NS.load(Ordering::Relaxed) {
-        0 => None,
-        ns => Some(Instant::now() + Duration::from_nanos(ns)),
-    }
 }
 
 impl Frame {
-    /// Whether it must wait still (sends lag, and its time has not come).
-    fn held_back(&self) -> bool {
-        self.done == 0 && self.due.is_some_and(|d| d > Instant::now())
-    }
-
     fn payload(&self) -> &[u8] {
         let Some(p) = self.pending.as_ref().filter(|_| self.len > 0) else { return &[] };
         // SAFETY: [at, at+len) lies inside the local view (planned from its length), inside the
@@ -126,9 +107,6 @@ impl Queue {
                 let mut slices = [IoSlice::new(&[]); 2 * GATHER];
                 let mut k = 0;
                 for f in self.frames.iter().take(GATHER) {
-                    if f.held_back() {
-                        break;
-                    }
                     let payload = f.payload();
                     if f.done < HEADER_LEN {
                         slices[k] = IoSlice::new(&f.head[f.done..]);
@@ -137,10 +115,6 @@ impl Queue {
                         slices[k + 1] = IoSlice::new(&payload[f.done - HEADER_LEN..]);
                     }
                     k += 2;
-                }
-                if k == 0 {
-                    // The first frame is held back (`lag_sends`): its sender thread waits.
-                    return Ok(false);
                 }
                 s.write_vectored(&slices[..k])
             };
@@ -507,16 +481,7 @@ impl Client {
                 length: n as u64,
             };
             let len = if op == Op::Write { n } else { 0 };
-            let frame = Frame {
-                head: header.encode(),
-                pending: Some(pending.clone()),
-                id,
-                posted,
-                at,
-                len,
-                done: 0,
-                due: due(),
-            };
+            let frame = Frame { head: header.encode(), pending: Some(pending.clone()), id, posted, at, len, done: 0 };
             self.enqueue(flow, frame, inline, one);
         }
         Ok(())
@@ -579,7 +544,7 @@ impl Client {
             remote_offset: 0,
             length: 0,
         };
-        let frame = Frame { head: head.encode(), pending: None, id, posted: false, at: 0, len: 0, done: 0, due: due() };
+        let frame = Frame { head: head.encode(), pending: None, id, posted: false, at: 0, len: 0, done: 0 };
         self.enqueue(0, frame, true, false);
         // Acquire: pairs with the Release store of the reader that saw the answer.
         while self.fenced.load(Ordering::Acquire) < id {
@@ -655,12 +620,8 @@ impl Client {
                     return;
                 }
             };
-            let held = q.frames.front().and_then(|f| f.due.filter(|_| f.held_back()));
             drop(q);
-            if let Some(due) = held {
-                // Sends lag (`lag_sends`): the first frame leaves at its time.
-                std::thread::sleep(due.saturating_duration_since(Instant::now()).min(Duration::from_secs(1)));
-            } else if full {
+            if full {
                 // The socket is full: wait for room without holding the queue.
                 wait_for(&f.poller, PollFlags::OUT, Duration::from_secs(1));
             }

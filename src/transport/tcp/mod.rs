@@ -166,17 +166,6 @@ impl TcpOptions {
     }
 }
 
-/// Delays every frame this process's tcp transport endpoints send from now on by `lag` (zero:
-/// none), keeping their order: a fault injection for tests. One process's links then run late
-/// as on a loaded machine or a congested network, which forces the orders between links that
-/// occur there only rarely (a rank's message arriving after a later one another rank sent on
-/// its behalf). Requests still complete: posted ones once written, late.
-#[doc(hidden)]
-pub fn lag_sends(lag: Duration) {
-    // Relaxed: read per frame queued after it (`client::due`); it publishes nothing.
-    client::LAG_NS.store(u64::try_from(lag.as_nanos()).unwrap_or(u64::MAX), Ordering::Relaxed);
-}
-
 /// The `tcp` backend.
 pub struct TcpBackend {
     inner: Arc<Inner>,

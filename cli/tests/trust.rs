@@ -1191,6 +1191,18 @@ fn ranks_on_two_hosts_that_disagree_get_the_same_error() {
     }
 }
 
+/// An all-reduce of the first `n` floats of `x` (3.0 each) that the ranks disagree on: refused
+/// within `secs` seconds, naming the disagreement, the input untouched.
+fn refused_straddling(g: &Group, x: &Tensor, n: usize, what: &str, secs: u64) {
+    let v = x.narrow(0, 0, n).unwrap();
+    v.fill(3.0f32).unwrap();
+    let t = std::time::Instant::now();
+    let e = ops::all_reduce(&v, symmem::ops::ReduceOp::Sum, g).unwrap_err().to_string();
+    assert!(e.contains("disagree"), "{what}: {e}");
+    assert!(t.elapsed() < Duration::from_secs(secs), "{what}: after {:?}: {e}", t.elapsed());
+    assert!(v.to_vec::<f32>().unwrap().iter().all(|&f| f == 3.0), "{what}: untouched");
+}
+
 #[test]
 fn a_late_link_does_not_let_a_leaders_raise_overtake_a_ranks_own() {
     // Rank 1's requests leave for its links 300 ms late (`transport::lag_sends`). In the call
@@ -1233,16 +1245,7 @@ fn rank_late_link() {
     }
     // The leaders pass 32 KiB (they send their own), the others 256 bytes (gathered): each
     // leader finds its host split and raises its other rank's word on the other leader.
-    let straddle = |what: &str| {
-        let n = if me % 2 == 0 { 8192 } else { 64 };
-        let v = x.narrow(0, 0, n).unwrap();
-        v.fill(3.0f32).unwrap();
-        let t = std::time::Instant::now();
-        let e = ops::all_reduce(&v, ReduceOp::Sum, &g).unwrap_err().to_string();
-        assert!(e.contains("disagree"), "{what}: {e}");
-        assert!(t.elapsed() < Duration::from_secs(3), "{what}: after {:?}: {e}", t.elapsed());
-        assert!(v.to_vec::<f32>().unwrap().iter().all(|&f| f == 3.0), "{what}: untouched");
-    };
+    let straddle = |what: &str| refused_straddling(&g, &x, if me % 2 == 0 { 8192 } else { 64 }, what, 3);
     for round in 0..3 {
         // Rank 1 sends its own (32 KiB), late; then the disagreeing call.
         agree(8192);
@@ -1368,13 +1371,7 @@ fn rank_out_of_step() {
     let cases: Vec<Vec<usize>> = if ws == 2 { vec![vec![1]] } else { vec![vec![2], vec![0, 2]] };
     for big in cases {
         let n = if big.contains(&me) { 8192 } else { 64 };
-        let v = x.narrow(0, 0, n).unwrap();
-        v.fill(3.0f32).unwrap();
-        let t = std::time::Instant::now();
-        let e = ops::all_reduce(&v, ReduceOp::Sum, &g).unwrap_err().to_string();
-        assert!(e.contains("disagree"), "all_reduce, straddling 16 KiB ({big:?} past it): {e}");
-        assert!(t.elapsed() < Duration::from_secs(2), "{big:?} past 16 KiB: after {:?}: {e}", t.elapsed());
-        assert!(v.to_vec::<f32>().unwrap().iter().all(|&f| f == 3.0), "untouched");
+        refused_straddling(&g, &x, n, &format!("all_reduce, straddling 16 KiB ({big:?} past it)"), 2);
         agree(64);
         agree(8192);
     }

@@ -56,6 +56,11 @@ fn lag_now() -> Duration {
     Duration::from_nanos(LAG_NS.load(Ordering::Relaxed))
 }
 
+/// How a request its backend refused to start fails: the error's kind, else refused.
+fn not_started(e: &Error) -> Failed {
+    Failed::new(e.transfer_kind().unwrap_or(TransferKind::Refused), e.to_string())
+}
+
 /// Delays every request this process's transports start from now on by `lag` (zero: none)
 /// before their backends get it, keeping their order: a fault injection for tests. One
 /// process's links then run late, as on a loaded machine or a congested network, which forces
@@ -686,7 +691,7 @@ impl Transport {
                 std::thread::sleep(due.saturating_duration_since(Instant::now()));
                 let work = req.work.clone();
                 if let Err(e) = backend.submit(req) {
-                    work.complete(Err(Failed::new(e.transfer_kind().unwrap_or(TransferKind::Refused), e.to_string())));
+                    work.complete(Err(not_started(&e)));
                 }
             }
         });
@@ -959,7 +964,7 @@ impl Transport {
                 return Err(Error::Closed("transport"));
             }
         } else if let Err(e) = self.backend.submit(req) {
-            state.complete(Err(Failed::new(e.transfer_kind().unwrap_or(TransferKind::Refused), e.to_string())));
+            state.complete(Err(not_started(&e)));
             return Err(e);
         }
         // Backends that copy on the caller's thread complete before returning; only work still

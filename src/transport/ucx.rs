@@ -63,8 +63,10 @@ use std::time::{Duration, Instant};
 
 use base64::Engine;
 use base64::engine::general_purpose::URL_SAFE_NO_PAD;
+use rustc_hash::FxHashMap;
 
 use super::registry::{Caps, Reach};
+use super::work::Progress;
 use super::{Atomic, Backend, Direction, Options, Registration, Request};
 use crate::error::{Error, Failed, Result, TransferKind};
 use crate::sys::ucx::{self, AmRecvParam, Handle, Started, Status, Worker};
@@ -226,6 +228,8 @@ pub struct UcxBackend {
     url: Vec<u8>,
     timeout: Duration,
     thread: Mutex<Option<std::thread::JoinHandle<()>>>,
+    /// What a waiter for one of its Works calls while spinning (one for all of them).
+    progress: Progress,
 }
 
 impl std::fmt::Debug for UcxBackend {
@@ -353,7 +357,8 @@ impl UcxBackend {
             .spawn(move || progress_loop(&c, &s, efd))
             .map_err(|e| Error::io("spawn the ucx progress thread", e))?;
         let url = format!("{URL_PREFIX}{}", URL_SAFE_NO_PAD.encode(address)).into_bytes();
-        Ok(UcxBackend { shared, core, url, timeout, thread: Mutex::new(Some(thread)) })
+        let progress = waiter_progress(Arc::downgrade(&core), Arc::downgrade(&shared));
+        Ok(UcxBackend { shared, core, url, timeout, thread: Mutex::new(Some(thread)), progress })
     }
 
     /// Runs `f` on the core, then handles what UCX reported meanwhile. It progresses the worker
@@ -374,6 +379,28 @@ impl UcxBackend {
         self.shared.caller_had_it(now);
         out
     }
+}
+
+/// What a thread waiting for a Work of the backend of `core` and `shared` calls while it
+/// spins: sends what is held, progresses the worker once and handles what that reported. Weak
+/// references: a Work may outlive its backend.
+fn waiter_progress(core: std::sync::Weak<Mutex<Core>>, shared: std::sync::Weak<Shared>) -> Progress {
+    Arc::new(move || {
+        let Some(core) = core.upgrade() else { return };
+        // Relaxed: a hint; this thread's own held requests were stashed by this thread (in
+        // program order before this wait), and a stale answer only costs a wait for the lock.
+        let held = shared.upgrade().is_some_and(|s| s.stashed.load(Ordering::Relaxed));
+        let guard = if held { Some(core.lock().unwrap_or_else(|p| p.into_inner())) } else { core.try_lock().ok() };
+        if let Some(mut c) = guard {
+            // Held, it leaves now.
+            c.send_stash();
+            c.look();
+            c.handle_events();
+            if let Some(s) = shared.upgrade() {
+                s.caller_had_it(c.looked);
+            }
+        }
+    })
 }
 
 /// The progress thread: progresses the worker while there is anything to do, serving peers
@@ -500,23 +527,7 @@ impl Backend for UcxBackend {
         }
         // Whoever waits for it progresses the worker while spinning, so its completion needs
         // no hand-off from the progress thread either.
-        let (core, shared) = (Arc::downgrade(&self.core), Arc::downgrade(&self.shared));
-        req.work.set_progress(Arc::new(move || {
-            let Some(core) = core.upgrade() else { return };
-            // Relaxed: a hint; this thread's own held requests were stashed by this thread (in
-            // program order before this wait), and a stale answer only costs a wait for the lock.
-            let held = shared.upgrade().is_some_and(|s| s.stashed.load(Ordering::Relaxed));
-            let guard = if held { Some(core.lock().unwrap_or_else(|p| p.into_inner())) } else { core.try_lock().ok() };
-            if let Some(mut c) = guard {
-                // Held, it leaves now.
-                c.send_stash();
-                c.look();
-                c.handle_events();
-                if let Some(s) = shared.upgrade() {
-                    s.caller_had_it(c.looked);
-                }
-            }
-        }));
+        req.work.set_progress(self.progress.clone());
         // Sent from this thread: no hand-off to the progress thread on the way out.
         self.with_core(|c| c.start(req));
         Ok(())
@@ -689,8 +700,9 @@ struct Core {
     /// This endpoint's identity in its requests (random) and its last request's number.
     origin: u64,
     seq: u64,
-    pending: HashMap<u64, Pending>,
-    served: HashMap<u64, Served>,
+    /// By token: this endpoint's own, so a fast hash (no peer picks its keys).
+    pending: FxHashMap<u64, Pending>,
+    served: FxHashMap<u64, Served>,
     /// Per peer endpoint (its origin), the order its requests take effect in.
     orders: HashMap<u64, Order>,
     /// A posted request was sent since the last fence.
@@ -806,8 +818,8 @@ impl Core {
             next: 1,
             origin: u64::from_le_bytes(origin),
             seq: 0,
-            pending: HashMap::new(),
-            served: HashMap::new(),
+            pending: FxHashMap::default(),
+            served: FxHashMap::default(),
             orders: HashMap::new(),
             unfenced: false,
             looked: 0,
@@ -1191,6 +1203,14 @@ impl Core {
                     let answer_id = if id == AM_READ { AM_READ_DATA } else { AM_DONE };
                     return self.answer(reply_ep, answer_id, req, REFUSED, why);
                 }
+                if seq == o.next && !o.busy {
+                    // Its turn (nothing before it is parked or running): run at once, with no
+                    // copy of its header and no stop in the parking map.
+                    if self.run(origin, id, h, data, reply_ep) {
+                        self.drain(origin);
+                    }
+                    return;
+                }
                 o.parked.insert(seq, Parked { id, header: h.to_vec(), data, reply_ep });
                 self.drain(origin);
             }
@@ -1242,9 +1262,8 @@ impl Core {
             if end > h.len() || !matches!(id, AM_WRITE | AM_READ | AM_ATOMIC) {
                 return;
             }
-            let sub = h[at + 16..at + 16 + hl].to_vec();
             let bytes = h[at + 16 + hl..end].to_vec();
-            self.message(id, &sub, Data::Bytes(bytes), reply_ep);
+            self.message(id, &h[at + 16..at + 16 + hl], Data::Bytes(bytes), reply_ep);
             at = end;
         }
     }
@@ -1258,42 +1277,52 @@ impl Core {
             }
             let next = o.next;
             let Some(p) = o.parked.remove(&next) else { return };
-            let in_flight = match p.id {
-                AM_BYE => {
-                    // Everything the endpoint sent before closing ran: forget it.
-                    self.drop_data(p.data);
-                    if let Some(o) = self.orders.remove(&origin) {
-                        for (_, q) in o.parked {
-                            self.drop_data(q.data);
-                        }
-                    }
-                    return;
-                }
-                AM_FENCE => {
-                    // Everything the endpoint sent before it ran.
-                    self.drop_data(p.data);
-                    let req = field(&p.header, 0).unwrap_or(0);
-                    self.answer(p.reply_ep, AM_DONE, req, OK, "");
-                    false
-                }
-                AM_WRITE => self.serve_write(&p.header, p.data, p.reply_ep, origin),
-                AM_READ => {
-                    self.drop_data(p.data);
-                    self.serve_read(&p.header, p.reply_ep, origin)
-                }
-                _ => {
-                    self.drop_data(p.data);
-                    self.serve_atomic(&p.header, p.reply_ep);
-                    false
-                }
-            };
-            let Some(o) = self.orders.get_mut(&origin) else { return };
-            if in_flight {
-                o.busy = true;
+            if !self.run(origin, p.id, &p.header, p.data, p.reply_ep) {
                 return;
             }
+        }
+    }
+
+    /// Runs the request of `origin` whose turn it is, then moves the order on: to the next
+    /// request, or, while this one is in flight, to none. Whether the order still stands (a
+    /// BYE forgets it).
+    fn run(&mut self, origin: u64, id: u32, header: &[u8], data: Data, reply_ep: Handle) -> bool {
+        let in_flight = match id {
+            AM_BYE => {
+                // Everything the endpoint sent before closing ran: forget it.
+                self.drop_data(data);
+                if let Some(o) = self.orders.remove(&origin) {
+                    for (_, q) in o.parked {
+                        self.drop_data(q.data);
+                    }
+                }
+                return false;
+            }
+            AM_FENCE => {
+                // Everything the endpoint sent before it ran.
+                self.drop_data(data);
+                let req = field(header, 0).unwrap_or(0);
+                self.answer(reply_ep, AM_DONE, req, OK, "");
+                false
+            }
+            AM_WRITE => self.serve_write(header, data, reply_ep, origin),
+            AM_READ => {
+                self.drop_data(data);
+                self.serve_read(header, reply_ep, origin)
+            }
+            _ => {
+                self.drop_data(data);
+                self.serve_atomic(header, reply_ep);
+                false
+            }
+        };
+        let Some(o) = self.orders.get_mut(&origin) else { return false };
+        if in_flight {
+            o.busy = true;
+        } else {
             o.next += 1;
         }
+        !in_flight
     }
 
     /// The request of `origin` in flight completed: the next may run.
@@ -1818,6 +1847,93 @@ mod tests {
         a.write(&ms.to_view(0, None).unwrap(), &d, None).unwrap();
         assert_eq!(dst.to_vec::<u8>().unwrap(), vec![7u8; 64]);
         // SAFETY: the stranger's endpoint, closed once, by force.
+        let _ = unsafe { w.close(ep, true) };
+        w.progress();
+    }
+
+    /// Requests that arrive ahead of their turn wait for it, and run, in order, once the one
+    /// before them came (whether that one runs at once, on arrival, or was parked too): two
+    /// writes to the same bytes sent in the reverse of their endpoint's order leave the later
+    /// one's bytes, and a third sent after them still lands.
+    #[test]
+    fn requests_that_arrive_out_of_their_order_land_in_it() {
+        use crate::sys::ucx::{Started, UCP_AM_SEND_FLAG_REPLY, Worker};
+        let b = match new_transport("ucx", None, &Options::new()) {
+            Ok(b) => b,
+            Err(e) => {
+                eprintln!("SKIPPED: {e}");
+                return;
+            }
+        };
+        let ub = b.bind(None).unwrap();
+        let dst = Tensor::zeros(&[64], DType::U8).unwrap();
+        let md = b.register_memory(&dst).unwrap();
+        let d = md.to_remote_buffer().unwrap();
+        // A peer of its own making, to send requests out of order (a transport never does).
+        super::tuned();
+        let w = Worker::new(crate::sys::ucx::Tls::Configured).unwrap();
+        let address = super::parse_url(super::super::split_endpoint(&ub).unwrap().0).unwrap();
+        unsafe extern "C" fn nothing(_: *mut std::ffi::c_void, _: crate::sys::ucx::Handle, _: i32) {}
+        unsafe extern "C" fn sent(r: *mut std::ffi::c_void, _: i32, _: *mut std::ffi::c_void) {
+            // SAFETY: UCX hands the completed request, freed once here.
+            unsafe { crate::sys::ucx::request_free(r) };
+        }
+        unsafe extern "C" fn ignore(
+            _: *mut std::ffi::c_void,
+            _: *const std::ffi::c_void,
+            _: usize,
+            _: *mut std::ffi::c_void,
+            _: usize,
+            _: *const crate::sys::ucx::AmRecvParam,
+        ) -> i32 {
+            0
+        }
+        for id in 1..=super::AM_ACKS {
+            // SAFETY: `ignore` touches nothing.
+            unsafe { w.set_am_handler(id, ignore, std::ptr::null_mut()) }.unwrap();
+        }
+        // SAFETY: `nothing` does nothing; no arg.
+        let ep = unsafe { w.connect(&address, Some(nothing), std::ptr::null_mut()) }.unwrap();
+        let origin = 4242;
+        let write = |seq: u64| super::header(&[seq, origin, seq, d.buffer_id, 0, 64], &d.access_key);
+        let bytes: Vec<[u8; 64]> = (0..=3u8).map(|i| [0x10 * i; 64]).collect();
+        let send = |seq: u64, hdr: &[u8]| {
+            // SAFETY: `ep` is the peer's live endpoint; header and payload outlive the sends,
+            // which the caller progresses until done.
+            match unsafe {
+                w.am_send(ep, super::AM_WRITE, hdr, bytes[seq as usize].as_ptr(), 64, UCP_AM_SEND_FLAG_REPLY, sent, 0)
+            } {
+                Started::Done | Started::Pending(_) | Started::Failed(_) => {}
+            }
+        };
+        let settle = |want: u8| {
+            let t = std::time::Instant::now();
+            while t.elapsed() < std::time::Duration::from_secs(10) {
+                w.progress();
+                if dst.to_vec::<u8>().unwrap().iter().all(|&x| x == want) {
+                    return true;
+                }
+            }
+            false
+        };
+        let (h1, h2, h3) = (write(1), write(2), write(3));
+        // 2 first: it waits; then 1, which runs and lets 2 run after it.
+        send(2, &h2);
+        let t = std::time::Instant::now();
+        while t.elapsed() < std::time::Duration::from_millis(200) {
+            w.progress();
+        }
+        assert!(dst.to_vec::<u8>().unwrap().iter().all(|&x| x == 0), "a request ran before its turn");
+        send(1, &h1);
+        assert!(
+            settle(0x20),
+            "the earlier request did not let the parked one run after it: {:?}",
+            dst.to_vec::<u8>().unwrap()
+        );
+        // The order goes on from there.
+        send(3, &h3);
+        assert!(settle(0x30), "the next request in order did not land");
+        // SAFETY: the peer's endpoint, closed once, by force.
         let _ = unsafe { w.close(ep, true) };
         w.progress();
     }

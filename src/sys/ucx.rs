@@ -33,6 +33,8 @@ pub const UCP_FEATURE_AM: u64 = 64;
 pub const UCP_FEATURE_WAKEUP: u64 = 16;
 
 const UCP_WORKER_PARAM_FIELD_THREAD_MODE: u64 = 1;
+/// `UCP_WORKER_ATTR_FIELD_MAX_AM_HEADER`.
+const UCP_WORKER_ATTR_FIELD_MAX_AM_HEADER: u64 = 8;
 const UCS_THREAD_MODE_SERIALIZED: u32 = 1;
 
 const UCP_EP_PARAM_FIELD_REMOTE_ADDRESS: u64 = 1;
@@ -111,6 +113,7 @@ struct Api {
     worker_destroy: unsafe extern "C" fn(Handle),
     worker_get_address: unsafe extern "C" fn(Handle, *mut *mut c_void, *mut usize) -> Status,
     worker_release_address: unsafe extern "C" fn(Handle, *mut c_void),
+    worker_query: unsafe extern "C" fn(Handle, *mut u8) -> Status,
     worker_progress: unsafe extern "C" fn(Handle) -> c_uint,
     worker_get_efd: unsafe extern "C" fn(Handle, *mut c_int) -> Status,
     worker_arm: unsafe extern "C" fn(Handle) -> Status,
@@ -162,6 +165,7 @@ fn load() -> Result<Api, String> {
         worker_destroy: sym!(ucp, "ucp_worker_destroy"),
         worker_get_address: sym!(ucp, "ucp_worker_get_address"),
         worker_release_address: sym!(ucp, "ucp_worker_release_address"),
+        worker_query: sym!(ucp, "ucp_worker_query"),
         worker_progress: sym!(ucp, "ucp_worker_progress"),
         worker_get_efd: sym!(ucp, "ucp_worker_get_efd"),
         worker_arm: sym!(ucp, "ucp_worker_arm"),
@@ -563,6 +567,20 @@ impl Worker {
         // SAFETY: `at` came from ucp_worker_get_address on this worker.
         unsafe { (self.api.worker_release_address)(self.h, at) };
         Ok(v)
+    }
+
+    /// The largest header [`Worker::am_send`] takes (`ucp_worker_attr_t::max_am_header`, which
+    /// UCX sends with the message's first fragment, eagerly); `None` when this UCX does not say.
+    pub fn max_am_header(&self) -> Option<usize> {
+        // A ucp_worker_attr_t (72 bytes in 1.13; room to spare): field_mask at 0, and
+        // max_am_header, a size_t, at 32 (after thread_mode, address_flags, address and
+        // address_length). UCX writes only the fields the mask names.
+        let mut attr = [0u64; 16];
+        attr[0] = UCP_WORKER_ATTR_FIELD_MAX_AM_HEADER;
+        // SAFETY: the worker is live; `attr` is a writable ucp_worker_attr_t asking for one
+        // field, which UCX writes within the struct's first 40 bytes.
+        let s = unsafe { (self.api.worker_query)(self.h, attr.as_mut_ptr().cast()) };
+        (s == UCS_OK && attr[4] > 0).then_some(attr[4] as usize)
     }
 
     /// Progresses communication once; the number of events processed.

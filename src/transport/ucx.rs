@@ -38,7 +38,9 @@
 //!
 //! Small requests started in a `Transport::batch` (a write, its signature and the signal after
 //! them) travel as one active message (AM_BATCH, in its header, so eagerly on every
-//! transport), which the owner takes apart and serves request by request, in order. Going
+//! transport; as large as the worker's largest header, up to 8 KiB, so a 4 KiB write and its
+//! signal are one system call), which the owner takes apart and serves request by request, in
+//! order. Going
 //! back, the requests an owner accepted in one pass over what arrived are answered together,
 //! one ACKS per peer endpoint (a window of small writes costs one message back, not one
 //! each); refusals, reads' bytes and a lone acceptance go as before.

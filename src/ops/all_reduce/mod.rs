@@ -58,10 +58,12 @@ impl Algo {
 /// on every rank). On one host: one-shot up to 1 KiB, or up to 8 KiB when crowded (then every
 /// extra synchronization costs a context switch), two-shot above (measured crossovers on 2
 /// cores: 2 ranks ~1 KiB, 4 ranks ~8 KiB). Across hosts: host-push while a host's inputs fit in
-/// 1 MiB (512 KiB over ucx), two-shot above (measured on 2 played hosts, 4 ranks: over tcp host
-/// push ahead up to 512 KiB each and two-shot from 768 KiB; over ucx host push ahead at 256 KiB
-/// each, 422-480 vs 518-623 us, and two-shot at 512 KiB, 715-785 vs 1057-1078 us; 2 ranks over
-/// tcp, host push even at 1 MiB and two-shot 2.5x ahead at 2 MiB).
+/// 1 MiB (over ucx 512 KiB, or 1 MiB for hosts of one rank), two-shot above (measured on 2
+/// played hosts, 4 ranks: over tcp host push ahead up to 512 KiB each and two-shot from 768
+/// KiB; over ucx host push ahead at 256 KiB each, 422-480 vs 518-623 us, and two-shot at 512
+/// KiB, 715-785 vs 1057-1078 us; 2 ranks over tcp, host push even at 1 MiB and two-shot 2.5x
+/// ahead at 2 MiB; over ucx, host push to 1 MiB: 0.81x two-shot's time at 768 KiB, 0.95x at 1
+/// MiB, 1.24x at 1.5 MiB).
 pub fn select(bytes: usize, crowded: bool, ranks_per_host: usize, hosts: usize, link: Option<&str>) -> Algo {
     if hosts > 1 {
         return if hostpush::fits_size(bytes, ranks_per_host, link) { Algo::HostPush } else { Algo::TwoShot };
@@ -322,5 +324,10 @@ mod tests {
             assert_eq!(select(bytes, false, 2, 2, Some("ucx")), ucx, "{bytes} bytes over ucx");
         }
         assert_eq!(select(8, false, 2, 1, None), Algo::Small, "one host");
+        // A rank per host: over ucx, host push takes twice the block, as over tcp.
+        for link in [Some("tcp"), Some("ucx"), None] {
+            assert_eq!(select(1 << 20, false, 1, 2, link), Algo::HostPush, "1 MiB over {link:?}");
+            assert_eq!(select((1 << 20) + 16, false, 1, 2, link), Algo::TwoShot, "1 MiB + 16 over {link:?}");
+        }
     }
 }

@@ -1700,27 +1700,10 @@ mod tests {
         let (ua, ub) = (a.bind(None).unwrap(), b.bind(None).unwrap());
         a.connect(&ub, None).unwrap();
         b.connect(&ua, None).unwrap();
-        let n = 4 << 20;
-        let src = Tensor::zeros(&[n], DType::U8).unwrap();
-        let dst = Tensor::zeros(&[n], DType::U8).unwrap();
-        let flag = Tensor::zeros(&[1], DType::I64).unwrap();
-        let scratch = Tensor::zeros(&[8], DType::U8).unwrap();
-        let (ms, s8) = (a.register_memory(&src).unwrap(), a.register_memory(&scratch).unwrap());
-        let (md, mf) = (b.register_memory(&dst).unwrap(), b.register_memory(&flag).unwrap());
-        let (theirs, their_flag) = (md.to_remote_buffer().unwrap(), mf.to_remote_buffer().unwrap());
+        let x = WriteThenSignal::new(&a, &b, 4 << 20);
+        let (dst, flag) = (&x.dst, &x.flag);
         for round in 1..=8u8 {
-            src.fill(round).unwrap();
-            let w = a.start_write(&ms.to_view(0, None).unwrap(), &theirs, None).unwrap();
-            let f = a
-                .start_atomic(
-                    &s8.to_view(0, Some(8)).unwrap(),
-                    &their_flag,
-                    Atomic::Set64,
-                    u64::from(round),
-                    None,
-                    false,
-                )
-                .unwrap();
+            let (w, f) = x.start(&a, round);
             // Poll the flag as a peer would, then look at the bytes.
             let word = flag.data_ptr().cast::<std::sync::atomic::AtomicI64>();
             let t = std::time::Instant::now();
@@ -1776,7 +1759,7 @@ mod tests {
     /// numbers. The endpoint refuses or drops each, and keeps serving its real peer.
     #[test]
     fn malformed_active_messages_change_nothing_and_the_owner_keeps_serving() {
-        use crate::sys::ucx::{Started, UCP_AM_SEND_FLAG_REPLY, Worker};
+        use crate::sys::ucx::{Started, UCP_AM_SEND_FLAG_REPLY};
         let (a, b) = match (new_transport("ucx", None, &Options::new()), new_transport("ucx", None, &Options::new())) {
             (Ok(a), Ok(b)) => (a, b),
             (Err(e), _) | (_, Err(e)) => {
@@ -1789,31 +1772,8 @@ mod tests {
         let dst = Tensor::zeros(&[64], DType::U8).unwrap();
         let md = b.register_memory(&dst).unwrap();
         let d = md.to_remote_buffer().unwrap();
-        // The stranger: a raw worker of its own, no handlers.
-        super::tuned();
-        let w = Worker::new(crate::sys::ucx::Tls::Configured).unwrap();
-        let address = super::parse_url(super::super::split_endpoint(&ub).unwrap().0).unwrap();
-        unsafe extern "C" fn nothing(_: *mut std::ffi::c_void, _: crate::sys::ucx::Handle, _: i32) {}
-        unsafe extern "C" fn sent(r: *mut std::ffi::c_void, _: i32, _: *mut std::ffi::c_void) {
-            // SAFETY: UCX hands the completed request, freed once here.
-            unsafe { crate::sys::ucx::request_free(r) };
-        }
-        unsafe extern "C" fn ignore(
-            _: *mut std::ffi::c_void,
-            _: *const std::ffi::c_void,
-            _: usize,
-            _: *mut std::ffi::c_void,
-            _: usize,
-            _: *const crate::sys::ucx::AmRecvParam,
-        ) -> i32 {
-            0
-        }
-        for id in 1..=super::AM_ACKS {
-            // SAFETY: `ignore` touches nothing.
-            unsafe { w.set_am_handler(id, ignore, std::ptr::null_mut()) }.unwrap();
-        }
-        // SAFETY: `nothing` does nothing; no arg.
-        let ep = unsafe { w.connect(&address, Some(nothing), std::ptr::null_mut()) }.unwrap();
+        // The stranger: a raw worker of its own, that ignores whatever comes back.
+        let (w, ep) = raw_peer(&ub);
         let h = |f: &[u64], tail: &[u8]| super::header(f, tail);
         let payload = [0xEEu8; 64];
         let wrong_key = [9u8; 16];
@@ -1892,7 +1852,7 @@ mod tests {
     /// one's bytes, and a third sent after them still lands.
     #[test]
     fn requests_that_arrive_out_of_their_order_land_in_it() {
-        use crate::sys::ucx::{Started, UCP_AM_SEND_FLAG_REPLY, Worker};
+        use crate::sys::ucx::{Started, UCP_AM_SEND_FLAG_REPLY};
         let b = match new_transport("ucx", None, &Options::new()) {
             Ok(b) => b,
             Err(e) => {
@@ -1905,30 +1865,7 @@ mod tests {
         let md = b.register_memory(&dst).unwrap();
         let d = md.to_remote_buffer().unwrap();
         // A peer of its own making, to send requests out of order (a transport never does).
-        super::tuned();
-        let w = Worker::new(crate::sys::ucx::Tls::Configured).unwrap();
-        let address = super::parse_url(super::super::split_endpoint(&ub).unwrap().0).unwrap();
-        unsafe extern "C" fn nothing(_: *mut std::ffi::c_void, _: crate::sys::ucx::Handle, _: i32) {}
-        unsafe extern "C" fn sent(r: *mut std::ffi::c_void, _: i32, _: *mut std::ffi::c_void) {
-            // SAFETY: UCX hands the completed request, freed once here.
-            unsafe { crate::sys::ucx::request_free(r) };
-        }
-        unsafe extern "C" fn ignore(
-            _: *mut std::ffi::c_void,
-            _: *const std::ffi::c_void,
-            _: usize,
-            _: *mut std::ffi::c_void,
-            _: usize,
-            _: *const crate::sys::ucx::AmRecvParam,
-        ) -> i32 {
-            0
-        }
-        for id in 1..=super::AM_ACKS {
-            // SAFETY: `ignore` touches nothing.
-            unsafe { w.set_am_handler(id, ignore, std::ptr::null_mut()) }.unwrap();
-        }
-        // SAFETY: `nothing` does nothing; no arg.
-        let ep = unsafe { w.connect(&address, Some(nothing), std::ptr::null_mut()) }.unwrap();
+        let (w, ep) = raw_peer(&ub);
         let origin = 4242;
         let write = |seq: u64| super::header(&[seq, origin, seq, d.buffer_id, 0, 64], &d.access_key);
         let bytes: Vec<[u8; 64]> = (0..=3u8).map(|i| [0x10 * i; 64]).collect();
@@ -2000,30 +1937,11 @@ mod tests {
         let (a, b) = testkit::connect(super::super::Transport::new(Box::new(initiator), None), owner);
         // What this UCX takes, asked here, not through the limits under test.
         let fits = core.lock().unwrap().worker.max_am_header().is_some_and(|m| m >= 4096 + 128 + 1024);
-        let src = Tensor::zeros(&[4096], DType::U8).unwrap();
-        let dst = Tensor::zeros(&[4096], DType::U8).unwrap();
-        let flag = Tensor::zeros(&[1], DType::I64).unwrap();
-        let scratch = Tensor::zeros(&[8], DType::U8).unwrap();
-        let (ms, s8) = (a.register_memory(&src).unwrap(), a.register_memory(&scratch).unwrap());
-        let (md, mf) = (b.register_memory(&dst).unwrap(), b.register_memory(&flag).unwrap());
-        let (theirs, their_flag) = (md.to_remote_buffer().unwrap(), mf.to_remote_buffer().unwrap());
+        let x = WriteThenSignal::new(&a, &b, 4096);
+        let (dst, flag) = (&x.dst, &x.flag);
         for round in 1..=4u8 {
-            src.fill(round).unwrap();
             let before = core.lock().unwrap().messages;
-            let (w, f) = a.batch(|| {
-                let w = a.start_write(&ms.to_view(0, None).unwrap(), &theirs, None).unwrap();
-                let f = a
-                    .start_atomic(
-                        &s8.to_view(0, Some(8)).unwrap(),
-                        &their_flag,
-                        Atomic::Set64,
-                        u64::from(round),
-                        None,
-                        false,
-                    )
-                    .unwrap();
-                (w, f)
-            });
+            let (w, f) = a.batch(|| x.start(&a, round));
             let sent = core.lock().unwrap().messages - before;
             assert_eq!(sent, if fits { 1 } else { 2 }, "round {round}: messages for a 4 KiB write and its signal");
             w.wait(None).unwrap();
@@ -2040,6 +1958,73 @@ mod tests {
                 core.lock().unwrap().worker.max_am_header()
             );
         }
+    }
+
+    /// `n` bytes of the initiator's to write into the owner's `dst`, and the owner's `flag` to
+    /// set after them.
+    struct WriteThenSignal {
+        src: Tensor,
+        dst: Tensor,
+        flag: Tensor,
+        ms: super::super::Memory,
+        s8: super::super::Memory,
+        theirs: super::super::RemoteBuffer,
+        their_flag: super::super::RemoteBuffer,
+        _keep: (Tensor, super::super::Memory, super::super::Memory),
+    }
+
+    impl WriteThenSignal {
+        fn new(a: &super::super::Transport, b: &super::super::Transport, n: usize) -> WriteThenSignal {
+            let src = Tensor::zeros(&[n], DType::U8).unwrap();
+            let dst = Tensor::zeros(&[n], DType::U8).unwrap();
+            let flag = Tensor::zeros(&[1], DType::I64).unwrap();
+            let scratch = Tensor::zeros(&[8], DType::U8).unwrap();
+            let (ms, s8) = (a.register_memory(&src).unwrap(), a.register_memory(&scratch).unwrap());
+            let (md, mf) = (b.register_memory(&dst).unwrap(), b.register_memory(&flag).unwrap());
+            let (theirs, their_flag) = (md.to_remote_buffer().unwrap(), mf.to_remote_buffer().unwrap());
+            WriteThenSignal { src, dst, flag, ms, s8, theirs, their_flag, _keep: (scratch, md, mf) }
+        }
+
+        /// Fills the source with `round`, starts its write, then the flag's store of `round`.
+        fn start(&self, a: &super::super::Transport, round: u8) -> (super::super::Work, super::super::Work) {
+            self.src.fill(round).unwrap();
+            let w = a.start_write(&self.ms.to_view(0, None).unwrap(), &self.theirs, None).unwrap();
+            let s8 = self.s8.to_view(0, Some(8)).unwrap();
+            let f = a.start_atomic(&s8, &self.their_flag, Atomic::Set64, u64::from(round), None, false).unwrap();
+            (w, f)
+        }
+    }
+
+    /// Completion callback of a raw peer's sends: frees the request.
+    unsafe extern "C" fn sent(r: *mut std::ffi::c_void, _: i32, _: *mut std::ffi::c_void) {
+        // SAFETY: UCX hands the completed request, freed once here.
+        unsafe { crate::sys::ucx::request_free(r) };
+    }
+
+    /// A raw UCX worker connected to the endpoint at `url`, sending whatever a test makes it
+    /// send and ignoring every answer (a stranger, or a peer that breaks the rules).
+    fn raw_peer(url: &[u8]) -> (crate::sys::ucx::Worker, crate::sys::ucx::Handle) {
+        unsafe extern "C" fn nothing(_: *mut std::ffi::c_void, _: crate::sys::ucx::Handle, _: i32) {}
+        unsafe extern "C" fn ignore(
+            _: *mut std::ffi::c_void,
+            _: *const std::ffi::c_void,
+            _: usize,
+            _: *mut std::ffi::c_void,
+            _: usize,
+            _: *const crate::sys::ucx::AmRecvParam,
+        ) -> i32 {
+            0
+        }
+        super::tuned();
+        let w = crate::sys::ucx::Worker::new(crate::sys::ucx::Tls::Configured).unwrap();
+        let address = super::parse_url(super::super::split_endpoint(url).unwrap().0).unwrap();
+        for id in 1..=super::AM_ACKS {
+            // SAFETY: `ignore` touches nothing.
+            unsafe { w.set_am_handler(id, ignore, std::ptr::null_mut()) }.unwrap();
+        }
+        // SAFETY: `nothing` does nothing; no arg.
+        let ep = unsafe { w.connect(&address, Some(nothing), std::ptr::null_mut()) }.unwrap();
+        (w, ep)
     }
 
     /// A connected pair, `b` the owner, with the owner's core (whose lock keeps it from serving

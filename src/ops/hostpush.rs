@@ -59,8 +59,9 @@ pub(crate) const HOST_BLOCK_MAX: usize = 1 << 20;
 pub(crate) const UCX_HOST_BLOCK_MAX: usize = 512 << 10;
 
 /// The same over ucx links for hosts of one rank, whose leader receives no more than each
-/// rank sends, and reduces alone (2 ranks on 2 played hosts, `UCX_TLS=tcp`, 6 alternated runs:
-/// host push took 0.81x two-shot's time at 768 KiB, 0.95x at 1 MiB, 1.24x at 1.5 MiB).
+/// rank sends, and reduces alone (2 ranks on 2 played hosts, `UCX_TLS=tcp`, alternated runs of
+/// host push and two-shot: host push took 0.70x two-shot's time at 640 KiB, 0.81x at 768 KiB,
+/// 0.91x at 896 KiB, 0.95-1.01x at 1 MiB, a tie, and 1.24x at 1.5 MiB).
 pub(crate) const UCX_LONE_RANK_MAX: usize = 1 << 20;
 
 /// The largest block of a host's inputs host push takes over links of `backend`

@@ -62,8 +62,8 @@ impl Algo {
 /// played hosts, 4 ranks: over tcp host push ahead up to 512 KiB each and two-shot from 768
 /// KiB; over ucx host push ahead at 256 KiB each, 422-480 vs 518-623 us, and two-shot at 512
 /// KiB, 715-785 vs 1057-1078 us; 2 ranks over tcp, host push even at 1 MiB and two-shot 2.5x
-/// ahead at 2 MiB; over ucx, host push to 1 MiB: 0.81x two-shot's time at 768 KiB, 0.95x at 1
-/// MiB, 1.24x at 1.5 MiB).
+/// ahead at 2 MiB; over ucx, host push to 1 MiB: 0.70-0.81x two-shot's time at 640-768 KiB, a
+/// tie at 1 MiB, 1.24x at 1.5 MiB).
 pub fn select(bytes: usize, crowded: bool, ranks_per_host: usize, hosts: usize, link: Option<&str>) -> Algo {
     if hosts > 1 {
         return if hostpush::fits_size(bytes, ranks_per_host, link) { Algo::HostPush } else { Algo::TwoShot };

@@ -40,10 +40,9 @@
 //! them) travel as one active message (AM_BATCH, in its header, so eagerly on every
 //! transport; as large as the worker's largest header, up to 8 KiB, so a 4 KiB write and its
 //! signal are one system call), which the owner takes apart and serves request by request, in
-//! order. Going
-//! back, the requests an owner accepted in one pass over what arrived are answered together,
-//! one ACKS per peer endpoint (a window of small writes costs one message back, not one
-//! each); refusals, reads' bytes and a lone acceptance go as before.
+//! order. Going back, the requests an owner accepted in one pass over what arrived are
+//! answered together, one ACKS per peer endpoint (a window of small writes costs one message
+//! back, not one each); refusals, reads' bytes and a lone acceptance go as before.
 //!
 //! Each endpoint has a UCX worker in serialized mode behind a mutex. A caller sends its own
 //! requests (no hand-off to another thread on the way out); a progress thread per endpoint

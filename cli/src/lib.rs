@@ -1059,7 +1059,11 @@ fn demo_rank() -> Result<()> {
         say!(
             "rank 0: done: {world} ranks joined, synchronized through the store and shared memory{}, and moved a tensor \
              one-sidedly",
-            if h.all_local() { "" } else { " and tcp links between hosts" }
+            match (h.all_local(), h.link_backend()) {
+                (true, _) => String::new(),
+                (false, Some(backend)) => format!(" and {backend} links between hosts"),
+                (false, None) => " and links between hosts".to_string(),
+            }
         );
     }
     Ok(())

@@ -318,6 +318,25 @@ fn the_demo_plays_two_hosts() {
     assert!(stdout.contains("[0] rank 0: done: 4 ranks joined"), "{stdout}");
 }
 
+/// The demo names the backend its hosts' links took: ucx when told to, where UCX is.
+#[test]
+fn the_demo_says_which_links_join_its_hosts() {
+    if let Err(why) = symmem::transport::ucx::available() {
+        eprintln!("SKIPPED: no ucx here ({why})");
+        return;
+    }
+    let out = Command::new(BIN)
+        .args(["demo", "--hosts", "2"])
+        .env_remove("SYMMEM_STORE_SECRET")
+        .env("SYMMEM_XHOST_BACKEND", "ucx")
+        .env("UCX_TLS", "tcp")
+        .output()
+        .unwrap();
+    let stdout = text(&out.stdout);
+    assert!(out.status.success(), "{stdout}\n{}", text(&out.stderr));
+    assert!(stdout.contains("shared memory and ucx links between hosts"), "{stdout}");
+}
+
 #[test]
 fn a_multi_host_job_runs_as_two_launchers() {
     // Two launchers on this host play two hosts of one job. They share a home directory, so

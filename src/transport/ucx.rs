@@ -1723,12 +1723,8 @@ mod tests {
     /// (sent when it closes, after its last request) makes it forget.
     #[test]
     fn an_owner_forgets_a_peer_endpoint_that_said_goodbye() {
-        let owner = match super::UcxBackend::new(&Options::new()) {
-            Ok(b) => b,
-            Err(e) => {
-                eprintln!("SKIPPED: {e}");
-                return;
-            }
+        let Some(owner) = backend() else {
+            return;
         };
         let remembered = || owner.core.lock().unwrap().orders.len();
         let url = super::Backend::bind(&owner, std::time::Duration::from_secs(5)).unwrap();
@@ -1924,12 +1920,8 @@ mod tests {
     /// where the worker's header holds them (UCX's tcp here: 8140 bytes), and land in order.
     #[test]
     fn a_4_kib_write_and_its_signal_leave_together() {
-        let initiator = match super::UcxBackend::new(&Options::new()) {
-            Ok(b) => b,
-            Err(e) => {
-                eprintln!("SKIPPED: {e}");
-                return;
-            }
+        let Some(initiator) = backend() else {
+            return;
         };
         let core = initiator.core.clone();
         let owner = new_transport("ucx", None, &Options::new()).unwrap();
@@ -2026,17 +2018,16 @@ mod tests {
         (w, ep)
     }
 
+    /// A ucx backend on the default options, or `None` (reported SKIPPED) without UCX.
+    fn backend() -> Option<super::UcxBackend> {
+        super::UcxBackend::new(&Options::new()).map_err(|e| eprintln!("SKIPPED: {e}")).ok()
+    }
+
     /// A connected pair, `b` the owner, with the owner's core (whose lock keeps it from serving
     /// anything); `None` (reported SKIPPED) without UCX.
     fn pair_with_owner_core()
     -> Option<(super::super::Transport, super::super::Transport, std::sync::Arc<std::sync::Mutex<super::Core>>)> {
-        let owner = match super::UcxBackend::new(&Options::new()) {
-            Ok(b) => b,
-            Err(e) => {
-                eprintln!("SKIPPED: {e}");
-                return None;
-            }
-        };
+        let owner = backend()?;
         let core = owner.core.clone();
         let a = new_transport("ucx", None, &Options::new()).unwrap();
         let (a, b) = testkit::connect(a, super::super::Transport::new(Box::new(owner), None));

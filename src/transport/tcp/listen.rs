@@ -9,7 +9,7 @@
 use std::collections::VecDeque;
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -222,11 +222,22 @@ fn start_serving(inner: &Arc<Inner>, stream: TcpStream, flow: u32) {
     else {
         return;
     };
-    let served = Arc::new(Served { flow, poller, kick, conn: Mutex::new(Conn::new(stream)) });
+    let served = Arc::new(Served {
+        flow,
+        poller,
+        kick,
+        kicked: AtomicBool::new(false),
+        asleep: AtomicBool::new(false),
+        conn: Mutex::new(Conn::new(stream)),
+        #[cfg(test)]
+        tid: std::sync::atomic::AtomicI32::new(0),
+    });
     inner.serving.fetch_add(1, Ordering::Relaxed);
     let inner2 = inner.clone();
     let spawned = std::thread::Builder::new().name("symmem-tcp-serve".into()).spawn(move || {
         let inner = inner2;
+        #[cfg(test)]
+        served.tid.store(rustix::thread::gettid().as_raw_nonzero().get(), Ordering::Relaxed);
         let id = inner.next_served.fetch_add(1, Ordering::Relaxed);
         inner.served.write().unwrap_or_else(|p| p.into_inner()).insert(id, served.clone());
         if inner.closed.load(Ordering::Acquire) {
@@ -260,7 +271,25 @@ pub(super) struct Served {
     pub(super) poller: TcpStream,
     /// An eventfd that wakes the flow's thread for what a caller left.
     kick: std::os::fd::OwnedFd,
+    /// Set with every kick: the thread, standing aside while callers look, checks it without a
+    /// system call.
+    kicked: AtomicBool,
+    /// The flow's thread sleeps (or is about to) waiting for its socket or a kick: a caller
+    /// that starts serving the flow wakes it once, to stand aside awake.
+    asleep: AtomicBool,
     conn: Mutex<Conn>,
+    /// The flow's thread (tests read its scheduling counts).
+    #[cfg(test)]
+    pub(super) tid: std::sync::atomic::AtomicI32,
+}
+
+impl Served {
+    /// Hands the flow to its thread, awake or asleep.
+    fn kick(&self) {
+        // Release: pairs with the Acquire swap in `serve`.
+        self.kicked.store(true, Ordering::Release);
+        let _ = rustix::io::write(&self.kick, &1u64.to_ne_bytes());
+    }
 }
 
 /// Bytes of requests read ahead: the requests that arrived together (a write and the signal
@@ -523,7 +552,8 @@ impl Conn {
 /// or breaks the protocol. Waits for requests (or a caller's kick) without holding the flow,
 /// so a waiter may serve them first. For the spin budget (`SYMMEM_SPIN_US`) after it last
 /// found a request it keeps looking, yielding between looks, before it sleeps: the next
-/// request of a stream then needs no wake-up.
+/// request of a stream then needs no wake-up. Flow 0's thread stands aside, awake, while
+/// callers look at the flow ([`super::STEP_ASIDE`]), and takes over once they stop.
 fn serve(inner: &Inner, served: &Served) -> std::io::Result<()> {
     let linger = crate::config::spin();
     let mut found: Option<Instant> = None;
@@ -531,21 +561,43 @@ fn serve(inner: &Inner, served: &Served) -> std::io::Result<()> {
         if inner.closed.load(Ordering::Acquire) {
             return Ok(());
         }
-        if found.is_some_and(|t| t.elapsed() < linger) {
-            std::thread::yield_now();
-        } else {
-            found = None;
-            let mut fds = [PollFd::new(&served.poller, PollFlags::IN), PollFd::new(&served.kick, PollFlags::IN)];
-            let t = rustix::time::Timespec { tv_sec: 1, tv_nsec: 0 };
-            let _ = poll(&mut fds, Some(&t));
-            let mut b = [0u8; 8];
-            let _ = rustix::io::read(&served.kick, &mut b);
+        // Acquire: pairs with the Release store in `Served::kick`: what the caller left is the
+        // thread's now (the eventfd's count goes at its next sleep).
+        let kicked = served.kicked.swap(false, Ordering::Acquire);
+        if !kicked {
+            if served.flow == 0 && inner.callers_look() {
+                // A waiting caller serves this flow itself ([`serve_arrived`]): out of its way,
+                // awake (the next message then wakes nobody), lingering afresh once it stops.
+                found = Some(Instant::now());
+                std::thread::yield_now();
+                continue;
+            }
+            if found.is_some_and(|t| t.elapsed() < linger) {
+                std::thread::yield_now();
+            } else {
+                found = None;
+                // SeqCst, with the load in `callers_look`: pairs with a caller's SeqCst store of
+                // its look then swap of `asleep` in `serve_arrived`, so that either this thread
+                // sees the look and stays up, or the caller sees it asleep and wakes it.
+                served.asleep.store(true, Ordering::SeqCst);
+                if !inner.callers_look() {
+                    let mut fds =
+                        [PollFd::new(&served.poller, PollFlags::IN), PollFd::new(&served.kick, PollFlags::IN)];
+                    let t = rustix::time::Timespec { tv_sec: 1, tv_nsec: 0 };
+                    let _ = poll(&mut fds, Some(&t));
+                }
+                served.asleep.store(false, Ordering::Relaxed);
+                let mut b = [0u8; 8];
+                let _ = rustix::io::read(&served.kick, &mut b);
+            }
         }
         let mut c = lock(&served.conn);
         let before = c.taken;
         let outcome = serve_some(inner, &mut c, Who::Thread);
         if c.taken != before {
             found = Some(Instant::now());
+            #[cfg(test)]
+            inner.thread_took.fetch_add(c.taken - before, Ordering::Relaxed);
         }
         match outcome {
             Ok(true) => {}
@@ -565,18 +617,26 @@ fn serve(inner: &Inner, served: &Served) -> std::io::Result<()> {
 /// per look). Never waits for the peer (bytes still travelling, room for an answer): what it
 /// leaves, the next look or the flow's thread (woken by the socket or a kick) takes.
 pub(super) fn serve_arrived(inner: &Inner) {
+    inner.caller_looked();
     let served = inner.served.read().unwrap_or_else(|p| p.into_inner());
     for s in served.values().filter(|s| s.flow == 0) {
+        // SeqCst: see the thread's store of `asleep` in `serve`. Woken once, it stands aside
+        // awake while callers look: a message then wakes nobody (asleep, every message that
+        // arrived woke it, to find it taken).
+        if s.asleep.swap(false, Ordering::SeqCst) {
+            let _ = rustix::io::write(&s.kick, &1u64.to_ne_bytes());
+        }
         let Ok(mut c) = s.conn.try_lock() else { continue };
         match serve_some(inner, &mut c, Who::Caller) {
-            Ok(_) if c.ahead.buffered() == 0 && c.out.is_empty() => {}
-            Ok(_) => {
-                let _ = rustix::io::write(&s.kick, &1u64.to_ne_bytes());
-            }
+            Ok(true) if c.ahead.buffered() == 0 && c.out.is_empty() => {}
+            // What is left (a payload still arriving is the next look's), or the stream's end,
+            // is the thread's, which may be standing aside.
+            Ok(_) => s.kick(),
             Err(e) => {
                 tracing::debug!("tcp transport: closing a served connection: {e}");
-                // Its thread sees the end and cleans up.
+                // Its thread, told even while it stands aside, sees the end and cleans up.
                 let _ = c.s.shutdown(std::net::Shutdown::Both);
+                s.kick();
             }
         }
     }

@@ -9,6 +9,17 @@
 //! carries its bytes (eager, or UCX's zero-copy rendezvous for large ones, which is an RDMA
 //! read by the owner where the fabric has RDMA), a read is answered with the bytes the same
 //! way, and a remote atomic is applied by the owner (so it wakes whoever sleeps on the word).
+//! Every endpoint asks UCX for peer-failure handling (`UCP_ERR_HANDLING_MODE_PEER`), so a
+//! vanished peer fails what is pending. UCX 1.13 then gives rendezvous zero-copy lanes only on
+//! memory domains that can invalidate a registration, which its tcp domain cannot: over UCX's
+//! tcp a large message's rendezvous travels as active-message fragments, copied at both ends
+//! (UCX's debug log: `am am_bw` lanes only, where Open MPI's endpoints, made without failure
+//! handling, get `rma_bw` lanes on lo and eth0). A build connecting without it (measured, not
+//! kept; 8 alternated runs, 2 ranks on 2 played hosts): all-reduce 1 MiB 0.70x the time,
+//! 4 MiB 0.88x, all-to-all level; and a peer killed mid-transfer then left the survivor's
+//! transfer pending past the transport test's minute. RDMA domains that can invalidate keep
+//! their zero-copy lanes (untested here: no RDMA device).
+//!
 //! Raw RMA with packed remote keys in the descriptor would skip the owner's check: UCX
 //! cannot revoke a key safely on its emulated transports, nor refuse a write to read-only
 //! memory; descriptors stay the same as every backend's.

@@ -599,28 +599,12 @@ mod tests {
         use std::io::Write;
         use std::time::Instant;
 
-        use crate::wire::tcp::{Header, Op};
         let backend = TcpBackend::new(&Options::new()).unwrap();
         let inner = backend.inner.clone();
         let b = Transport::new(Box::new(backend), None);
-        let bound = b.bind(None).unwrap();
-        // The backend's URL, without the transport's endpoint suffix.
-        let url = parse_url(bound.split(|&c| c == b'#').next().unwrap()).unwrap();
         let dst = Tensor::zeros(&[64], DType::U8).unwrap();
         let d = b.register_memory(&dst).unwrap().to_remote_buffer().unwrap();
-
-        // A raw client of the job (the handshake is the real one), on flow 0, which a waiting
-        // caller serves.
-        let opts = TcpOptions::from(&[("flows".to_string(), "1".to_string())].into_iter().collect()).unwrap();
-        let mut s = TcpStream::connect(&url.addr).unwrap();
-        let mut token = [0u8; 16];
-        getrandom::fill(&mut token).unwrap();
-        client::handshake(&mut s, &url, &opts, &token, 0).unwrap();
-        let start = Instant::now();
-        while inner.served.read().unwrap().is_empty() {
-            assert!(start.elapsed() < Duration::from_secs(10), "the flow is never served");
-            std::thread::sleep(Duration::from_millis(5));
-        }
+        let mut s = raw_flow_zero(&b, &inner);
         // A caller serving continuously, as a rank waiting for this peer's signal does.
         let b = Arc::new(b);
         let (stop, calls) = (Arc::new(AtomicBool::new(false)), Arc::new(AtomicU64::new(0)));
@@ -634,19 +618,7 @@ mod tests {
             })
         };
         for round in 1..=10u8 {
-            let h = Header {
-                op: Op::Write,
-                status: 0,
-                flags: 0,
-                request: u64::from(round),
-                cookie: 0,
-                buffer: d.buffer_id,
-                key: d.access_key,
-                remote_offset: 0,
-                length: 64,
-            };
-            let mut frame = h.encode().to_vec();
-            frame.extend_from_slice(&[round; 64]);
+            let frame = write_frame(&d, round, 0);
             // The header and 10 of its 64 bytes, then nothing for a while.
             s.write_all(&frame[..64 + 10]).unwrap();
             std::thread::sleep(Duration::from_millis(20));
@@ -666,8 +638,8 @@ mod tests {
         server.join().unwrap();
     }
 
-    /// A raw client of `b`'s endpoint on flow 0 (the real handshake), once served, and what
-    /// writes `round` over the 64 bytes of `d`.
+    /// A raw client of `b`'s endpoint (the real handshake) on flow 0, which a waiting caller
+    /// serves; once the flow is served.
     fn raw_flow_zero(b: &Transport, inner: &Inner) -> TcpStream {
         let bound = b.bind(None).unwrap();
         let url = parse_url(bound.split(|&c| c == b'#').next().unwrap()).unwrap();
@@ -698,12 +670,13 @@ mod tests {
             .count()
     }
 
-    fn posted_write(d: &crate::transport::RemoteBuffer, round: u8) -> Vec<u8> {
+    /// A write frame of 64 bytes of `round` over `d`, with `flags`.
+    fn write_frame(d: &crate::transport::RemoteBuffer, round: u8, flags: u8) -> Vec<u8> {
         use crate::wire::tcp::{Header, Op};
         let h = Header {
             op: Op::Write,
             status: 0,
-            flags: crate::wire::tcp::POSTED,
+            flags,
             request: u64::from(round),
             cookie: 0,
             buffer: d.buffer_id,
@@ -748,7 +721,7 @@ mod tests {
         };
         const ROUNDS: u8 = 200;
         for round in 1..=ROUNDS {
-            s.write_all(&posted_write(&d, round)).unwrap();
+            s.write_all(&write_frame(&d, round, crate::wire::tcp::POSTED)).unwrap();
             landed(round);
         }
         // (Who took them depends on the machine's load: a caller descheduled for longer than
@@ -764,7 +737,7 @@ mod tests {
         server.join().unwrap();
         for round in ROUNDS + 1..=ROUNDS + 5 {
             std::thread::sleep(Duration::from_millis(2));
-            s.write_all(&posted_write(&d, round)).unwrap();
+            s.write_all(&write_frame(&d, round, crate::wire::tcp::POSTED)).unwrap();
             landed(round);
         }
         // (It counts what it took once the bytes landed.)

@@ -288,6 +288,11 @@ impl Served {
     fn kick(&self) {
         // Release: pairs with the Acquire swap in `serve`.
         self.kicked.store(true, Ordering::Release);
+        self.wake();
+    }
+
+    /// Ends the thread's sleep, if it sleeps.
+    fn wake(&self) {
         let _ = rustix::io::write(&self.kick, &1u64.to_ne_bytes());
     }
 }
@@ -622,9 +627,10 @@ pub(super) fn serve_arrived(inner: &Inner) {
     for s in served.values().filter(|s| s.flow == 0) {
         // SeqCst: see the thread's store of `asleep` in `serve`. Woken once, it stands aside
         // awake while callers look: a message then wakes nobody (asleep, every message that
-        // arrived woke it, to find it taken).
-        if s.asleep.swap(false, Ordering::SeqCst) {
-            let _ = rustix::io::write(&s.kick, &1u64.to_ne_bytes());
+        // arrived woke it, to find it taken). A load first: every look reads the flag, and
+        // only the one that finds it set writes it (the swap: one caller wakes the thread).
+        if s.asleep.load(Ordering::SeqCst) && s.asleep.swap(false, Ordering::SeqCst) {
+            s.wake();
         }
         let Ok(mut c) = s.conn.try_lock() else { continue };
         match serve_some(inner, &mut c, Who::Caller) {

@@ -670,6 +670,24 @@ mod tests {
             .count()
     }
 
+    /// A thread serving `b`'s arrivals continuously, as a rank waiting for its peer's signal
+    /// does, until the returned closure stops it.
+    fn serving_caller(b: &Arc<Transport>) -> impl FnOnce() {
+        let stop = Arc::new(AtomicBool::new(false));
+        let server = {
+            let (b, stop) = (b.clone(), stop.clone());
+            std::thread::spawn(move || {
+                while !stop.load(Ordering::Relaxed) {
+                    b.serve_arrived();
+                }
+            })
+        };
+        move || {
+            stop.store(true, Ordering::Relaxed);
+            server.join().unwrap();
+        }
+    }
+
     /// A write frame of 64 bytes of `round` over `d`, with `flags`.
     fn write_frame(d: &crate::transport::RemoteBuffer, round: u8, flags: u8) -> Vec<u8> {
         use crate::wire::tcp::{Header, Op};
@@ -703,15 +721,7 @@ mod tests {
         let dst = Tensor::zeros(&[64], DType::U8).unwrap();
         let d = b.register_memory(&dst).unwrap().to_remote_buffer().unwrap();
         let mut s = raw_flow_zero(&b, &inner);
-        let stop = Arc::new(AtomicBool::new(false));
-        let server = {
-            let (b, stop) = (b.clone(), stop.clone());
-            std::thread::spawn(move || {
-                while !stop.load(Ordering::Relaxed) {
-                    b.serve_arrived();
-                }
-            })
-        };
+        let caller = serving_caller(&b);
         let landed = |round: u8| {
             let start = Instant::now();
             while !dst.to_vec::<u8>().unwrap().iter().all(|&x| x == round) {
@@ -733,8 +743,7 @@ mod tests {
         let n = (0..3).map(|_| asleep(&inner, 100)).min().unwrap();
         assert!(n <= 50, "the flow's thread was asleep at {n} of 100 looks while a caller served its flow");
         // The caller stops looking: the thread serves what comes next, then goes to sleep.
-        stop.store(true, Ordering::Relaxed);
-        server.join().unwrap();
+        caller();
         for round in ROUNDS + 1..=ROUNDS + 5 {
             std::thread::sleep(Duration::from_millis(2));
             s.write_all(&write_frame(&d, round, crate::wire::tcp::POSTED)).unwrap();
@@ -761,15 +770,7 @@ mod tests {
         let inner = backend.inner.clone();
         let b = Arc::new(Transport::new(Box::new(backend), None));
         let s = raw_flow_zero(&b, &inner);
-        let stop = Arc::new(AtomicBool::new(false));
-        let server = {
-            let (b, stop) = (b.clone(), stop.clone());
-            std::thread::spawn(move || {
-                while !stop.load(Ordering::Relaxed) {
-                    b.serve_arrived();
-                }
-            })
-        };
+        let caller = serving_caller(&b);
         std::thread::sleep(Duration::from_millis(20));
         drop(s);
         let start = Instant::now();
@@ -777,8 +778,7 @@ mod tests {
             assert!(start.elapsed() < Duration::from_secs(10), "the closed flow is still served");
             std::thread::sleep(Duration::from_millis(2));
         }
-        stop.store(true, Ordering::Relaxed);
-        server.join().unwrap();
+        caller();
     }
 
     #[test]

@@ -190,6 +190,13 @@ pub unsafe trait Storage: Send + Sync + fmt::Debug {
     fn shared_file(&self) -> Option<(i32, u64)> {
         None
     }
+    /// For memory whose words other processes sleep on and signal (a symmetric allocation): a
+    /// process-shared count, in the same shared memory, of the threads sleeping on any word of
+    /// it. A peer's signal stored into it wakes sleepers only when the count is not zero.
+    /// `None` (the default): every such store wakes.
+    fn sleepers(&self) -> Option<&std::sync::atomic::AtomicU32> {
+        None
+    }
 }
 
 /// Heap memory, 64-byte aligned and zeroed.

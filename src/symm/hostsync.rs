@@ -71,7 +71,7 @@ impl Words {
         let w = self.word(rank, i);
         // Release: pairs with the Acquire load in `wait_for`.
         w.store(e, Ordering::Release);
-        crate::sys::futex::wake(w);
+        crate::sync::wake_word(w, self.h.sleepers(rank));
     }
 
     /// Waits until this rank's word `i` reaches `e`; `from` names who should move it (its link
@@ -105,7 +105,8 @@ impl Words {
                     seen()
                 })
         };
-        match wait_until(w, done, p, lost, |seen, nap| crate::sys::futex::wait(w, seen, nap)) {
+        let sleepers = self.h.sleepers(self.h.rank());
+        match wait_until(w, done, p, lost, |seen, nap| crate::sync::sleep_on(w, seen, nap, sleepers)) {
             Ok(()) => Ok(()),
             Err(Stop::Failed(err)) => Err(err),
             Err(Stop::TimedOut) => Err(Error::timeout(

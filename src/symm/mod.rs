@@ -203,6 +203,9 @@ unsafe impl Storage for Allocation {
     fn shared_file(&self) -> Option<(i32, u64)> {
         self.segment.shared_file()
     }
+    fn sleepers(&self) -> Option<&AtomicU32> {
+        Some(self.segment.sleepers())
+    }
 }
 
 /// Allocates a zeroed symmetric tensor. Not collective; [`rendezvous`] it on a group next.
@@ -662,6 +665,13 @@ impl SymmHandle {
             Peer::Local(s) => Some(s),
             Peer::Remote(_) => None,
         }
+    }
+
+    /// The count of threads sleeping on a word of `rank`'s segment, when it is on this host
+    /// (see [`crate::sync::sleep_on`]); a rank on another host has only a mirror here, whose
+    /// stores always wake.
+    pub(crate) fn sleepers(&self, rank: usize) -> Option<&AtomicU32> {
+        self.local(rank).map(|s| s.sleepers())
     }
 
     pub(crate) fn remote(&self, rank: usize) -> Option<&Remote> {
@@ -1453,7 +1463,7 @@ pub fn nvshmem_put_with_signal(tensor: &Tensor, sigpad: &Tensor, signal: u64, pe
                 sh.word32(peer, sh.offset).store(signal as u32, Ordering::Release);
             }
             // The low half of a 64-bit word is the futex word sleepers wait on.
-            crate::sys::futex::wake(sh.word32(peer, sh.offset));
+            crate::sync::wake_word(sh.word32(peer, sh.offset), sh.sleepers(peer));
             Ok(())
         }
         Peer::Remote(r) => r
@@ -1500,7 +1510,8 @@ pub fn nvshmem_wait_for_signal(sigpad: &Tensor, signal: u64, peer: usize) -> Res
     // A 64-bit signal that changes only its high half does not change the futex word, so its
     // wake-up can slip past a sleeper that is about to sleep: nap briefly then.
     let sleep = |seen: u32, nap: Duration| {
-        crate::sys::futex::wait(low, seen, if width == 8 { nap.min(Duration::from_millis(1)) } else { nap })
+        let nap = if width == 8 { nap.min(Duration::from_millis(1)) } else { nap };
+        crate::sync::sleep_on(low, seen, nap, h.sleepers(me))
     };
     // A signal from another host: while spinning, this thread applies it itself once it has
     // arrived (no hand-off to the link's thread on the way).
@@ -1565,6 +1576,48 @@ mod tests {
         assert!(mapped(ino), "a view keeps the segment");
         drop(view);
         assert!(!mapped(ino), "unmapped with the last view");
+    }
+
+    /// Every storage made of one segment (the allocation, a pool's slice of it, its pad, the
+    /// segment a peer maps) reports the same sleepers count, the segment's own word after its
+    /// header: a signal's store, wherever it comes from, skips its wake-up only when no thread
+    /// of any process sleeps on the segment.
+    #[test]
+    fn every_view_of_a_segment_counts_its_sleepers_in_one_word() {
+        let t = empty(&[256], DType::U8, Device::Cpu).unwrap();
+        let (alloc, _) = allocation_of(&t).unwrap();
+        let seg = &alloc.segment;
+        let word = |s: &dyn Storage| s.sleepers().map(|c| c as *const AtomicU32);
+        let own = Some(seg.sleepers() as *const AtomicU32);
+        assert_eq!(word(alloc), own);
+        assert_eq!(word(&**seg), own);
+        assert_eq!(word(&Pad(seg.clone())), own);
+        assert_eq!(word(&**t.storage()), own);
+        // Outside the header, the pad and the data: filling both leaves it alone.
+        let (at, pad, data) =
+            (seg.sleepers() as *const AtomicU32 as usize, seg.pad_ptr() as usize, seg.data_ptr() as usize);
+        assert!(at == pad - 64 && pad + seg.pad_size() <= data, "the count is the 64 bytes after the header");
+        // A pool's slices count in their block's segment.
+        let pool = std::sync::Arc::new(MemPool::new());
+        let p = pool.empty(&[16], DType::F32).unwrap();
+        let (block, _) = allocation_of(&p).unwrap();
+        assert_eq!(word(&**p.storage()), Some(block.segment.sleepers() as *const AtomicU32));
+        assert_ne!(word(&**p.storage()), own);
+        // A thread sleeping on a word of the segment is counted there while it sleeps.
+        let w = alloc.segment.slot(0);
+        std::thread::scope(|s| {
+            let sleeper = s.spawn(|| crate::sync::sleep_on(w, 0, Duration::from_secs(20), Some(seg.sleepers())));
+            let t0 = std::time::Instant::now();
+            while seg.sleepers().load(Ordering::SeqCst) == 0 {
+                assert!(t0.elapsed() < Duration::from_secs(10), "the sleeper was never counted");
+                std::thread::yield_now();
+            }
+            w.store(1, Ordering::Release);
+            crate::sync::wake_word(w, Some(seg.sleepers()));
+            sleeper.join().unwrap();
+            assert!(t0.elapsed() < Duration::from_secs(10), "the sleeper was not woken");
+        });
+        assert_eq!(seg.sleepers().load(Ordering::SeqCst), 0);
     }
 
     #[test]

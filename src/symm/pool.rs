@@ -120,6 +120,9 @@ unsafe impl Storage for Slice {
     fn shared_file(&self) -> Option<(i32, u64)> {
         self.alloc.shared_file().map(|(fd, at)| (fd, at + self.offset as u64))
     }
+    fn sleepers(&self) -> Option<&std::sync::atomic::AtomicU32> {
+        self.alloc.sleepers()
+    }
 }
 
 #[cfg(test)]

@@ -1,10 +1,14 @@
 //! One symmetric allocation's shared memory: a memfd laid out as header, signal pad, data.
 //!
 //! ```text
-//!   0            128                         data_offset                 segment_len
-//!   | Header     | signal pad (u32 slots)     | data buffer                 |
-//!   | magic, ver | pad_size bytes, zeroed     | data_size bytes             |
+//!   0            64           128                         data_offset                 segment_len
+//!   | Header     | live words | signal pad (u32 slots)     | data buffer                 |
+//!   | magic, ver | sleepers   | pad_size bytes, zeroed     | data_size bytes             |
 //! ```
+//!
+//! The header is written once by the owner; the live words after it change while the segment
+//! is in use (`sleepers`: how many threads of any process sleep on a futex word of this
+//! segment, [`crate::sync::sleep_on`]), on a cache line of their own.
 //!
 //! The pad starts 128-byte aligned and the data starts at `round_up(128 + pad_size, 128)`, so
 //! filling the data never touches the pad. The owner creates the memfd and keeps it open for
@@ -20,11 +24,13 @@ use crate::tensor::Storage;
 use crate::wire::symm::PeerRecord;
 
 const MAGIC: [u8; 8] = *b"SYMMEM\0\x01";
-const VERSION: u32 = 1;
+/// 2: the sleepers count at byte 64 (version 1's processes would neither count themselves nor
+/// be counted on, so the two refuse each other's segments).
+const VERSION: u32 = 2;
 const ALIGN: usize = 128;
 
-/// The first 128 bytes of every segment.
-#[repr(C, align(128))]
+/// The first 64 bytes of every segment, written once by its owner.
+#[repr(C, align(64))]
 #[derive(Clone, Copy, Debug, bytemuck::Pod, bytemuck::Zeroable)]
 struct Header {
     magic: [u8; 8],
@@ -35,10 +41,13 @@ struct Header {
     data_size: u64,
     segment_len: u64,
     owner_pid: u32,
-    _reserved: [[u8; 4]; 19],
+    _reserved: [[u8; 4]; 3],
 }
 
-const _: () = assert!(size_of::<Header>() == ALIGN);
+/// Where the sleepers count is: after the header, in the first 128 bytes.
+const SLEEPERS: usize = 64;
+
+const _: () = assert!(size_of::<Header>() == SLEEPERS && SLEEPERS + 4 <= ALIGN);
 
 fn round_up(n: usize, to: usize) -> Option<usize> {
     n.checked_add(to - 1).map(|v| v / to * to)
@@ -76,10 +85,11 @@ impl Segment {
             data_size: data_size as u64,
             segment_len: segment_len as u64,
             owner_pid: std::process::id(),
-            _reserved: [[0; 4]; 19],
+            _reserved: [[0; 4]; 3],
         };
         // SAFETY: the mapping is at least one page (>= 128 bytes), page-aligned (so aligned for
-        // Header), and no one else has it yet.
+        // Header), and no one else has it yet. The sleepers count after it starts at zero (a
+        // new memfd reads as zeros).
         unsafe { map.ptr().cast::<Header>().write(header) };
         Ok(Segment { map, fd: Some(fd), pad_size, data_offset, data_size })
     }
@@ -97,7 +107,8 @@ impl Segment {
         }
         let map = Mapping::new(&fd, len)?;
         // SAFETY: the mapping is page-aligned and at least 128 bytes; Header is Pod, so any
-        // bytes are a valid value.
+        // bytes are a valid value; its owner wrote it before announcing the segment and never
+        // again (the live words after it are not read here).
         let h = unsafe { map.ptr().cast::<Header>().read() };
         let fits = (h.data_offset as usize).checked_add(h.data_size as usize).is_some_and(|end| end <= len);
         if h.magic != MAGIC
@@ -147,6 +158,14 @@ impl Segment {
         self.map.ptr().wrapping_add(self.data_offset)
     }
 
+    /// The count of threads sleeping on a futex word of this segment (see the module docs).
+    pub(crate) fn sleepers(&self) -> &AtomicU32 {
+        // SAFETY: bytes 64..68 lie inside the mapping (at least 128 bytes, checked at open and
+        // made so at create), which lives as long as `self`; 4-aligned (the mapping is
+        // page-aligned); AtomicU32 has u32's layout; every process touches it only atomically.
+        unsafe { &*self.map.ptr().add(SLEEPERS).cast::<AtomicU32>() }
+    }
+
     /// Slot `i` of the signal pad.
     pub(crate) fn slot(&self, i: usize) -> &AtomicU32 {
         assert!((i + 1) * 4 <= self.pad_size, "signal slot {i} outside a pad of {} bytes", self.pad_size);
@@ -169,6 +188,9 @@ unsafe impl Storage for Segment {
     fn shared_file(&self) -> Option<(i32, u64)> {
         self.fd.as_ref().map(|fd| (shm::raw(fd), self.data_offset as u64))
     }
+    fn sleepers(&self) -> Option<&AtomicU32> {
+        Some(Segment::sleepers(self))
+    }
 }
 
 /// The signal pad of a segment, as storage for a `u32` tensor view.
@@ -182,5 +204,8 @@ unsafe impl Storage for Pad {
     }
     fn len(&self) -> usize {
         self.0.pad_size
+    }
+    fn sleepers(&self) -> Option<&AtomicU32> {
+        Some(self.0.sleepers())
     }
 }

@@ -11,6 +11,9 @@
 //!   slot::put / slot::wait            PyTorch's signal protocol with sleeping (loom-checked)
 //!   wait_until(word, done, p, check)  spin/yield by the policy, then nap on the word's futex,
 //!                                     `check` between naps (a lost peer fails the wait at once)
+//!   sleep_on / wake_word              a futex sleep counted in its memory's sleepers count (a
+//!                                     symmetric segment's), and the wake after a store skipped
+//!                                     while that count is zero (a system call per signal saved)
 //!   Backoff                           retrying what a remote peer must make possible (no futex
 //!                                     to sleep on): 20 µs doubling to 2 ms, until a deadline
 //!   Work completions (transport)      spin the same budget (SYMMEM_SPIN_US), then a condvar
@@ -26,7 +29,7 @@
 pub(crate) mod slot;
 
 use std::sync::OnceLock;
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering, fence};
 use std::time::{Duration, Instant};
 
 /// A slot: an atomic word that can be slept on.
@@ -250,6 +253,49 @@ impl Backoff {
     }
 }
 
+/// Sleeps on `word` while it holds `seen`, at most `nap`, counted in `sleepers` (the count of
+/// the memory the word lies in, [`crate::tensor::Storage::sleepers`], when it has one) for as
+/// long as it sleeps, so that [`wake_word`] can skip its system call when nobody sleeps there.
+///
+/// A count that another process of the job corrupts costs latency, never a wake-up for good:
+/// too high, every store wakes (as without a count); too low, a sleeper may miss a wake-up and
+/// look again when its nap ends (at most [`MAX_NAP`]). A sleeper killed while counted leaves
+/// the count high.
+pub(crate) fn sleep_on(word: &AtomicU32, seen: u32, nap: Duration, sleepers: Option<&AtomicU32>) {
+    let Some(count) = sleepers else { return crate::sys::futex::wait(word, seen, nap) };
+    // SeqCst, then a SeqCst fence: pairs with the fence in `wake_word` (store, fence, load
+    // there; count, fence, the kernel's read of the word here). Either the waker sees this
+    // count and wakes, or this futex wait reads the waker's store and does not sleep.
+    count.fetch_add(1, Ordering::SeqCst);
+    fence(Ordering::SeqCst);
+    crate::sys::futex::wait(word, seen, nap);
+    // Relaxed: leaving only makes a later waker's system call unnecessary, never needed.
+    count.fetch_sub(1, Ordering::Relaxed);
+}
+
+/// Wakes whoever sleeps on `word`, which the caller has just stored to, unless `sleepers` (see
+/// [`sleep_on`]) says nobody sleeps in its memory: a futex wake on shared memory is a system
+/// call of about 0.4 us here, on the path of every signal whose waiter is spinning.
+pub(crate) fn wake_word(word: &AtomicU32, sleepers: Option<&AtomicU32>) {
+    if let Some(count) = sleepers {
+        // SeqCst fence: orders the caller's store to `word` before this load of the count;
+        // pairs with the fence in `sleep_on`.
+        fence(Ordering::SeqCst);
+        if count.load(Ordering::Relaxed) == 0 {
+            return;
+        }
+    }
+    #[cfg(test)]
+    WAKES.with(|w| w.set(w.get() + 1));
+    crate::sys::futex::wake(word);
+}
+
+#[cfg(test)]
+thread_local! {
+    /// The futex wakes [`wake_word`] made on this thread.
+    pub(crate) static WAKES: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+}
+
 /// Why [`wait_until`] stopped without its condition.
 pub(crate) enum Stop<E> {
     /// The deadline passed.
@@ -323,6 +369,88 @@ impl SlotWord for AtomicU32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::sync::Arc;
+
+    fn wakes() -> usize {
+        WAKES.with(|w| w.get())
+    }
+
+    #[test]
+    fn a_store_wakes_only_where_someone_sleeps_in_its_memory() {
+        let (word, count) = (Arc::new(AtomicU32::new(0)), Arc::new(AtomicU32::new(0)));
+        // Nobody counted: no system call. Memory without a count: always one.
+        let before = wakes();
+        word.store(1, Ordering::Release);
+        wake_word(&word, Some(&count));
+        assert_eq!(wakes(), before);
+        wake_word(&word, None);
+        assert_eq!(wakes(), before + 1);
+        // A sleeper counts itself while it sleeps, is woken by the store, and leaves.
+        let (w, c) = (word.clone(), count.clone());
+        let sleeper = std::thread::spawn(move || {
+            let t = Instant::now();
+            while w.load(Ordering::Acquire) == 1 {
+                sleep_on(&w, 1, Duration::from_secs(20), Some(&c));
+            }
+            t.elapsed()
+        });
+        let t = Instant::now();
+        while count.load(Ordering::SeqCst) == 0 {
+            assert!(t.elapsed() < Duration::from_secs(10), "the sleeper never counted itself");
+            std::thread::yield_now();
+        }
+        std::thread::sleep(Duration::from_millis(20));
+        word.store(2, Ordering::Release);
+        wake_word(&word, Some(&count));
+        assert_eq!(wakes(), before + 2);
+        let slept = sleeper.join().unwrap();
+        assert!(slept < Duration::from_secs(10), "the sleeper slept {slept:?}: its wake-up was skipped");
+        assert_eq!(count.load(Ordering::SeqCst), 0, "a sleeper that woke left its count behind");
+    }
+
+    /// Two threads hand a word back and forth, each sleeping on it at once (no spinning) with
+    /// naps longer than any hand-over takes: a wake-up skipped while the other side was
+    /// counting itself in shows as a wait of a whole nap, and ends the test.
+    #[test]
+    fn no_wake_up_is_lost_between_a_sleeper_and_a_store() {
+        const ROUNDS: u32 = 4000;
+        const NAP: Duration = Duration::from_secs(3);
+        let (word, count) = (Arc::new(AtomicU32::new(0)), Arc::new(AtomicU32::new(0)));
+        let lost = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let side = |first: u32| {
+            let (word, count, lost) = (word.clone(), count.clone(), lost.clone());
+            move || {
+                let mut skipped = 0;
+                for v in (first..2 * ROUNDS).step_by(2) {
+                    let t = Instant::now();
+                    loop {
+                        let seen = word.load(Ordering::Acquire);
+                        if seen == v {
+                            break;
+                        }
+                        if lost.load(Ordering::Relaxed) {
+                            return None;
+                        }
+                        sleep_on(&word, seen, NAP, Some(&count));
+                        if t.elapsed() >= NAP {
+                            lost.store(true, Ordering::Relaxed);
+                            return None;
+                        }
+                    }
+                    let before = wakes();
+                    word.store(v + 1, Ordering::Release);
+                    wake_word(&word, Some(&count));
+                    skipped += usize::from(wakes() == before);
+                }
+                Some(skipped)
+            }
+        };
+        let (a, b) = (std::thread::spawn(side(0)), std::thread::spawn(side(1)));
+        let (sa, sb) = (a.join().unwrap(), b.join().unwrap());
+        let (Some(sa), Some(sb)) = (sa, sb) else { panic!("a wait lasted a whole nap: a wake-up was lost") };
+        // The count did its job some of the time (the other side was often not yet asleep).
+        assert!(sa + sb > 0, "every store made a system call");
+    }
 
     #[test]
     fn three_preempted_overruns_within_the_window_mean_contention() {

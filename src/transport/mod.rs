@@ -228,7 +228,7 @@ pub struct Registration {
     pub(crate) id: u64,
     pub(crate) key: [u8; 16],
     /// Keeps the registered memory alive as long as anything can reach it.
-    _storage: Arc<dyn Storage>,
+    storage: Arc<dyn Storage>,
     pub(crate) ptr: *mut u8,
     pub(crate) len: usize,
     /// Whether peers may write it.
@@ -244,6 +244,12 @@ unsafe impl Send for Registration {}
 unsafe impl Sync for Registration {}
 
 impl Registration {
+    /// The count of threads sleeping on its words, when its memory keeps one
+    /// ([`Storage::sleepers`]): a remote atomic's store wakes nobody while it is zero.
+    pub(crate) fn sleepers(&self) -> Option<&std::sync::atomic::AtomicU32> {
+        self.storage.sleepers()
+    }
+
     /// Whether it is still registered.
     pub fn is_live(&self) -> bool {
         self.live.load(Ordering::Acquire)
@@ -305,8 +311,8 @@ impl Registration {
     /// For memory in a shared-memory file of this process: descriptor number and the file
     /// offset of the registered range.
     pub fn shared_file(&self) -> Option<(i32, u64)> {
-        let (fd, base) = self._storage.shared_file()?;
-        Some((fd, base + (self.ptr as usize - self._storage.ptr() as usize) as u64))
+        let (fd, base) = self.storage.shared_file()?;
+        Some((fd, base + (self.ptr as usize - self.storage.ptr() as usize) as u64))
     }
 }
 
@@ -837,7 +843,7 @@ impl Transport {
             backend: Arc::from(self.backend.name()),
             id: random_u64(),
             key: random_key(),
-            _storage: tensor.storage().clone(),
+            storage: tensor.storage().clone(),
             ptr: tensor.data_ptr(),
             len: tensor.nbytes(),
             remote_writable: writable,

@@ -47,7 +47,7 @@ pub(crate) fn apply_atomic(
             // Release: pairs with the Acquire load of whoever polls the word, after the
             // initiator's earlier writes on this link (acknowledged before it sent this).
             w.store(operand as u32, Ordering::Release);
-            crate::sys::futex::wake(w);
+            crate::sync::wake_word(w, reg.sleepers());
             Ok(false)
         }
         Atomic::Set64 => {
@@ -57,8 +57,71 @@ pub(crate) fn apply_atomic(
             w.store(operand, Ordering::Release);
             // SAFETY: the low 4 bytes of the aligned word (a poller sleeps on them), only
             // accessed atomically.
-            crate::sys::futex::wake(unsafe { &*at.cast::<AtomicU32>() });
+            crate::sync::wake_word(unsafe { &*at.cast::<AtomicU32>() }, reg.sleepers());
             Ok(false)
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::sync::WAKES;
+    use crate::tensor::{DType, Storage, Tensor};
+
+    fn wakes() -> usize {
+        WAKES.with(|w| w.get())
+    }
+
+    /// Memory that keeps a sleepers count, as a symmetric allocation's segment does.
+    #[derive(Debug)]
+    struct Counted {
+        words: Box<[AtomicU64; 8]>,
+        sleepers: AtomicU32,
+    }
+
+    // SAFETY: the 64 bytes are the boxed words, which live (at a fixed address) as long as the
+    // storage.
+    unsafe impl Storage for Counted {
+        fn ptr(&self) -> *mut u8 {
+            self.words.as_ptr().cast_mut().cast()
+        }
+        fn len(&self) -> usize {
+            64
+        }
+        fn sleepers(&self) -> Option<&AtomicU32> {
+            Some(&self.sleepers)
+        }
+    }
+
+    /// A peer's signal into memory that keeps a sleepers count skips the futex wake while the
+    /// count is zero, and makes it when a sleeper is counted; into memory that keeps none (a
+    /// plain tensor), it always wakes.
+    #[test]
+    fn a_remote_store_wakes_only_where_someone_sleeps() {
+        let t = crate::transport::new_transport("tcp", None, &Default::default()).unwrap();
+        let counted = std::sync::Arc::new(Counted { words: Box::default(), sleepers: AtomicU32::new(0) });
+        let symm = Tensor::from_storage(counted.clone(), &[64], DType::U8);
+        let heap = Tensor::zeros(&[64], DType::U8).unwrap();
+        let (s, h) = (t.register_memory(&symm).unwrap(), t.register_memory(&heap).unwrap());
+        let word = |i: usize| counted.words[i].load(Ordering::Acquire);
+        let before = wakes();
+        assert_eq!(apply_atomic(&s.reg, &s.reg.key, 8, Atomic::Set32, 7), Ok(false));
+        assert_eq!(apply_atomic(&s.reg, &s.reg.key, 16, Atomic::Set64, 1 << 40 | 9), Ok(false));
+        assert_eq!((word(1), word(2)), (7, 1 << 40 | 9));
+        assert_eq!(wakes(), before, "a store with nobody asleep made a system call");
+        // A sleeper counted (as `sync::sleep_on` counts one): woken.
+        counted.sleepers.fetch_add(1, Ordering::SeqCst);
+        assert_eq!(apply_atomic(&s.reg, &s.reg.key, 8, Atomic::Set32, 8), Ok(false));
+        assert_eq!(apply_atomic(&s.reg, &s.reg.key, 16, Atomic::Set64, 10), Ok(false));
+        counted.sleepers.fetch_sub(1, Ordering::SeqCst);
+        assert_eq!(wakes(), before + 2);
+        // No count: every store wakes.
+        assert!(h.reg.sleepers().is_none());
+        assert_eq!(apply_atomic(&h.reg, &h.reg.key, 8, Atomic::Set32, 7), Ok(false));
+        assert_eq!(wakes(), before + 3);
+        // A refused store (a wrong key) stores and wakes nothing.
+        assert!(apply_atomic(&s.reg, &[0; 16], 8, Atomic::Set32, 99).is_err());
+        assert_eq!((word(1), wakes()), (8, before + 3));
     }
 }

@@ -408,6 +408,34 @@ mod tests {
         assert_eq!(count.load(Ordering::SeqCst), 0, "a sleeper that woke left its count behind");
     }
 
+    /// Another process of the job that zeroes the count under a sleeper (a bug, or a peer
+    /// gone wrong) costs that sleeper at most its nap: it wakes at the nap's end and sees the
+    /// value; it is never left asleep for good.
+    #[test]
+    fn a_count_zeroed_under_a_sleeper_costs_at_most_its_nap() {
+        let (word, count) = (Arc::new(AtomicU32::new(0)), Arc::new(AtomicU32::new(0)));
+        let (w, c) = (word.clone(), count.clone());
+        let sleeper = std::thread::spawn(move || {
+            let t = Instant::now();
+            while w.load(Ordering::Acquire) == 0 {
+                sleep_on(&w, 0, Duration::from_millis(200), Some(&c));
+            }
+            t.elapsed()
+        });
+        let t = Instant::now();
+        while count.load(Ordering::SeqCst) == 0 {
+            assert!(t.elapsed() < Duration::from_secs(10), "the sleeper never counted itself");
+            std::thread::yield_now();
+        }
+        count.store(0, Ordering::SeqCst);
+        let before = wakes();
+        word.store(1, Ordering::Release);
+        wake_word(&word, Some(&count));
+        assert_eq!(wakes(), before, "the zeroed count skipped the wake-up");
+        let slept = sleeper.join().unwrap();
+        assert!(slept < Duration::from_secs(5), "the sleeper slept {slept:?} past its 200 ms nap");
+    }
+
     /// Two threads hand a word back and forth, each sleeping on it at once (no spinning) with
     /// naps longer than any hand-over takes: a wake-up skipped while the other side was
     /// counting itself in shows as a wait of a whole nap, and ends the test.

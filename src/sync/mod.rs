@@ -375,6 +375,30 @@ mod tests {
         WAKES.with(|w| w.get())
     }
 
+    /// A thread sleeping on `word` while it holds `seen` (naps of `nap`, counted in `count`),
+    /// returned once it has counted itself in; it returns how long it slept.
+    fn counted_sleeper(
+        word: &Arc<AtomicU32>,
+        count: &Arc<AtomicU32>,
+        seen: u32,
+        nap: Duration,
+    ) -> std::thread::JoinHandle<Duration> {
+        let (w, c) = (word.clone(), count.clone());
+        let sleeper = std::thread::spawn(move || {
+            let t = Instant::now();
+            while w.load(Ordering::Acquire) == seen {
+                sleep_on(&w, seen, nap, Some(&c));
+            }
+            t.elapsed()
+        });
+        let t = Instant::now();
+        while count.load(Ordering::SeqCst) == 0 {
+            assert!(t.elapsed() < Duration::from_secs(10), "the sleeper never counted itself");
+            std::thread::yield_now();
+        }
+        sleeper
+    }
+
     #[test]
     fn a_store_wakes_only_where_someone_sleeps_in_its_memory() {
         let (word, count) = (Arc::new(AtomicU32::new(0)), Arc::new(AtomicU32::new(0)));
@@ -386,19 +410,7 @@ mod tests {
         wake_word(&word, None);
         assert_eq!(wakes(), before + 1);
         // A sleeper counts itself while it sleeps, is woken by the store, and leaves.
-        let (w, c) = (word.clone(), count.clone());
-        let sleeper = std::thread::spawn(move || {
-            let t = Instant::now();
-            while w.load(Ordering::Acquire) == 1 {
-                sleep_on(&w, 1, Duration::from_secs(20), Some(&c));
-            }
-            t.elapsed()
-        });
-        let t = Instant::now();
-        while count.load(Ordering::SeqCst) == 0 {
-            assert!(t.elapsed() < Duration::from_secs(10), "the sleeper never counted itself");
-            std::thread::yield_now();
-        }
+        let sleeper = counted_sleeper(&word, &count, 1, Duration::from_secs(20));
         std::thread::sleep(Duration::from_millis(20));
         word.store(2, Ordering::Release);
         wake_word(&word, Some(&count));
@@ -414,19 +426,7 @@ mod tests {
     #[test]
     fn a_count_zeroed_under_a_sleeper_costs_at_most_its_nap() {
         let (word, count) = (Arc::new(AtomicU32::new(0)), Arc::new(AtomicU32::new(0)));
-        let (w, c) = (word.clone(), count.clone());
-        let sleeper = std::thread::spawn(move || {
-            let t = Instant::now();
-            while w.load(Ordering::Acquire) == 0 {
-                sleep_on(&w, 0, Duration::from_millis(200), Some(&c));
-            }
-            t.elapsed()
-        });
-        let t = Instant::now();
-        while count.load(Ordering::SeqCst) == 0 {
-            assert!(t.elapsed() < Duration::from_secs(10), "the sleeper never counted itself");
-            std::thread::yield_now();
-        }
+        let sleeper = counted_sleeper(&word, &count, 0, Duration::from_millis(200));
         count.store(0, Ordering::SeqCst);
         let before = wakes();
         word.store(1, Ordering::Release);

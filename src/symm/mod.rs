@@ -208,6 +208,36 @@ unsafe impl Storage for Allocation {
     }
 }
 
+/// A signal slot whose waiter, between its looks, serves what the slot's remote putter sent
+/// (`Transport::serve_arrived`), so the put lands by this thread rather than the link's.
+struct Serving<'a> {
+    slot: &'a AtomicU32,
+    link: &'a crate::transport::Transport,
+}
+
+impl crate::sync::SlotWord for Serving<'_> {
+    fn load(&self) -> u32 {
+        crate::sync::SlotWord::load(self.slot)
+    }
+    fn cas(&self, current: u32, new: u32) -> std::result::Result<u32, u32> {
+        crate::sync::SlotWord::cas(self.slot, current, new)
+    }
+    fn sleep(&self, expected: u32, timeout: Duration) {
+        crate::sync::SlotWord::sleep(self.slot, expected, timeout)
+    }
+    fn wake(&self) {
+        crate::sync::SlotWord::wake(self.slot)
+    }
+    fn relax(&self) {
+        self.link.serve_arrived();
+        std::hint::spin_loop();
+    }
+    fn yield_now(&self) {
+        self.link.serve_arrived();
+        std::thread::yield_now();
+    }
+}
+
 /// Allocates a zeroed symmetric tensor. Not collective; [`rendezvous`] it on a group next.
 ///
 /// ```
@@ -1151,10 +1181,13 @@ impl SymmHandle {
                 .map_err(|f| self.signal_error(f, op, "receive a signal from", src, channel, timeout));
         };
         // A peer on another host: wait in slices, watching its link between them, so a lost
-        // host is reported at once rather than at the timeout.
+        // host is reported at once rather than at the timeout. While it spins, this thread
+        // applies the peer's signal itself once it has arrived (no hand-off to the link's
+        // thread, then a wake-up, on the way).
+        let serving = Serving { slot, link: &r.link.transport };
         loop {
             let slice = p.until(Instant::now() + crate::sync::MAX_NAP);
-            match slot::wait(slot, &slice) {
+            match slot::wait(&serving, &slice) {
                 Ok(()) => return Ok(()),
                 Err(Failure::TimedOut) if Instant::now() < p.deadline() => {
                     if let Some(why) = r.link.lost() {
@@ -1618,6 +1651,65 @@ mod tests {
             assert!(t0.elapsed() < Duration::from_secs(10), "the sleeper was not woken");
         });
         assert_eq!(seg.sleepers().load(Ordering::SeqCst), 0);
+    }
+
+    /// A link that delivers nothing by itself: a peer's signal lands only when a caller serves
+    /// it (`serve_arrived`), as over tcp or ucx a waiting caller applies what has arrived.
+    struct ServedOnly {
+        slot: Arc<AtomicU32>,
+        serves: Arc<std::sync::atomic::AtomicUsize>,
+    }
+
+    impl crate::transport::Backend for ServedOnly {
+        fn name(&self) -> &str {
+            "served-only"
+        }
+        fn caps(&self) -> crate::transport::Caps {
+            crate::transport::tcp::CAPS
+        }
+        fn bind(&self, _: Duration) -> Result<Vec<u8>> {
+            Ok(Vec::new())
+        }
+        fn connect(&self, _: &[u8], _: Duration) -> Result<()> {
+            Ok(())
+        }
+        fn connected(&self) -> bool {
+            true
+        }
+        fn expose(&self, _: &Arc<crate::transport::Registration>) -> Result<()> {
+            Ok(())
+        }
+        fn withdraw(&self, _: &crate::transport::Registration) {}
+        fn submit(&self, _: crate::transport::Request) -> Result<()> {
+            Err(Error::InvalidArgument("nothing to submit".into()))
+        }
+        fn serve_arrived(&self) {
+            // The peer's put has arrived by the third look: applied as the owner applies one.
+            if self.serves.fetch_add(1, Ordering::SeqCst) == 2 {
+                slot::put(&*self.slot, &Patience::once()).unwrap();
+            }
+        }
+        fn shutdown(&self) {}
+        fn default_timeout(&self) -> Duration {
+            Duration::from_secs(5)
+        }
+    }
+
+    /// A rank waiting for a signal from another host applies the peer's put itself while it
+    /// spins (no hand-off to the link's thread, then a wake-up): with a link that delivers only
+    /// to a serving caller, the wait ends, the signal consumed.
+    #[test]
+    fn a_wait_for_a_remote_signal_serves_the_link_itself() {
+        let (slot_word, serves) = (Arc::new(AtomicU32::new(0)), Arc::new(std::sync::atomic::AtomicUsize::new(0)));
+        let backend = ServedOnly { slot: slot_word.clone(), serves: serves.clone() };
+        let link = crate::transport::Transport::new(Box::new(backend), None);
+        let serving = Serving { slot: &slot_word, link: &link };
+        let p = Patience::with(Duration::from_millis(1), Duration::from_millis(1), Duration::from_secs(5));
+        let t = Instant::now();
+        assert_eq!(slot::wait(&serving, &p), Ok(()));
+        assert!(t.elapsed() < Duration::from_secs(4), "the wait ended only at its deadline");
+        assert!(serves.load(Ordering::SeqCst) >= 3);
+        assert_eq!(slot_word.load(Ordering::SeqCst), slot::EMPTY, "the signal was consumed");
     }
 
     #[test]

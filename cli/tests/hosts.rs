@@ -390,6 +390,21 @@ fn one_sided(j: &Job) {
             assert_eq!(data.to_vec::<i32>().unwrap(), (0..n).map(|i| (i * 3 + prev) as i32).collect::<Vec<_>>());
         }
         hd.barrier(0, T).unwrap();
+        // A put_signal whose previous signal is not yet consumed waits until it is (across
+        // hosts its first try, sent with the data, finds the slot busy; the retries wait it
+        // out), then lands: two waits consume two signals.
+        if sender {
+            symm::put_signal(&x, &hd, next).unwrap();
+            let t = Instant::now();
+            symm::put_signal(&x, &hd, next).unwrap();
+            assert!(t.elapsed() >= Duration::from_millis(200), "put_signal returned before its slot was free");
+        }
+        if receiver {
+            std::thread::sleep(Duration::from_millis(300));
+            symm::wait_signal(&hd, prev).unwrap();
+            symm::wait_signal(&hd, prev).unwrap();
+        }
+        hd.barrier(0, T).unwrap();
     }
 
     // A ring of signals on channel 1 and barriers on channel 2; the pad is all zeros after.

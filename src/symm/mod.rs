@@ -1385,17 +1385,35 @@ fn post_bytes(
 /// as posted writes the signal follows on the link, so the call costs one round trip.
 pub fn put_signal(src: &Tensor, hdl: &SymmHandle, peer: usize) -> Result<()> {
     let len = check_put("put_signal", src, hdl, peer, hdl.offset)?;
-    match hdl.remote(peer) {
-        Some(r) => post_bytes("put_signal", src, r, (hdl.offset, len), || Ok(None))?,
-        None => put_bytes("put_signal", src, hdl, peer, hdl.offset)?,
-    }
-    // Data first (a local copy, or writes the link lands before what follows), then the
-    // signal, whose Release CAS orders the copy before the peer's Acquire in wait_signal. As in
-    // PyTorch, the caller must not overwrite data the peer has not read: signals say "data is
-    // here", not "data was consumed".
-    let _g = lock(&hdl.peers.lock);
     let t = crate::config::op_timeout();
-    hdl.put_all(&[peer], 0, &hdl.patience(t), "put_signal", t)
+    match hdl.remote(peer) {
+        Some(r) => {
+            // The data and the signal's first try leave together (one message, the signal after
+            // the writes it vouches for); the try's answer says whether it landed or found the
+            // slot still holding the previous signal, which the retries below then wait out.
+            let _g = lock(&hdl.peers.lock);
+            let mut first = None;
+            post_bytes("put_signal", src, r, (hdl.offset, len), || {
+                first = Some(r.start_slot_put(hdl.rank(), t));
+                Ok(None)
+            })?;
+            match first.map(|w| w.and_then(|w| w.wait(None))) {
+                Some(Ok(())) => return Ok(()),
+                Some(Err(e)) if !remote::is_busy(&e) => return Err(r.link.error("put_signal: signalling", &e)),
+                _ => {}
+            }
+            hdl.put_all(&[peer], 0, &hdl.patience(t), "put_signal", t)
+        }
+        None => {
+            put_bytes("put_signal", src, hdl, peer, hdl.offset)?;
+            // Data first (a local copy), then the signal, whose Release CAS orders the copy
+            // before the peer's Acquire in wait_signal. As in PyTorch, the caller must not
+            // overwrite data the peer has not read: signals say "data is here", not "data was
+            // consumed".
+            let _g = lock(&hdl.peers.lock);
+            hdl.put_all(&[peer], 0, &hdl.patience(t), "put_signal", t)
+        }
+    }
 }
 
 /// Waits (up to [`crate::config::op_timeout`]) for a signal from `peer` on channel 0, as raised by

@@ -1392,6 +1392,7 @@ pub fn put_signal(src: &Tensor, hdl: &SymmHandle, peer: usize) -> Result<()> {
             // the writes it vouches for); the try's answer says whether it landed or found the
             // slot still holding the previous signal, which the retries below then wait out.
             let _g = lock(&hdl.peers.lock);
+            let deadline = Instant::now() + t;
             let mut first = None;
             post_bytes("put_signal", src, r, (hdl.offset, len), || {
                 first = Some(r.start_slot_put(hdl.rank(), t));
@@ -1402,7 +1403,9 @@ pub fn put_signal(src: &Tensor, hdl: &SymmHandle, peer: usize) -> Result<()> {
                 Some(Err(e)) if !remote::is_busy(&e) => return Err(r.link.error("put_signal: signalling", &e)),
                 _ => {}
             }
-            hdl.put_all(&[peer], 0, &hdl.patience(t), "put_signal", t)
+            // The retries get what is left of the call's timeout, not a fresh one.
+            let left = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
+            hdl.put_all(&[peer], 0, &hdl.patience(left), "put_signal", left)
         }
         None => {
             put_bytes("put_signal", src, hdl, peer, hdl.offset)?;

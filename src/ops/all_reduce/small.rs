@@ -23,9 +23,9 @@
 //! store is Release after the copy and pairs with the Acquire epoch loads of the readers; a
 //! reader's next epoch store (Release) comes after its reads and pairs with the writer's
 //! Acquire wait before it overwrites. Waiting follows the crate's one patience policy
-//! (`sync::wait_until`: spin, yield the core, then sleep on the epoch word's futex); a
-//! publisher wakes sleepers only when one declared itself (Dekker-style on SeqCst operations,
-//! with a bounded nap as a safety net).
+//! (`sync::wait_until`: spin, yield the core, then sleep on the epoch word's futex, counted in
+//! line 2 by `sync::sleep_on`); a publisher wakes sleepers only when one counted itself
+//! (`sync::wake_word`, the crate's one pairing for it, with a bounded nap as a safety net).
 
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -35,7 +35,7 @@ use super::reduce::{self, ReduceOp};
 use crate::error::{Error, Result};
 use crate::group::Group;
 use crate::symm::{self, Device, SymmHandle};
-use crate::sync::{Patience, Stop, wait_until};
+use crate::sync::{Patience, Stop, sleep_on, wait_until, wake_word};
 use crate::tensor::{DType, Tensor};
 
 /// The largest message this path takes.
@@ -122,15 +122,7 @@ impl Lines {
         // The futex word is the epoch's low half (little-endian), which changes with every
         // publish.
         let low = self.word32(rank, LINE * parity as usize);
-        let sleep = |_: u32, nap: Duration| {
-            // SeqCst pairs with the SeqCst store and load in `publish` (no lost wake-up).
-            sleepers.fetch_add(1, Ordering::SeqCst);
-            let now = epoch.load(Ordering::SeqCst);
-            if now < at_least {
-                crate::sys::futex::wait(low, now as u32, nap);
-            }
-            sleepers.fetch_sub(1, Ordering::SeqCst);
-        };
+        let sleep = |seen: u32, nap: Duration| sleep_on(low, seen, nap, Some(sleepers));
         match wait_until(low, done, p, || Ok::<(), Error>(()), sleep) {
             Ok(()) => Ok(()),
             Err(Stop::Failed(e)) => Err(e),
@@ -147,11 +139,10 @@ impl Lines {
 
     fn publish(&self, k: u64) {
         let (me, parity) = (self.handle.rank(), k % 2);
-        // SeqCst (a Release at least): pairs with the Acquire/SeqCst loads in `wait_for`.
-        self.epoch(me, parity).store(k, Ordering::SeqCst);
-        if self.word32(me, SLEEPERS).load(Ordering::SeqCst) > 0 {
-            crate::sys::futex::wake(self.word32(me, LINE * parity as usize));
-        }
+        // Release: pairs with the Acquire loads in `wait_for`; `wake_word`'s fence orders it
+        // before the load of the sleepers count (its partner is the fence in `sleep_on`).
+        self.epoch(me, parity).store(k, Ordering::Release);
+        wake_word(self.word32(me, LINE * parity as usize), Some(self.word32(me, SLEEPERS)));
     }
 }
 

@@ -23,11 +23,12 @@
 use std::collections::{HashMap, VecDeque};
 use std::io::{IoSlice, Read, Write};
 use std::net::{TcpStream, ToSocketAddrs};
+use std::os::fd::OwnedFd;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use rustix::event::{PollFd, PollFlags, poll};
+use rustix::event::{EventfdFlags, PollFd, PollFlags, poll};
 
 use super::{CLIENT_PROOF, INLINE, ReadAhead, SERVER_PROOF, STRIPE_MIN, TcpOptions, Url, lock, tune};
 use crate::error::{Error, Failed, Result, TransferKind};
@@ -151,6 +152,15 @@ struct Flow {
     /// The same socket, for reading replies: whoever holds it (the flow's receiver thread, or
     /// a caller progressing its own small transfer) reads whole frames.
     reader: Mutex<Reader>,
+    /// An eventfd that ends the receiver thread's sleep when a caller starts reading the
+    /// flow's replies itself (flow 0), so the thread stands aside awake.
+    kick: OwnedFd,
+    /// The receiver thread sleeps (or is about to) waiting for replies: a caller that starts
+    /// reading them wakes it once.
+    asleep: AtomicBool,
+    /// The receiver thread (tests read its scheduling counts).
+    #[cfg(test)]
+    tid: std::sync::atomic::AtomicI32,
 }
 
 /// Bytes of replies read ahead: the acknowledgements the peer answered a batch with are read
@@ -214,6 +224,10 @@ pub(super) struct Client {
     unfenced: AtomicBool,
     /// The highest fence the peer answered.
     fenced: AtomicU64,
+    /// When a waiter last read flow 0's replies itself (`Client::now`, 0: never): the flow's
+    /// receiver thread leaves them to waiters that look this often ([`super::STEP_ASIDE`]).
+    caller_at: AtomicU64,
+    epoch: Instant,
 }
 
 /// Waits until `s` is readable (`IN`) or writable (`OUT`), at most `within`.
@@ -346,11 +360,17 @@ impl Client {
                 sock: s.try_clone().map_err(|e| Error::io("clone a socket", e))?,
                 ahead: ReadAhead::new(READ_AHEAD),
             });
+            let kick = rustix::event::eventfd(0, EventfdFlags::CLOEXEC | EventfdFlags::NONBLOCK)
+                .map_err(|e| Error::io("create a tcp transport eventfd", e.into()))?;
             flows.push(Flow {
                 queue: Mutex::new(Queue { sock: s, frames: VecDeque::new(), kicked: false }),
                 more: Condvar::new(),
                 poller,
                 reader,
+                kick,
+                asleep: AtomicBool::new(false),
+                #[cfg(test)]
+                tid: std::sync::atomic::AtomicI32::new(0),
             });
         }
         let client = Arc::new_cyclic(|me: &std::sync::Weak<Client>| {
@@ -366,6 +386,8 @@ impl Client {
                 held: AtomicUsize::new(0),
                 unfenced: AtomicBool::new(false),
                 fenced: AtomicU64::new(0),
+                caller_at: AtomicU64::new(0),
+                epoch: Instant::now(),
                 // Weak: a Work outliving its transport must not keep the client alive.
                 progress: Arc::new(move || {
                     if let Some(c) = me.upgrade() {
@@ -629,6 +651,8 @@ impl Client {
     }
 
     fn receive(&self, flow: usize) {
+        #[cfg(test)]
+        self.flows[flow].tid.store(rustix::thread::gettid().as_raw_nonzero().get(), Ordering::Relaxed);
         let why = match self.receive_loop(flow) {
             Ok(()) => "the peer closed the connection".to_string(),
             Err(e) => e.to_string(),
@@ -637,14 +661,31 @@ impl Client {
     }
 
     /// The flow's receiver: waits for replies without holding the reader (a caller may be
-    /// reading its own), then reads whatever has arrived.
+    /// reading its own), then reads whatever has arrived. Flow 0's stands aside, awake, while
+    /// waiters read its replies themselves ([`super::STEP_ASIDE`], as a served flow's thread
+    /// does): asleep on the socket, every reply woke it, in the peer's system call and on a
+    /// core a rank needs, to find the reply taken or to queue behind the waiter for the reader.
     fn receive_loop(&self, flow: usize) -> std::io::Result<()> {
+        let f = &self.flows[flow];
         loop {
             if !self.alive() {
                 return Ok(());
             }
-            wait_for(&self.flows[flow].poller, PollFlags::IN, Duration::from_secs(1));
-            let mut reader = lock(&self.flows[flow].reader);
+            if flow == 0 && self.callers_look() {
+                std::thread::yield_now();
+                continue;
+            }
+            // SeqCst, with the load in `callers_look`: pairs with a waiter's SeqCst store of its
+            // look then swap of `asleep` in `progress`, so that either this thread sees the look
+            // and stays up, or the waiter sees it asleep and wakes it.
+            f.asleep.store(true, Ordering::SeqCst);
+            if flow != 0 || !self.callers_look() {
+                let mut fds = [PollFd::new(&f.poller, PollFlags::IN), PollFd::new(&f.kick, PollFlags::IN)];
+                let _ = poll(&mut fds, Some(&rustix::time::Timespec { tv_sec: 1, tv_nsec: 0 }));
+            }
+            f.asleep.store(false, Ordering::Relaxed);
+            let _ = rustix::io::read(&f.kick, &mut [0u8; 8]);
+            let mut reader = lock(&f.reader);
             loop {
                 match self.read_one(&mut reader)? {
                     Got::Frame => {}
@@ -663,7 +704,16 @@ impl Client {
         if flow == 0 && self.held.load(Ordering::Relaxed) > 0 {
             self.send_held();
         }
-        let Ok(mut reader) = self.flows[flow].reader.try_lock() else { return };
+        let f = &self.flows[flow];
+        if flow == 0 {
+            // SeqCst: pairs with the receiver's SeqCst store of `asleep` then load of the look
+            // (see `receive_loop`). Woken once, it stands aside awake while waiters look.
+            self.caller_at.store(self.now(), Ordering::SeqCst);
+            if f.asleep.load(Ordering::SeqCst) && f.asleep.swap(false, Ordering::SeqCst) {
+                let _ = rustix::io::write(&f.kick, &1u64.to_ne_bytes());
+            }
+        }
+        let Ok(mut reader) = f.reader.try_lock() else { return };
         loop {
             match self.read_one(&mut reader) {
                 Ok(Got::Frame) => {}
@@ -678,6 +728,19 @@ impl Client {
                 }
             }
         }
+    }
+
+    /// Nanoseconds since `epoch`, from 1.
+    fn now(&self) -> u64 {
+        u64::try_from(self.epoch.elapsed().as_nanos()).map_or(u64::MAX, |n| n.saturating_add(1))
+    }
+
+    /// Whether a waiter read flow 0's replies within [`super::STEP_ASIDE`].
+    fn callers_look(&self) -> bool {
+        // SeqCst: see `progress`; otherwise a hint (a stale value costs the receiver a look at
+        // the reader, or a few microseconds' wait).
+        let at = self.caller_at.load(Ordering::SeqCst);
+        at != 0 && self.now().saturating_sub(at) < super::STEP_ASIDE.as_nanos() as u64
     }
 
     /// Reads and handles one reply frame if one has begun to arrive (a frame begun is read
@@ -792,6 +855,14 @@ impl Client {
         for p in pending {
             p.req.complete(Err(Failed::new(TransferKind::PeerLost, format!("connection to the peer lost: {why}"))));
         }
+    }
+}
+
+#[cfg(test)]
+impl Client {
+    /// Flow `flow`'s receiver thread, once it started.
+    pub(super) fn receiver_tid(&self, flow: usize) -> i32 {
+        self.flows[flow].tid.load(Ordering::Relaxed)
     }
 }
 

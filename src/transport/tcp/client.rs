@@ -152,8 +152,8 @@ struct Flow {
     /// The same socket, for reading replies: whoever holds it (the flow's receiver thread, or
     /// a caller progressing its own small transfer) reads whole frames.
     reader: Mutex<Reader>,
-    /// An eventfd that ends the receiver thread's sleep when a caller starts reading the
-    /// flow's replies itself (flow 0), so the thread stands aside awake.
+    /// An eventfd that ends the receiver thread's sleep on the socket when a caller starts
+    /// reading the flow's replies itself (flow 0), so the thread stands aside, away from it.
     kick: OwnedFd,
     /// The receiver thread sleeps (or is about to) waiting for replies: a caller that starts
     /// reading them wakes it once.
@@ -723,7 +723,8 @@ impl Client {
         let f = &self.flows[flow];
         if flow == 0 {
             // SeqCst: pairs with the receiver's SeqCst store of `asleep` then load of the look
-            // (see `receive_loop`). Woken once, it stands aside awake while waiters look.
+            // (see `receive_loop`). Woken once, it stands aside (napping away from the socket)
+            // while waiters look.
             self.caller_at.store(self.now(), Ordering::SeqCst);
             if f.asleep.load(Ordering::SeqCst) && f.asleep.swap(false, Ordering::SeqCst) {
                 let _ = rustix::io::write(&f.kick, &1u64.to_ne_bytes());

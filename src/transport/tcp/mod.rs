@@ -26,9 +26,10 @@
 //!   ranks on 2 played hosts, all-reduce 64 KiB / 256 KiB / 1 MiB: 0.68-0.75x / 0.75-0.82x /
 //!   0.59-0.86x of the time when only the flow's thread received payloads). While callers look
 //!   at it, flow 0's thread stands aside awake rather than asleep on the socket, so the
-//!   messages they take wake nobody (`STEP_ASIDE`). On the initiator's side the same holds
-//!   for flow 0's receiver while waiters read their own replies (a `put_signal`'s answer):
-//!   a cross-host signal ping-pong took 0.38-0.44x the time once replies stopped waking it.
+//!   messages they take wake nobody (`STEP_ASIDE`). On the initiator's side flow 0's receiver
+//!   stands aside too while waiters read their own replies (a `put_signal`'s answer), napping
+//!   away from the socket: a cross-host signal ping-pong took 0.38-0.44x the time once
+//!   replies stopped waking it.
 //!
 //! - Many requests may be in flight per endpoint; each carries an id, and replies complete
 //!   them in any order. Large requests are striped over `flows` connections in chunks, so the

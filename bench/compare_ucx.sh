@@ -8,7 +8,8 @@
 #   UCX:    ucp_put_lat (one-way latency of a put ping-pong, i.e. half a round trip) and
 #           ucp_put_bw (bandwidth of back-to-back puts, with no bound on those outstanding:
 #           perftest's -O 0; WINDOW=128 comes closer to that for symmem's small writes, each
-#           of which its owner acknowledges).
+#           of which its owner acknowledges), and ucp_put_bw with at most WINDOW outstanding
+#           (-O WINDOW), the like-for-like rate (last two columns).
 # Needs ucx-utils (ucx_perftest) and libucx0 (installed if missing, as root).
 #   bench/compare_ucx.sh [SIZES]      e.g. bench/compare_ucx.sh 8,65536,1048576,16777216
 #   WINDOW=128 bench/compare_ucx.sh 8,4096
@@ -32,13 +33,17 @@ port=$((20000 + RANDOM % 20000))
 for run in $(seq "$RUNS"); do
     target/release/symmem bench transport --backend ucx --json --window "$WINDOW" --sizes "$SIZES" | sed 's/^/SYMMEM /' >> "$out"
     for s in $SIZES_B; do
-        for t in ucp_put_lat ucp_put_bw; do
+        # ucp_put_bw_window: ucp_put_bw with at most WINDOW puts outstanding (-O), as symmem's
+        # bandwidth run keeps WINDOW writes in flight: the like-for-like rate.
+        for t in ucp_put_lat ucp_put_bw ucp_put_bw_window; do
             n=$(( s >= 1048576 ? 200 : 2000 ))
             port=$((port + 1))
+            args=(-t "${t%_window}")
+            [ "$t" = ucp_put_bw_window ] && args+=(-O "$WINDOW")
             ucx_perftest -p "$port" >/dev/null 2>&1 &
             srv=$!
             sleep 0.3
-            line=$(timeout 120 ucx_perftest 127.0.0.1 -p "$port" -t "$t" -s "$s" -n "$n" 2>/dev/null | grep '^Final:' || true)
+            line=$(timeout 120 ucx_perftest 127.0.0.1 -p "$port" "${args[@]}" -s "$s" -n "$n" 2>/dev/null | grep '^Final:' || true)
             wait "$srv" 2>/dev/null || true
             echo "UCX $t $s $line" >> "$out"
         done
@@ -61,12 +66,15 @@ med = lambda xs, i: statistics.median(x[i] for x in xs) if xs else float("nan")
 sizes = sorted({b for (_, b) in sym} | {b for (_, b) in ucx})
 env = __import__('os').environ
 print(f"ucx transport over UCX_TLS={env.get('UCX_TLS')}, symmem's window {env.get('WINDOW')}, medians of runs")
-print(f"{'bytes':>10} {'write RTT us':>13} {'put_lat x2 us':>14} {'write GB/s':>11} {'put_bw GB/s':>12} {'bw ratio':>9}")
+print(f"{'bytes':>10} {'write RTT us':>13} {'put_lat x2 us':>14} {'write GB/s':>11} {'put_bw GB/s':>12} {'bw ratio':>9}"
+      f" {'put_bw -O GB/s':>15} {'ratio':>7}")
 for b in sizes:
     w = sym.get(("write", b), [])
     lat = ucx.get(("ucp_put_lat", b), [])
     bw = ucx.get(("ucp_put_bw", b), [])
+    bww = ucx.get(("ucp_put_bw_window", b), [])
     wl, ul = med(w, 0), 2 * med(lat, 0)
-    wb, ub = med(w, 1), med(bw, 1)
-    print(f"{b:>10} {wl:>13.2f} {ul:>14.2f} {wb:>11.4g} {ub:>12.4g} {wb / ub if ub else float('nan'):>8.2f}x")
+    wb, ub, uw = med(w, 1), med(bw, 1), med(bww, 1)
+    ratio = lambda u: wb / u if u else float('nan')
+    print(f"{b:>10} {wl:>13.2f} {ul:>14.2f} {wb:>11.4g} {ub:>12.4g} {ratio(ub):>8.2f}x {uw:>15.4g} {ratio(uw):>6.2f}x")
 PY

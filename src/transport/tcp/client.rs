@@ -26,11 +26,11 @@ use std::net::{TcpStream, ToSocketAddrs};
 use std::os::fd::OwnedFd;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use rustix::event::{EventfdFlags, PollFd, PollFlags, poll};
 
-use super::{CLIENT_PROOF, INLINE, ReadAhead, SERVER_PROOF, STRIPE_MIN, TcpOptions, Url, lock, tune};
+use super::{CLIENT_PROOF, INLINE, Looks, ReadAhead, SERVER_PROOF, STRIPE_MIN, TcpOptions, Url, lock, tune};
 use crate::error::{Error, Failed, Result, TransferKind};
 use crate::transport::work::Progress;
 use crate::transport::{Direction, Request};
@@ -227,10 +227,9 @@ pub(super) struct Client {
     unfenced: AtomicBool,
     /// The highest fence the peer answered.
     fenced: AtomicU64,
-    /// When a waiter last read flow 0's replies itself (`Client::now`, 0: never): the flow's
-    /// receiver thread leaves them to waiters that look this often ([`super::STEP_ASIDE`]).
-    caller_at: AtomicU64,
-    epoch: Instant,
+    /// When a waiter last read flow 0's replies itself: the flow's receiver thread leaves them
+    /// to waiters that look this often.
+    looks: Looks,
 }
 
 /// Waits until `s` is readable (`IN`) or writable (`OUT`), at most `within`.
@@ -391,8 +390,7 @@ impl Client {
                 held: AtomicUsize::new(0),
                 unfenced: AtomicBool::new(false),
                 fenced: AtomicU64::new(0),
-                caller_at: AtomicU64::new(0),
-                epoch: Instant::now(),
+                looks: Looks::new(),
                 // Weak: a Work outliving its transport must not keep the client alive.
                 progress: Arc::new(move || {
                     if let Some(c) = me.upgrade() {
@@ -681,7 +679,7 @@ impl Client {
             if !self.alive() {
                 return Ok(());
             }
-            if flow == 0 && self.callers_look() {
+            if flow == 0 && self.looks.recent() {
                 let mut fds = [PollFd::new(&f.kick, PollFlags::IN)];
                 let _ = poll(&mut fds, Some(&rustix::time::Timespec { tv_sec: 0, tv_nsec: 50_000 }));
                 #[cfg(test)]
@@ -691,11 +689,11 @@ impl Client {
                 let _ = rustix::io::read(&f.kick, &mut [0u8; 8]);
                 continue;
             }
-            // SeqCst, with the load in `callers_look`: pairs with a waiter's SeqCst store of its
+            // SeqCst, with the load in `Looks::recent`: pairs with a waiter's SeqCst store of its
             // look then swap of `asleep` in `progress`, so that either this thread sees the look
             // and stays up, or the waiter sees it asleep and wakes it.
             f.asleep.store(true, Ordering::SeqCst);
-            if flow != 0 || !self.callers_look() {
+            if flow != 0 || !self.looks.recent() {
                 let mut fds = [PollFd::new(&f.poller, PollFlags::IN), PollFd::new(&f.kick, PollFlags::IN)];
                 let _ = poll(&mut fds, Some(&rustix::time::Timespec { tv_sec: 1, tv_nsec: 0 }));
             }
@@ -725,7 +723,7 @@ impl Client {
             // SeqCst: pairs with the receiver's SeqCst store of `asleep` then load of the look
             // (see `receive_loop`). Woken once, it stands aside (napping away from the socket)
             // while waiters look.
-            self.caller_at.store(self.now(), Ordering::SeqCst);
+            self.looks.looked();
             if f.asleep.load(Ordering::SeqCst) && f.asleep.swap(false, Ordering::SeqCst) {
                 let _ = rustix::io::write(&f.kick, &1u64.to_ne_bytes());
             }
@@ -745,19 +743,6 @@ impl Client {
                 }
             }
         }
-    }
-
-    /// Nanoseconds since `epoch`, from 1.
-    fn now(&self) -> u64 {
-        u64::try_from(self.epoch.elapsed().as_nanos()).map_or(u64::MAX, |n| n.saturating_add(1))
-    }
-
-    /// Whether a waiter read flow 0's replies within [`super::STEP_ASIDE`].
-    fn callers_look(&self) -> bool {
-        // SeqCst: see `progress`; otherwise a hint (a stale value costs the receiver a look at
-        // the reader, or a few microseconds' wait).
-        let at = self.caller_at.load(Ordering::SeqCst);
-        at != 0 && self.now().saturating_sub(at) < super::STEP_ASIDE.as_nanos() as u64
     }
 
     /// Reads and handles one reply frame if one has begun to arrive (a frame begun is read

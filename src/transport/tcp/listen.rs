@@ -570,7 +570,7 @@ fn serve(inner: &Inner, served: &Served) -> std::io::Result<()> {
         // thread's now (the eventfd's count goes at its next sleep).
         let kicked = served.kicked.swap(false, Ordering::Acquire);
         if !kicked {
-            if served.flow == 0 && inner.callers_look() {
+            if served.flow == 0 && inner.looks.recent() {
                 // A waiting caller serves this flow itself ([`serve_arrived`]): out of its way,
                 // awake (the next message then wakes nobody), lingering afresh once it stops.
                 found = Some(Instant::now());
@@ -581,11 +581,11 @@ fn serve(inner: &Inner, served: &Served) -> std::io::Result<()> {
                 std::thread::yield_now();
             } else {
                 found = None;
-                // SeqCst, with the load in `callers_look`: pairs with a caller's SeqCst store of
+                // SeqCst, with the load in `Looks::recent`: pairs with a caller's SeqCst store of
                 // its look then swap of `asleep` in `serve_arrived`, so that either this thread
                 // sees the look and stays up, or the caller sees it asleep and wakes it.
                 served.asleep.store(true, Ordering::SeqCst);
-                if !inner.callers_look() {
+                if !inner.looks.recent() {
                     let mut fds =
                         [PollFd::new(&served.poller, PollFlags::IN), PollFd::new(&served.kick, PollFlags::IN)];
                     let t = rustix::time::Timespec { tv_sec: 1, tv_nsec: 0 };
@@ -622,7 +622,7 @@ fn serve(inner: &Inner, served: &Served) -> std::io::Result<()> {
 /// per look). Never waits for the peer (bytes still travelling, room for an answer): what it
 /// leaves, the next look or the flow's thread (woken by the socket or a kick) takes.
 pub(super) fn serve_arrived(inner: &Inner) {
-    inner.caller_looked();
+    inner.looks.looked();
     let served = inner.served.read().unwrap_or_else(|p| p.into_inner());
     for s in served.values().filter(|s| s.flow == 0) {
         // SeqCst: see the thread's store of `asleep` in `serve`. Woken once, it stands aside

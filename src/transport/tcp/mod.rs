@@ -189,10 +189,9 @@ struct Inner {
     serving: AtomicUsize,
     client: Mutex<Option<Arc<Client>>>,
     closed: AtomicBool,
-    /// When a caller last looked at the served flows (`listen::serve_arrived`; `Inner::now`, 0:
-    /// never): flow 0's threads leave it to callers that look this often ([`STEP_ASIDE`]).
-    caller_at: AtomicU64,
-    epoch: std::time::Instant,
+    /// When a caller last looked at the served flows (`listen::serve_arrived`): flow 0's
+    /// threads leave it to callers that look this often.
+    looks: Looks,
     /// Requests the served flows' threads took (tests tell who served).
     #[cfg(test)]
     thread_took: AtomicU64,
@@ -216,8 +215,7 @@ impl TcpBackend {
                 serving: AtomicUsize::new(0),
                 client: Mutex::new(None),
                 closed: AtomicBool::new(false),
-                caller_at: AtomicU64::new(0),
-                epoch: std::time::Instant::now(),
+                looks: Looks::new(),
                 #[cfg(test)]
                 thread_took: AtomicU64::new(0),
             }),
@@ -234,24 +232,37 @@ impl TcpBackend {
 /// all-reduce 8 B 0.96x; 1 MiB level (1.00-1.05x).
 const STEP_ASIDE: Duration = Duration::from_micros(50);
 
-impl Inner {
-    /// Nanoseconds since `epoch`, from 1.
+/// When callers last looked at a flow 0 themselves (serving a peer's requests, or reading their
+/// own replies): its thread stands aside while they look within [`STEP_ASIDE`]. A flow's thread
+/// stores `asleep` (SeqCst) then reads [`Looks::recent`]; a caller stores its look
+/// ([`Looks::looked`], SeqCst) then reads `asleep`: either the thread sees the look and stays
+/// up, or the caller sees it asleep and wakes it. Otherwise a hint: a stale value costs a thread
+/// a look at its flow or a few microseconds' wait; the flow's lock orders what is read.
+struct Looks {
+    /// Nanoseconds since `epoch` of the last look, from 1; 0: never.
+    at: AtomicU64,
+    epoch: std::time::Instant,
+}
+
+impl Looks {
+    fn new() -> Looks {
+        Looks { at: AtomicU64::new(0), epoch: std::time::Instant::now() }
+    }
+
     fn now(&self) -> u64 {
         u64::try_from(self.epoch.elapsed().as_nanos()).map_or(u64::MAX, |n| n.saturating_add(1))
     }
 
-    /// A caller looked at the served flows now.
-    fn caller_looked(&self) {
-        // SeqCst: pairs with a served flow's thread's SeqCst store of `asleep` then load of this
-        // (see `listen::serve`); otherwise a hint: a stale value costs a thread a look at its
-        // flow or a few microseconds' wait, and the flow's lock orders what is served.
-        self.caller_at.store(self.now(), Ordering::SeqCst);
+    /// A caller looked now.
+    fn looked(&self) {
+        // SeqCst: pairs with the flow thread's SeqCst store of `asleep` then load in `recent`.
+        self.at.store(self.now(), Ordering::SeqCst);
     }
 
-    /// Whether a caller looked at the served flows within [`STEP_ASIDE`].
-    fn callers_look(&self) -> bool {
-        // SeqCst: see `caller_looked`.
-        let at = self.caller_at.load(Ordering::SeqCst);
+    /// Whether a caller looked within [`STEP_ASIDE`].
+    fn recent(&self) -> bool {
+        // SeqCst: see `looked`.
+        let at = self.at.load(Ordering::SeqCst);
         at != 0 && self.now().saturating_sub(at) < STEP_ASIDE.as_nanos() as u64
     }
 }

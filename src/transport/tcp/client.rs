@@ -20,7 +20,7 @@
 //! reply spares the hand-off from the receiver thread; the receiver is still woken by the same
 //! reply (it polls the socket) and finds it taken.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 use std::io::{IoSlice, Read, Write};
 use std::net::{TcpStream, ToSocketAddrs};
 use std::os::fd::OwnedFd;
@@ -28,6 +28,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::time::Duration;
 
+use rustc_hash::FxHashMap;
 use rustix::event::{EventfdFlags, PollFd, PollFlags, poll};
 
 use super::{CLIENT_PROOF, INLINE, Looks, ReadAhead, SERVER_PROOF, STRIPE_MIN, TcpOptions, Url, lock, tune};
@@ -62,8 +63,7 @@ struct Frame {
     head: [u8; HEADER_LEN],
     /// The request (none for a fence).
     pending: Option<Arc<Pending>>,
-    /// Its id, and whether it is posted: done once written.
-    id: u64,
+    /// Whether it is posted: done once written.
     posted: bool,
     /// The payload's offset in the request's local view, and its length (0: none).
     at: usize,
@@ -212,7 +212,9 @@ enum Got {
 
 pub(super) struct Client {
     flows: Vec<Flow>,
-    pending: Mutex<HashMap<u64, Arc<Pending>>>,
+    /// The requests awaiting a reply, by id (the ids are this client's own, sequential).
+    /// Posted requests are not here: their frames hold them until written (see `sent`).
+    pending: Mutex<FxHashMap<u64, Arc<Pending>>>,
     next: AtomicU64,
     rr: AtomicUsize,
     alive: AtomicBool,
@@ -381,7 +383,7 @@ impl Client {
             let me = me.clone();
             Client {
                 flows,
-                pending: Mutex::new(HashMap::new()),
+                pending: Mutex::new(FxHashMap::default()),
                 next: AtomicU64::new(1),
                 rr: AtomicUsize::new(0),
                 alive: AtomicBool::new(true),
@@ -462,7 +464,15 @@ impl Client {
             return Err(self.lost());
         }
         let id = self.next.fetch_add(1, Ordering::Relaxed);
-        let chunks = self.plan(req.len);
+        // A small request is one chunk on flow 0 (what `plan` gives it), without allocating.
+        let (single, planned);
+        let chunks: &[(usize, usize, usize)] = if req.len <= INLINE && req.len <= self.chunk {
+            single = [(0, 0, req.len)];
+            &single
+        } else {
+            planned = self.plan(req.len);
+            &planned
+        };
         // One frame on flow 0, one reply: a waiter reads it itself while it spins, so the reply
         // reaches it with no hand-off from the receiver thread (and sends it, if held).
         let one = matches!(chunks[..], [(0, _, _)]);
@@ -486,13 +496,17 @@ impl Client {
         // sender threads, so their stripes move in parallel.
         let inline = req.len <= INLINE || op != Op::Write || chunks.len() == 1;
         let pending = Arc::new(Pending { req, remaining: AtomicUsize::new(chunks.len()), error: Mutex::new(None) });
-        lock(&self.pending).insert(id, pending.clone());
-        // A failure that raced with the insertion would never complete this request.
-        if !self.alive() {
-            lock(&self.pending).remove(&id);
-            return Err(self.lost());
+        // A posted request's frame holds it until written (`sent`), or until a failure clears
+        // the queue (`fail`): no reply will look it up.
+        if !posted {
+            lock(&self.pending).insert(id, pending.clone());
+            // A failure that raced with the insertion would never complete this request.
+            if !self.alive() {
+                lock(&self.pending).remove(&id);
+                return Err(self.lost());
+            }
         }
-        for (flow, at, n) in chunks {
+        for &(flow, at, n) in chunks {
             let header = Header {
                 op,
                 status,
@@ -506,7 +520,7 @@ impl Client {
                 length: n as u64,
             };
             let len = if op == Op::Write { n } else { 0 };
-            let frame = Frame { head: header.encode(), pending: Some(pending.clone()), id, posted, at, len, done: 0 };
+            let frame = Frame { head: header.encode(), pending: Some(pending.clone()), posted, at, len, done: 0 };
             self.enqueue(flow, frame, inline, one);
         }
         Ok(())
@@ -519,6 +533,14 @@ impl Client {
     fn enqueue(&self, flow: usize, frame: Frame, now: bool, holdable: bool) {
         let f = &self.flows[flow];
         let mut q = lock(&f.queue);
+        // Read under the queue's lock, which `fail` takes after clearing `alive`: either this
+        // frame is queued before `fail` clears the queue (and fails it there), or it is failed
+        // here. (A request awaiting a reply is failed by `fail` through `pending` either way.)
+        if !self.alive() {
+            drop(q);
+            fail_posted(frame, &self.lost_reason());
+            return;
+        }
         let idle = q.frames.is_empty();
         q.frames.push_back(frame);
         // Read under the queue's lock, which `hold(false)` takes after its decrement: either
@@ -544,7 +566,7 @@ impl Client {
     /// A frame was written whole: a posted request is done.
     fn sent(&self, f: &Frame) {
         if f.posted
-            && let Some(p) = lock(&self.pending).remove(&f.id)
+            && let Some(p) = &f.pending
         {
             p.req.complete(Ok(()));
         }
@@ -569,7 +591,7 @@ impl Client {
             remote_offset: 0,
             length: 0,
         };
-        let frame = Frame { head: head.encode(), pending: None, id, posted: false, at: 0, len: 0, done: 0 };
+        let frame = Frame { head: head.encode(), pending: None, posted: false, at: 0, len: 0, done: 0 };
         self.enqueue(0, frame, true, false);
         // Acquire: pairs with the Release store of the reader that saw the answer.
         while self.fenced.load(Ordering::Acquire) < id {
@@ -846,17 +868,26 @@ impl Client {
         let _ = self.why.set(why);
         // Release: pairs with the Acquire loads in `alive` and `read_full`.
         self.alive.store(false, Ordering::Release);
+        let why = self.lost_reason();
         for f in &self.flows {
             let mut q = lock(&f.queue);
-            q.frames.clear();
+            let unsent: Vec<Frame> = q.frames.drain(..).collect();
             let _ = q.sock.shutdown(std::net::Shutdown::Both);
             f.more.notify_all();
+            drop(q);
+            for frame in unsent {
+                fail_posted(frame, &why);
+            }
         }
         let pending: Vec<Arc<Pending>> = lock(&self.pending).drain().map(|(_, p)| p).collect();
-        let why = self.why.get().cloned().unwrap_or_default();
         for p in pending {
-            p.req.complete(Err(Failed::new(TransferKind::PeerLost, format!("connection to the peer lost: {why}"))));
+            p.req.complete(Err(Failed::new(TransferKind::PeerLost, why.clone())));
         }
+    }
+
+    /// What a request failed by a lost connection says.
+    fn lost_reason(&self) -> String {
+        format!("connection to the peer lost: {}", self.why.get().map_or("the connection was lost", String::as_str))
     }
 }
 
@@ -874,6 +905,16 @@ impl Client {
 }
 
 /// The wire's code for a remote atomic.
+/// Fails the request of a posted frame that will never be written (a request awaiting a reply
+/// is failed through `Client::pending`).
+fn fail_posted(frame: Frame, why: &str) {
+    if frame.posted
+        && let Some(p) = frame.pending
+    {
+        p.req.complete(Err(Failed::new(TransferKind::PeerLost, why.to_string())));
+    }
+}
+
 fn wire_atomic(a: crate::transport::Atomic) -> crate::wire::tcp::Atomic {
     use crate::transport::Atomic as A;
     use crate::wire::tcp::Atomic as W;

@@ -546,6 +546,36 @@ mod tests {
         assert_eq!(u32_at(&dst, 32), 9);
     }
 
+    /// Posted requests are held by their frames only (no reply will look them up): those still
+    /// queued when the connection fails fail with it, and none is left pending.
+    #[test]
+    fn posted_requests_still_queued_when_the_connection_fails_fail_with_it() {
+        let (a, b) = pair();
+        let dst = Tensor::zeros(&[64], DType::U8).unwrap();
+        let remote = b.register_memory(&dst).unwrap().to_remote_buffer().unwrap();
+        let src = Tensor::from_slice(&[8], &[5u8; 8]).unwrap();
+        let ms = a.register_memory(&src).unwrap();
+        let works = a.batch(|| {
+            let view = ms.to_view(0, None).unwrap();
+            let held: Vec<_> =
+                (0..3).map(|i| a.post_write(&view, &remote.slice(8 * i, 8).unwrap(), LONG).unwrap()).collect();
+            // The peer goes while they wait in the queue for the batch's end.
+            drop(b);
+            let t = std::time::Instant::now();
+            while a.connected() && t.elapsed() < Duration::from_secs(10) {
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            assert!(!a.connected(), "the peer's end went unnoticed");
+            held
+        });
+        for w in works {
+            let e = w.wait(LONG).unwrap_err();
+            assert_eq!(e.transfer_kind(), Some(crate::error::TransferKind::PeerLost), "{e}");
+        }
+        let e = a.post_write(&ms.to_view(0, None).unwrap(), &remote.slice(0, 8).unwrap(), LONG).unwrap_err();
+        assert_eq!(e.transfer_kind(), Some(crate::error::TransferKind::PeerLost), "{e}");
+    }
+
     #[test]
     fn waiting_inside_a_batch_for_its_own_request_sends_it() {
         let (a, b) = pair();

@@ -8,10 +8,14 @@
 //   target/bench/tcp_exchange [BYTES] [ITERS]     (defaults: 216, the 2-rank 8-byte
 //                                                  all-reduce's batch; 20000)
 //
-// Prints the median time of one exchange for each way. Here, with one connection each message
-// carries the acknowledgement of the other's; with two, each costs a bare acknowledgement back
-// (`nstat TcpOutSegs`: twice the messages). symmem's links are not this plain loop: in its
-// 2-rank 8-byte all-reduce the kernel sends about 1.5 segments per message, not 2.
+// Prints the median time of one exchange for each way, and of its two system calls: the write,
+// and the recv that finds the peer's bytes (the busy-polling recvs that find nothing are left
+// out). Here, with one connection each message carries the acknowledgement of the other's;
+// with two, each costs a bare acknowledgement back (`nstat TcpOutSegs`: twice the messages),
+// and the recv that finds the bytes is where the time goes: 2.3 us on two connections, 0.5 us
+// on one (write 1.7-2.1 and 2.2 us; exchange 4.1 and 2.9 us; 2026-12-03). symmem's links are
+// not this plain loop: in its 2-rank 8-byte all-reduce the kernel sends about 1.5 segments per
+// message, not 2, and the look that serves the peer's message spends 2.3-2.4 us in that recv.
 #include <arpa/inet.h>
 #include <errno.h>
 #include <fcntl.h>
@@ -86,8 +90,9 @@ static void run(int both_ways, int len, int iters) {
     fast(tx);
     fast(rx);
     char *buf = malloc(len);
-    double *lat = malloc(sizeof(double) * iters);
-    check(buf && lat, "malloc");
+    double *lat = malloc(sizeof(double) * iters), *wrote = malloc(sizeof(double) * iters),
+           *took = malloc(sizeof(double) * iters);
+    check(buf && lat && wrote && took, "malloc");
     memset(buf, 1, len);
     for (int i = 0; i < iters; i++) {
         double t = now_us();
@@ -96,9 +101,12 @@ static void run(int both_ways, int len, int iters) {
             if (k > 0) sent += k;
             else check(k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK), "write");
         }
+        wrote[i] = now_us() - t;
+        took[i] = 0;
         for (int got = 0; got < len;) {
+            double r = now_us();
             ssize_t k = recv(rx, buf + got, len - got, 0);
-            if (k > 0) got += k;
+            if (k > 0) got += k, took[i] += now_us() - r;
             else if (k == 0) {
                 fprintf(stderr, "recv: the other process closed its end\n");
                 exit(1);
@@ -110,11 +118,14 @@ static void run(int both_ways, int len, int iters) {
     if (child == 0) _exit(0);
     waitpid(child, 0, 0);
     qsort(lat, iters, sizeof(double), by_value);
+    qsort(wrote, iters, sizeof(double), by_value);
+    qsort(took, iters, sizeof(double), by_value);
     const char *how = both_ways ? "one connection, both ways" : "two connections, one each way";
-    printf("%-29s %6d bytes  median %7.2f us\n", how, len, lat[iters / 2]);
+    printf("%-29s %6d bytes  median %7.2f us  (write %5.2f, the recv that finds the bytes %5.2f)\n", how, len,
+           lat[iters / 2], wrote[iters / 2], took[iters / 2]);
     close(l1), close(l2), close(tx);
     if (rx != tx) close(rx);
-    free(buf), free(lat);
+    free(buf), free(lat), free(wrote), free(took);
 }
 
 int main(int argc, char **argv) {

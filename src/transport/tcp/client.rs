@@ -904,7 +904,6 @@ impl Client {
     }
 }
 
-/// The wire's code for a remote atomic.
 /// Fails the request of a posted frame that will never be written (a request awaiting a reply
 /// is failed through `Client::pending`).
 fn fail_posted(frame: Frame, why: &str) {
@@ -915,6 +914,7 @@ fn fail_posted(frame: Frame, why: &str) {
     }
 }
 
+/// The wire's code for a remote atomic.
 fn wire_atomic(a: crate::transport::Atomic) -> crate::wire::tcp::Atomic {
     use crate::transport::Atomic as A;
     use crate::wire::tcp::Atomic as W;

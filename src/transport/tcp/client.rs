@@ -464,15 +464,7 @@ impl Client {
             return Err(self.lost());
         }
         let id = self.next.fetch_add(1, Ordering::Relaxed);
-        // A small request is one chunk on flow 0 (what `plan` gives it), without allocating.
-        let (single, planned);
-        let chunks: &[(usize, usize, usize)] = if req.len <= INLINE && req.len <= self.chunk {
-            single = [(0, 0, req.len)];
-            &single
-        } else {
-            planned = self.plan(req.len);
-            &planned
-        };
+        let chunks = self.plan(req.len);
         // One frame on flow 0, one reply: a waiter reads it itself while it spins, so the reply
         // reaches it with no hand-off from the receiver thread (and sends it, if held).
         let one = matches!(chunks[..], [(0, _, _)]);
@@ -506,7 +498,7 @@ impl Client {
                 return Err(self.lost());
             }
         }
-        for &(flow, at, n) in chunks {
+        for (flow, at, n) in chunks {
             let header = Header {
                 op,
                 status,

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Open MPI's MPI_Allreduce (or MPI_Alltoall with OP=all-to-all, or with OP=all-to-all-v an
+# Open MPI's MPI_Allreduce (or MPI_Alltoall with OP=all-to-all, MPI_Allgather with OP=all-gather,
+# or with OP=all-to-all-v an
 # MPI_Alltoall of the counts then MPI_Alltoallv, as a sender-known-splits exchange takes) next to
-# `symmem bench all-reduce` (all-to-all, all-to-all-v), same sizes and rank count, each run RUNS
+# `symmem bench all-reduce` (all-to-all, all-gather, all-to-all-v), same sizes and rank count, each run RUNS
 # times (default 3); prints
 # the median of the runs' median latencies side by side.
 # HOSTS=2 plays two hosts on this machine: symmem splits the ranks over two "hosts" that reach
@@ -42,6 +43,7 @@ export SYMMEM_XHOST_BACKEND="$XHOST" XHOST MPI_PML
 PIN_ARGS=()
 if [ "${PIN:-1}" != 0 ] && [ "$RANKS" -le "$(nproc)" ]; then PIN_ARGS=(--pin); fi
 if [ "$OP" = all-to-all ]; then export MPI_BENCH_OP=alltoall; MPI_NAME=mpi_alltoall; SYM_NAME=all_to_all;
+elif [ "$OP" = all-gather ]; then export MPI_BENCH_OP=allgather; MPI_NAME=mpi_allgather; SYM_NAME=all_gather;
 elif [ "$OP" = all-to-all-v ]; then export MPI_BENCH_OP=alltoallv; MPI_NAME=mpi_alltoallv; SYM_NAME=all_to_all_v;
 else MPI_NAME=mpi_allreduce; SYM_NAME=all_reduce; fi
 if ! command -v mpicc >/dev/null; then

@@ -489,6 +489,18 @@ fn operators(j: &Job) {
     let ag = Tensor::zeros(&[per * ws * ws], DType::F32).unwrap();
     ops::all_gather_into(&x, g, &ag).unwrap();
     j.report("all_gather", &ag);
+    // Across hosts the 4 KiB inputs above are host-pushed with each host's leader gathering its
+    // host's; 32 KiB inputs go as each rank's own message, and 1.2 MB ones are pulled (past host
+    // push's limit). Each input is rewritten once the call returns.
+    for (name, per) in [("all_gather_own", 8192), ("all_gather_pulled", 300_000)] {
+        let x = sym(&[per], DType::F32);
+        fill(&x, |i| val(me, i));
+        let out = Tensor::zeros(&[per * ws], DType::F32).unwrap();
+        ops::all_gather_into(&x, g, &out).unwrap();
+        x.fill(-1.0f32).unwrap();
+        g.barrier(T).unwrap();
+        j.report(name, &out);
+    }
     for root in [0, ws - 1] {
         let b = sym(&[777], DType::F64);
         fill(&b, |i| val(me, i));

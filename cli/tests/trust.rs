@@ -1423,6 +1423,32 @@ fn rank_out_of_step() {
         assert!((0..ws).all(|r| got[r * per..(r + 1) * per].iter().all(|&v| v == r as f32)), "{rows} rows");
     }
 
+    // All-gather across hosts, on its own workspace: growing on rank 1 only; straddling the 16
+    // KiB up to which leaders gather (rank 1 past it); straddling host push's limit (rank 1's
+    // input pulled). Every rank learns it at once and the operator goes on; agreeing calls that
+    // switch between the three ways each get their own call's data.
+    let gather = |n: usize, v: f32| {
+        let input = x.narrow(0, 0, n).unwrap();
+        input.fill(v).unwrap();
+        let out = Tensor::zeros(&[n * ws], DType::F32).unwrap();
+        ops::all_gather_into(&input, &g, &out).map(|()| out.to_vec::<f32>().unwrap())
+    };
+    for (what, n) in [("growing", 8192), ("grown, straddling 16 KiB", 8192), ("straddling", 300_000)] {
+        let t = std::time::Instant::now();
+        let e = gather(if me == 1 { n } else { 64 }, 1.0).unwrap_err().to_string();
+        assert!(e.contains("disagree") && e.contains("rank 1 pass"), "all_gather, {what}: {e}");
+        assert!(t.elapsed() < Duration::from_secs(2), "all_gather, {what}: after {:?}: {e}", t.elapsed());
+        if what == "growing" {
+            gather(8192, 1.0).unwrap();
+        }
+    }
+    for i in 0..40 {
+        let n = [64, 8192, 64, 300_000][i % 4];
+        let got = gather(n, (me * 1000 + i) as f32).unwrap();
+        let right = |r: usize| got[r * n..(r + 1) * n].iter().all(|&f| f == (r * 1000 + i) as f32);
+        assert!((0..ws).all(right), "all_gather, call {i}: {n} floats");
+    }
+
     // A rank that comes to a call after the others gave up on it (their timeout is the job's
     // SYMMEM_OP_TIMEOUT): they time out, their calls ended at different points. So does the
     // late one, its peers gone; only alone with one peer (1+1) does it still find that peer's

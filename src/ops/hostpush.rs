@@ -1,6 +1,7 @@
 //! The machinery of the host-push algorithms (`all_reduce/host_push.rs`,
-//! `all_to_all/host_push.rs`): small and medium collectives across hosts, one one-way message
-//! from each rank to each other host, received by that host's leader (its lowest rank).
+//! `all_to_all/host_push.rs`, `all_gather/host_push.rs`): small and medium collectives across
+//! hosts, one one-way message from each rank to each other host, received by that host's
+//! leader (its lowest rank).
 //!
 //! ```text
 //!   per group and operator, a symmetric workspace: [ epoch words | buffers, twice ]
@@ -17,6 +18,8 @@
 //!   of its slot, its leader reads it there, and a host of one rank reduces into its tensor
 //!   all-to-all: the same, with each rank sending the blocks for another host's ranks, and
 //!   every rank copying its blocks from its host's ranks' stages and its leader's inbox
+//!   all-gather: the all-reduce's exchange without the reduction (inputs always through the
+//!   slots), every rank copying its host's ranks' slots and its leader's inbox
 //!   tiny messages (up to 16 KiB per rank): the leader gathers its host's data first and sends
 //!   one message per other host (FROM words then count leaders, not ranks; a FROM word is
 //!   raised by its own rank, so it never overtakes that rank's data on another link, except
@@ -210,7 +213,8 @@ pub(crate) fn exchange_and_judge(
 #[derive(Default)]
 pub(crate) struct Workspaces(Mutex<Kinds>);
 
-/// What a group keeps per operator kind (`"all_reduce"`, `"all_to_all"`, `"all_to_all_vdev"`).
+/// What a group keeps per operator kind (`"all_reduce"`, `"all_to_all"`, `"all_gather"`,
+/// `"all_to_all_vdev"`).
 #[derive(Default)]
 pub(crate) struct Kinds {
     /// The workspace each kind's calls use now.
@@ -466,8 +470,8 @@ pub(crate) fn host_split(hw: &SymmHandle, sigs: &Sigs) -> bool {
 }
 
 /// Whether a rank whose signature in a call on a workspace of `kind` is `sig` left its messages
-/// to its leader (a host-push call of up to [`GATHERED_MAX`] bytes of the all-reduce or the
-/// all-to-all): it then raised no FROM word on any other host. A signature stamped with a
+/// to its leader (a host-push call of up to [`GATHERED_MAX`] bytes of the all-reduce, the
+/// all-to-all or the all-gather): it then raised no FROM word on any other host. A signature stamped with a
 /// call's digest ([`crate::ops::check::counts_stamped`]), or of the all-to-all-v family, is of
 /// a rank that sends its own.
 fn left_to_leader(kind: &str, sig: [u64; 2]) -> bool {
@@ -570,6 +574,8 @@ mod tests {
         // 16 KiB of f32 or of bf16 are gathered; a byte more is not.
         assert!(left_to_leader("all_reduce", sig(4096, DType::F32)));
         assert!(left_to_leader("all_to_all", sig(8192, DType::BF16)));
+        assert!(left_to_leader("all_gather", sig(4096, DType::F32)));
+        assert!(!left_to_leader("all_gather", sig(4097, DType::F32)));
         assert!(!left_to_leader("all_reduce", sig(4097, DType::F32)));
         assert!(!left_to_leader("all_reduce", sig(8192, DType::F32)));
         // The all-to-all-v family always sends its own; so does the entry of a large call.

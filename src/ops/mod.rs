@@ -6,7 +6,8 @@
 //!   all_reduce/      one_shot, two_shot, small (one synchronization per call), host_push
 //!                    and chain (across hosts); all_reduce() picks by all_reduce::select_for
 //!   reduce_scatter   reduce_scatter_out (two-shot's first half), reduce_scatter_offset
-//!   all_gather       all_gather_into                 broadcast   broadcast_
+//!   all_gather/      all_gather_into (pull, or host_push across hosts: all_gather::select)
+//!   broadcast        broadcast_
 //!   all_to_all/      all_to_all (pull, or host_push across hosts: all_to_all::select),
 //!                    all_to_all_nd, the vdev family (vdev.rs)
 //!   tile, matmul     tile reductions; the fused all-gather-matmul and matmul-reduce-scatter

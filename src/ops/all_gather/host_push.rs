@@ -1,0 +1,132 @@
+//! All-gather across hosts by host push (see `ops/hostpush.rs` for the protocol): the
+//! all-reduce's exchange without the reduction. Every rank's input travels once to each other
+//! host's leader; after the leader's release every rank of a host copies the inputs of its
+//! host's ranks from their slots, and the other hosts' from its leader's inbox.
+
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use crate::error::Result;
+use crate::group::Group;
+use crate::ops::hostpush::*;
+use crate::symm::SymmHandle;
+use crate::symm::hostsync::settle;
+use crate::tensor::Tensor;
+
+/// The kind of the all-gather's workspace.
+const KIND: &str = "all_gather";
+
+/// The bytes of the all-gather workspace of `world` ranks after its words, for inputs of `cap`
+/// bytes: two parities of a slot per rank.
+fn layout(world: usize) -> impl Fn(usize) -> usize {
+    move |cap| 2 * world * cap
+}
+
+/// The entry of an all-gather across hosts above host push's limit (pulled), meeting host
+/// push's calls on its workspace ([`crate::ops::hostpush::meet`]).
+pub(crate) fn meet(input: &Tensor, group: &Group, h: &SymmHandle, timeout: Duration) -> Result<()> {
+    let stamp = crate::ops::check::Stamp::new(KIND, input, h.offset(), &[]);
+    let sig = crate::ops::check::counts_stamped(input, None, &stamp);
+    let disagree = |f, r, t| crate::ops::check::counts_disagree(KIND, f, r, t);
+    crate::ops::hostpush::meet(group, KIND, layout(group.world_size()), sig, disagree, timeout)
+}
+
+/// All-gather of a small or medium `input` on a group that spans hosts into `out` (`world`
+/// inputs, in rank order). Every rank copies its input into its
+/// slot and, unless its leader gathers (inputs up to [`GATHERED_MAX`]), writes it to the same
+/// slot of every other host's leader, then raises that leader's FROM word; a gathering leader
+/// packs its host's slots into its own and sends them as runs of consecutive ranks. Once its
+/// leader releases the host (every slot of the call landed, every signature agreed), each rank
+/// copies its host's ranks' slots and its leader's slots of the others into `out`. The slots
+/// alternate as in the all-reduce: a slot of call e is rewritten only in call e+2, which no
+/// rank of a host starts before every rank of it finished call e (its leader releases call
+/// e+1 only once they all arrived in it, and raises or waits for their FROM words of call e+1
+/// only then).
+pub(crate) fn all_gather(input: &Tensor, out: &Tensor, group: &Group, timeout: Duration) -> Result<()> {
+    let n = input.nbytes();
+    let gathered = n <= GATHERED_MAX;
+    let stride = n.next_multiple_of(16);
+    let (me, world) = (group.rank(), group.world_size());
+    let sig = crate::ops::check::counts(input, None);
+    let disagree = |f, r, t| crate::ops::check::counts_disagree(KIND, f, r, t);
+    let ws = workspace(group, KIND, stride, layout(world), sig, disagree, timeout)?;
+    let mut guard = lock(&ws);
+    let w = &mut *guard;
+    let e = w.epoch.wrapping_add(1);
+    let hw = w.words.h.clone();
+    let parity = (e % 2) as usize;
+    let sigs = Sigs::new(hw.offset(), world, parity);
+    let base = hw.offset() + words_bytes(world) + sigs_bytes(world);
+    let cap = w.cap;
+    let slot = |r: usize| base + parity * world * cap + r * stride;
+    let own = |at: usize| (hw.read_ptr(me) + at) as *mut u8;
+    let locals = hw.local_ranks();
+    let leader = locals[0];
+    let other_leaders: Vec<usize> = hw.leaders().filter(|&l| l != leader).collect();
+
+    // The sends of call e-2 read this call's slots: they must have landed; those of call e-1
+    // may still be in flight.
+    settle(&hw, &mut w.sent, |epoch| epoch != e.wrapping_sub(1), timeout)?;
+    // SAFETY: slot `me` of parity p lies in this rank's own workspace (sized for `cap` >= stride
+    // bytes per slot); the input is contiguous (a symmetric tensor's view, checked) of n bytes;
+    // nobody reads the slot before this rank's ARRIVE and FROM words below, nobody still reads
+    // it from call e-2 (see above), and its sends of call e-2 have landed.
+    unsafe { std::ptr::copy_nonoverlapping(input.data_ptr().cast_const(), own(slot(me)), n) };
+    for (i, v) in sig.into_iter().enumerate() {
+        // Relaxed: published with the slot, by ARRIVE here and by FROM on other hosts.
+        word(&hw, me, sigs.slot(me) + 8 * i).store(v, Ordering::Relaxed);
+    }
+    if !gathered {
+        for &l in &other_leaders {
+            // The input, its signature and the FROM word leave together.
+            hw.batch(l, || -> Result<()> {
+                for work in send_before_signal(&hw, l, slot(me), slot(me), n, timeout)? {
+                    w.sent.push((l, e, work));
+                }
+                send_own_sig(w, l, e, &sigs, timeout)
+            })?;
+        }
+    }
+    let senders: Vec<usize> =
+        if gathered { other_leaders.clone() } else { (0..world).filter(|&r| !hw.is_local(r)).collect() };
+    let gather = |w: &mut Workspace| -> Result<()> {
+        if !gathered {
+            return Ok(());
+        }
+        for &r in &locals[1..] {
+            // SAFETY: rank r's slot is final (its ARRIVE e seen with Acquire) and r rewrites it
+            // only for call e+2, after this leader's RELEASE e+1; this leader's copy of it is
+            // sent from, and rewritten only after the sends of call e-2 landed (settled above).
+            unsafe { std::ptr::copy_nonoverlapping((hw.read_ptr(r) + slot(r)) as *const u8, own(slot(r)), n) };
+        }
+        gather_sigs(&hw, &sigs);
+        for &l in &other_leaders {
+            // The host's inputs, their signatures and the FROM word leave together.
+            hw.batch(l, || -> Result<()> {
+                for (a, b) in runs(locals) {
+                    let (first, len) = (locals[a], (b - a - 1) * stride + n);
+                    for work in send_before_signal(&hw, l, slot(first), slot(first), len, timeout)? {
+                        w.sent.push((l, e, work));
+                    }
+                }
+                send_host_sigs(w, l, e, &sigs, timeout)
+            })?;
+        }
+        Ok(())
+    };
+    let verdict = exchange_and_judge(w, e, &sigs, senders.into_iter(), gather, timeout)?;
+    if verdict != 0 {
+        return Err(verdict_error(KIND, &hw, leader, &sigs, verdict));
+    }
+    for k in 0..world {
+        let r = (me + k) % world;
+        let src = if hw.is_local(r) { hw.read_ptr(r) + slot(r) } else { hw.read_ptr(leader) + slot(r) };
+        // SAFETY: a local rank's slot of call e is final (published before its ARRIVE, which the
+        // leader saw before RELEASE e, seen here with Acquire), another host's rank's slot in the
+        // leader's inbox landed before the FROM word the leader waited for; neither is rewritten
+        // before call e+2, which waits for this rank to finish call e (see above). `out` holds
+        // world blocks of n bytes (checked) and shares no byte with the workspace.
+        unsafe { std::ptr::copy_nonoverlapping(src as *const u8, out.data_ptr().add(r * n), n) };
+    }
+    Ok(())
+}

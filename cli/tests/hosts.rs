@@ -836,6 +836,12 @@ fn rank_lost() {
     let w_splits = i64_sym(&vec![4096; j.ws]);
     // And all-reduces that take the chain (above 512 KiB of a host's inputs).
     let chained = sym(&[200_000], DType::F32);
+    // And all-gathers by host push, gathered by the leaders (16 KiB inputs) or not (32 KiB).
+    let (own, ag_small, ag_own) = (
+        sym(&[8192], DType::F32),
+        Tensor::zeros(&[4096 * j.ws], DType::F32).unwrap(),
+        Tensor::zeros(&[8192 * j.ws], DType::F32).unwrap(),
+    );
     let marker = std::env::var("SYMMEM_TEST_MARKER").ok();
     let start = Instant::now();
     for i in 0.. {
@@ -846,9 +852,11 @@ fn rank_lost() {
             std::fs::write(m, b"running").unwrap();
         }
         fill(&x, |k| (k + i) as f64);
-        let done = match i % 5 {
+        let done = match i % 7 {
             0 => ops::all_reduce(&x, ReduceOp::Sum, &j.g),
             4 => ops::all_reduce(&chained, ReduceOp::Sum, &j.g),
+            5 => ops::all_gather_into(&x, &j.g, &ag_small),
+            6 => ops::all_gather_into(&own, &j.g, &ag_own),
             1 => ops::all_to_all(&big, &big_out, &j.g),
             2 => ops::all_to_all_vdev(&x, &v_out, &splits, &oso, &j.g),
             _ => ops::all_to_all_vdev(&w_in, &w_out, &w_splits, &oso, &j.g),

@@ -462,6 +462,18 @@ fn all_reduces(j: &Job) {
             j.report(&format!("all_reduce/{tag}"), &x);
         }
     }
+    // All-gathers across hosts by every way: host push with each host's leader gathering (3000
+    // f32), each rank's own message (8192), straight from the input for a rank alone on its
+    // host (40 000), and pulled (300 000; into out for a rank alone on its host). Each input is
+    // rewritten once the call returns.
+    for n in [3000, 8192, 40_000, 300_000] {
+        let x = sym(&[n], DType::F32);
+        fill(&x, |i| val(me, i));
+        let out = Tensor::zeros(&[n * g.world_size()], DType::F32).unwrap();
+        ops::all_gather_into(&x, g, &out).unwrap();
+        x.fill(-1.0f32).unwrap();
+        j.report(&format!("all_gather/{n}"), &out);
+    }
 }
 
 /// Every operator, digested; the test compares the digests across layouts.
@@ -713,8 +725,8 @@ fn one_rank_per_host_matches_one_host_bit_for_bit() {
     all_reduces_match_one_host(Layout::Loopback, 2, 1);
 }
 
-/// Every all-reduce on `hosts` played hosts of `per_host` ranks (`layout`), over tcp and over
-/// ucx, equals the same ranks' on one host bit for bit.
+/// Every all-reduce (and all-gather) on `hosts` played hosts of `per_host` ranks (`layout`),
+/// over tcp and over ucx, equals the same ranks' on one host bit for bit.
 fn all_reduces_match_one_host(layout: Layout, hosts: usize, per_host: usize) {
     let world = hosts * per_host;
     let want = digests(&launch(Layout::OneHost, world, "rank_all_reduces", &[]), world);

@@ -12,6 +12,7 @@ use crate::ops::hostpush::*;
 use crate::symm::SymmHandle;
 use crate::symm::hostsync::settle;
 use crate::tensor::Tensor;
+use crate::transport::Work;
 
 /// The kind of the all-gather's workspace.
 const KIND: &str = "all_gather";
@@ -41,8 +42,10 @@ pub(crate) fn meet(input: &Tensor, group: &Group, h: &SymmHandle, timeout: Durat
 /// alternate as in the all-reduce: a slot of call e is rewritten only in call e+2, which no
 /// rank of a host starts before every rank of it finished call e (its leader releases call
 /// e+1 only once they all arrived in it, and raises or waits for their FROM words of call e+1
-/// only then).
-pub(crate) fn all_gather(input: &Tensor, out: &Tensor, group: &Group, timeout: Duration) -> Result<()> {
+/// only then). A rank alone on its host sends an input of [`DIRECT_MIN`] bytes or more straight
+/// from the input (`h`: its handle) instead, copies it into `out` itself (nobody else reads
+/// its slot), and waits for those writes before returning, the input being the caller's again.
+pub(crate) fn all_gather(input: &Tensor, out: &Tensor, group: &Group, h: &SymmHandle, timeout: Duration) -> Result<()> {
     let n = input.nbytes();
     let gathered = n <= GATHERED_MAX;
     let stride = n.next_multiple_of(16);
@@ -63,29 +66,49 @@ pub(crate) fn all_gather(input: &Tensor, out: &Tensor, group: &Group, timeout: D
     let locals = hw.local_ranks();
     let leader = locals[0];
     let other_leaders: Vec<usize> = hw.leaders().filter(|&l| l != leader).collect();
+    let direct = !gathered && n >= DIRECT_MIN && locals.len() == 1;
 
     // The sends of call e-2 read this call's slots: they must have landed; those of call e-1
     // may still be in flight.
     settle(&hw, &mut w.sent, |epoch| epoch != e.wrapping_sub(1), timeout)?;
-    // SAFETY: slot `me` of parity p lies in this rank's own workspace (sized for `cap` >= stride
-    // bytes per slot); the input is contiguous (a symmetric tensor's view, checked) of n bytes;
-    // nobody reads the slot before this rank's ARRIVE and FROM words below, nobody still reads
-    // it from call e-2 (see above), and its sends of call e-2 have landed.
-    unsafe { std::ptr::copy_nonoverlapping(input.data_ptr().cast_const(), own(slot(me)), n) };
+    if !direct {
+        // SAFETY: slot `me` of parity p lies in this rank's own workspace (sized for `cap` >=
+        // stride bytes per slot); the input is contiguous (a symmetric tensor's view, checked)
+        // of n bytes; nobody reads the slot before this rank's ARRIVE and FROM words below,
+        // nobody still reads it from call e-2 (see above), and its sends of call e-2 landed.
+        unsafe { std::ptr::copy_nonoverlapping(input.data_ptr().cast_const(), own(slot(me)), n) };
+    }
     for (i, v) in sig.into_iter().enumerate() {
         // Relaxed: published with the slot, by ARRIVE here and by FROM on other hosts.
         word(&hw, me, sigs.slot(me) + 8 * i).store(v, Ordering::Relaxed);
     }
-    if !gathered {
+    // Writes straight from the input: waited for before returning, even after a failure.
+    let mut from_input: Vec<Work> = Vec::new();
+    let sent = (|| -> Result<()> {
+        if gathered {
+            return Ok(());
+        }
         for &l in &other_leaders {
             // The input, its signature and the FROM word leave together.
             hw.batch(l, || -> Result<()> {
-                for work in send_before_signal(&hw, l, slot(me), slot(me), n, timeout)? {
-                    w.sent.push((l, e, work));
+                if direct {
+                    let push =
+                        |at: usize, len: usize| hw.start_push_from(h, l, h.offset() + at, len, slot(me) + at, timeout);
+                    from_input.extend(send_pieces_before_signal(&hw, l, n, push)?);
+                } else {
+                    for work in send_before_signal(&hw, l, slot(me), slot(me), n, timeout)? {
+                        w.sent.push((l, e, work));
+                    }
                 }
                 send_own_sig(w, l, e, &sigs, timeout)
             })?;
         }
+        Ok(())
+    })();
+    let landed = |works: Vec<Work>| works.into_iter().try_for_each(|w| w.wait(Some(timeout)));
+    if let Err(e) = sent {
+        let _ = landed(from_input);
+        return Err(e);
     }
     let senders: Vec<usize> =
         if gathered { other_leaders.clone() } else { (0..world).filter(|&r| !hw.is_local(r)).collect() };
@@ -114,12 +137,21 @@ pub(crate) fn all_gather(input: &Tensor, out: &Tensor, group: &Group, timeout: D
         }
         Ok(())
     };
-    let verdict = exchange_and_judge(w, e, &sigs, senders.into_iter(), gather, timeout)?;
+    let judged = exchange_and_judge(w, e, &sigs, senders.into_iter(), gather, timeout);
+    let written = landed(from_input);
+    let verdict = judged?;
+    written?;
     if verdict != 0 {
         return Err(verdict_error(KIND, &hw, leader, &sigs, verdict));
     }
     for k in 0..world {
         let r = (me + k) % world;
+        if direct && r == me {
+            // SAFETY: the input is contiguous, n bytes, and shares no byte with `out` (checked);
+            // out holds world blocks of n bytes.
+            unsafe { std::ptr::copy_nonoverlapping(input.data_ptr().cast_const(), out.data_ptr().add(r * n), n) };
+            continue;
+        }
         let src = if hw.is_local(r) { hw.read_ptr(r) + slot(r) } else { hw.read_ptr(leader) + slot(r) };
         // SAFETY: a local rank's slot of call e is final (published before its ARRIVE, which the
         // leader saw before RELEASE e, seen here with Acquire), another host's rank's slot in the

@@ -94,7 +94,7 @@ pub fn all_gather_into(input: &Tensor, group: &Group, out: &Tensor) -> Result<()
     hostpush::guarded(group, OP, || {
         if select_for(input, &h) == Algo::HostPush {
             // Host push checks the ranks' arguments itself, in its one exchange.
-            return host_push::all_gather(input, out, group, timeout());
+            return host_push::all_gather(input, out, group, &h, timeout());
         }
         // An entry that meets host push's calls: a rank whose size is on the other side of its
         // limit disagrees at once.
@@ -104,9 +104,21 @@ pub fn all_gather_into(input: &Tensor, group: &Group, out: &Tensor) -> Result<()
 }
 
 /// The pull path of [`all_gather_into`], once the ranks entered: every rank's input read (the
-/// other hosts' shared out among a host's ranks), copied into `out`, then a barrier.
+/// other hosts' shared out among a host's ranks), copied into `out`, then a barrier. A rank
+/// alone on its host reads the other hosts' inputs straight into `out` (no host's rank to
+/// share them with), copying its own meanwhile.
 fn pulled(input: &Tensor, group: &Group, out: &Tensor, h: &SymmHandle) -> Result<()> {
     let (ws, n) = (group.world_size(), input.nbytes());
+    if !h.all_local() && h.max_ranks_per_host() == 1 {
+        let me = h.rank();
+        let own = || {
+            // SAFETY: the input is contiguous, n bytes, sharing no byte with `out` (checked),
+            // which holds ws blocks of n bytes; the reads land in the other blocks.
+            unsafe { std::ptr::copy_nonoverlapping(input.data_ptr().cast_const(), out.data_ptr().add(me * n), n) };
+        };
+        h.fetch_into(out, &|r| (h.offset(), n, r * n), timeout(), own)?;
+        return barrier(h);
+    }
     fetch_shared(h, |_| (0, n))?;
     let ptrs = peers(h, 0);
     for k in 0..ws {

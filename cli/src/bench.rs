@@ -1438,6 +1438,7 @@ pub fn collective_rank(
             ("all_to_all", _) => symmem::ops::all_to_all::select(bytes, hosts, link).name(),
             ("all_to_all_v", _) => symmem::ops::all_to_all::select_v(bytes, ws, ws, hosts, true).name(),
             ("all_gather", _) => symmem::ops::all_gather::select_for(&input, &h).name(),
+            ("reduce_scatter", _) => symmem::ops::reduce_scatter::select_for(&input, &h).name(),
             _ => "pull",
         };
         let mut row =

@@ -474,6 +474,30 @@ fn all_reduces(j: &Job) {
         x.fill(-1.0f32).unwrap();
         j.report(&format!("all_gather/{n}"), &out);
     }
+    // Reduce-scatters the same ways (host push's exchange, each rank reducing its slice; pulled
+    // above its limit, over ucx from 64 KiB), split along the first or the last dimension.
+    let ws = g.world_size();
+    for (dtype, per, last) in [
+        (DType::F32, 800, false),
+        (DType::F32, 4096, false),
+        (DType::F32, 20_000, false),
+        (DType::F32, 100_000, false),
+        (DType::BF16, 8192, false),
+        (DType::F32, 800, true),
+        (DType::F32, 4096, true),
+    ] {
+        let n = per * ws;
+        let x = sym(&[n], dtype);
+        let x = if last { x.view(&[n / (16 * ws), 16 * ws]).unwrap() } else { x };
+        let out = Tensor::zeros(&[per], dtype).unwrap();
+        let out = if last { out.view(&[n / (16 * ws), 16]).unwrap() } else { out };
+        for op in [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max] {
+            fill(&x, |i| val(me, i));
+            ops::reduce_scatter_out(&x, op, g, last, &out).unwrap();
+            fill(&x, |_| -1.0);
+            j.report(&format!("reduce_scatter/{dtype}/{n}/{last}/{op:?}"), &out);
+        }
+    }
 }
 
 /// Every operator, digested; the test compares the digests across layouts.
@@ -848,11 +872,13 @@ fn rank_lost() {
     let w_splits = i64_sym(&vec![4096; j.ws]);
     // And all-reduces that take the chain (above 512 KiB of a host's inputs).
     let chained = sym(&[200_000], DType::F32);
-    // And all-gathers by host push, gathered by the leaders (16 KiB inputs) or not (32 KiB).
-    let (own, ag_small, ag_own) = (
+    // And all-gathers by host push, gathered by the leaders (16 KiB inputs) or not (32 KiB),
+    // and reduce-scatters by host push.
+    let (own, ag_small, ag_own, rs_out) = (
         sym(&[8192], DType::F32),
         Tensor::zeros(&[4096 * j.ws], DType::F32).unwrap(),
         Tensor::zeros(&[8192 * j.ws], DType::F32).unwrap(),
+        Tensor::zeros(&[4096 / j.ws], DType::F32).unwrap(),
     );
     let marker = std::env::var("SYMMEM_TEST_MARKER").ok();
     let start = Instant::now();
@@ -864,11 +890,12 @@ fn rank_lost() {
             std::fs::write(m, b"running").unwrap();
         }
         fill(&x, |k| (k + i) as f64);
-        let done = match i % 7 {
+        let done = match i % 8 {
             0 => ops::all_reduce(&x, ReduceOp::Sum, &j.g),
             4 => ops::all_reduce(&chained, ReduceOp::Sum, &j.g),
             5 => ops::all_gather_into(&x, &j.g, &ag_small),
             6 => ops::all_gather_into(&own, &j.g, &ag_own),
+            7 => ops::reduce_scatter_out(&x, ReduceOp::Sum, &j.g, false, &rs_out),
             1 => ops::all_to_all(&big, &big_out, &j.g),
             2 => ops::all_to_all_vdev(&x, &v_out, &splits, &oso, &j.g),
             _ => ops::all_to_all_vdev(&w_in, &w_out, &w_splits, &oso, &j.g),

@@ -1450,6 +1450,33 @@ fn rank_out_of_step() {
         assert!((0..ws).all(right), "all_gather, call {i}: {n} floats");
     }
 
+    // Reduce-scatter across hosts shares that exchange, on a workspace of its own: the same
+    // disagreements, one about the split alone, and agreeing calls switching between the ways.
+    let scatter = |n: usize, last: bool, v: f32| {
+        let input = x.narrow(0, 0, n).unwrap();
+        input.fill(v).unwrap();
+        let input = if last { input.view(&[n / (4 * ws), 4 * ws]).unwrap() } else { input };
+        let out = Tensor::zeros(&[n / ws], DType::F32).unwrap();
+        let out = if last { out.view(&[n / (4 * ws), 4]).unwrap() } else { out };
+        ops::reduce_scatter_out(&input, ReduceOp::Sum, &g, last, &out).map(|()| out.to_vec::<f32>().unwrap())
+    };
+    for (what, n, last) in
+        [("growing", 4096 * ws, false), ("straddling", 100_000 * ws, false), ("split", 64 * ws, true)]
+    {
+        let t = std::time::Instant::now();
+        let (n, last) = if me == 1 { (n, last) } else { (64 * ws, false) };
+        let e = scatter(n, last, 1.0).unwrap_err().to_string();
+        assert!(e.contains("disagree") && e.contains("rank 1 pass"), "reduce_scatter, {what}: {e}");
+        assert!(t.elapsed() < Duration::from_secs(2), "reduce_scatter, {what}: after {:?}: {e}", t.elapsed());
+    }
+    for i in 0..30 {
+        let (n, last) =
+            [(64 * ws, false), (4096 * ws, false), (64 * ws, true), (20_000 * ws, false), (100_000 * ws, false)][i % 5];
+        let got = scatter(n, last, (me * 1000 + i) as f32).unwrap();
+        let want = (1000 * ws * (ws - 1) / 2 + ws * i) as f32;
+        assert!(got.iter().all(|&f| f == want), "reduce_scatter, call {i}: {n} floats, last {last}");
+    }
+
     // A rank that comes to a call after the others gave up on it (their timeout is the job's
     // SYMMEM_OP_TIMEOUT): they time out, their calls ended at different points. So does the
     // late one, its peers gone; only alone with one peer (1+1) does it still find that peer's

@@ -224,8 +224,10 @@ pub(crate) fn counts_disagree(op: &str, first: [u64; 2], r: usize, theirs: [u64;
     let show = |w: [u64; 2]| {
         let dtype = DType::from_code(w[1] as u8).map_or_else(|| "?".into(), |d| d.to_string());
         let reduction =
-            ["", " (sum)", " (avg)", " (min)", " (max)"].get((w[1] >> 8 & 0xff) as usize).copied().unwrap_or("");
-        format!("{} {dtype} elements{reduction}", w[0])
+            ["", " (sum)", " (avg)", " (min)", " (max)"].get((w[1] >> 8 & 0x7f) as usize).copied().unwrap_or("");
+        // Bit 15: a reduce-scatter split along the last dimension (`reduce_scatter_out`).
+        let split = if w[1] >> 15 & 1 == 1 { " split along the last dimension" } else { "" };
+        format!("{} {dtype} elements{reduction}{split}", w[0])
     };
     let low = |w: [u64; 2]| [w[0], w[1] & 0xffff];
     let what = if low(first) == low(theirs) {

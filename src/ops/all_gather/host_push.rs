@@ -1,7 +1,9 @@
 //! All-gather across hosts by host push (see `ops/hostpush.rs` for the protocol): the
 //! all-reduce's exchange without the reduction. Every rank's input travels once to each other
 //! host's leader; after the leader's release every rank of a host copies the inputs of its
-//! host's ranks from their slots, and the other hosts' from its leader's inbox.
+//! host's ranks from their slots, and the other hosts' from its leader's inbox. The
+//! reduce-scatter's host push is the same exchange ([`exchange_inputs`]), each rank reducing
+//! its slice of the inputs instead of copying them.
 
 use std::sync::atomic::Ordering;
 use std::time::Duration;
@@ -19,7 +21,7 @@ const KIND: &str = "all_gather";
 
 /// The bytes of the all-gather workspace of `world` ranks after its words, for inputs of `cap`
 /// bytes: two parities of a slot per rank.
-fn layout(world: usize) -> impl Fn(usize) -> usize {
+pub(crate) fn layout(world: usize) -> impl Fn(usize) -> usize {
     move |cap| 2 * world * cap
 }
 
@@ -33,7 +35,25 @@ pub(crate) fn meet(input: &Tensor, group: &Group, h: &SymmHandle, timeout: Durat
 }
 
 /// All-gather of a small or medium `input` on a group that spans hosts into `out` (`world`
-/// inputs, in rank order). Every rank copies its input into its
+/// inputs, in rank order): [`exchange_inputs`], then every input copied into `out`.
+pub(crate) fn all_gather(input: &Tensor, out: &Tensor, group: &Group, h: &SymmHandle, timeout: Duration) -> Result<()> {
+    let n = input.nbytes();
+    let sig = crate::ops::check::counts(input, None);
+    exchange_inputs(input, group, h, KIND, sig, timeout, |inputs| {
+        for k in 0..inputs.len() {
+            let r = (group.rank() + k) % inputs.len();
+            // SAFETY: `inputs[r]` holds rank r's n input bytes for the length of this call (see
+            // `exchange_inputs`); `out` holds world blocks of n bytes (checked) and shares no
+            // byte with the workspace nor with the input.
+            unsafe { std::ptr::copy_nonoverlapping(inputs[r], out.data_ptr().add(r * n), n) };
+        }
+        Ok(())
+    })
+}
+
+/// The host-push exchange of every rank's `input` (`h`: its handle) on a group that spans
+/// hosts, on the workspace of `kind` with the ranks' signatures `sig`; then `finish` gets, per
+/// rank, where its input is, readable until `finish` returns. Every rank copies its input into its
 /// slot and, unless its leader gathers (inputs up to [`GATHERED_MAX`]), writes it to the same
 /// slot of every other host's leader, then raises that leader's FROM word; a gathering leader
 /// packs its host's slots into its own and sends them as runs of consecutive ranks. Once its
@@ -45,14 +65,21 @@ pub(crate) fn meet(input: &Tensor, group: &Group, h: &SymmHandle, timeout: Durat
 /// only then). A rank alone on its host sends an input of [`DIRECT_MIN`] bytes or more straight
 /// from the input (`h`: its handle) instead, copies it into `out` itself (nobody else reads
 /// its slot), and waits for those writes before returning, the input being the caller's again.
-pub(crate) fn all_gather(input: &Tensor, out: &Tensor, group: &Group, h: &SymmHandle, timeout: Duration) -> Result<()> {
+pub(crate) fn exchange_inputs(
+    input: &Tensor,
+    group: &Group,
+    h: &SymmHandle,
+    kind: &'static str,
+    sig: [u64; 2],
+    timeout: Duration,
+    finish: impl FnOnce(&[*const u8]) -> Result<()>,
+) -> Result<()> {
     let n = input.nbytes();
     let gathered = n <= GATHERED_MAX;
     let stride = n.next_multiple_of(16);
     let (me, world) = (group.rank(), group.world_size());
-    let sig = crate::ops::check::counts(input, None);
-    let disagree = |f, r, t| crate::ops::check::counts_disagree(KIND, f, r, t);
-    let ws = workspace(group, KIND, stride, layout(world), sig, disagree, timeout)?;
+    let disagree = |f, r, t| crate::ops::check::counts_disagree(kind, f, r, t);
+    let ws = workspace(group, kind, stride, layout(world), sig, disagree, timeout)?;
     let mut guard = lock(&ws);
     let w = &mut *guard;
     let e = w.epoch.wrapping_add(1);
@@ -142,23 +169,19 @@ pub(crate) fn all_gather(input: &Tensor, out: &Tensor, group: &Group, h: &SymmHa
     let verdict = judged?;
     written?;
     if verdict != 0 {
-        return Err(verdict_error(KIND, &hw, leader, &sigs, verdict));
+        return Err(verdict_error(kind, &hw, leader, &sigs, verdict));
     }
-    for k in 0..world {
-        let r = (me + k) % world;
-        if direct && r == me {
-            // SAFETY: the input is contiguous, n bytes, and shares no byte with `out` (checked);
-            // out holds world blocks of n bytes.
-            unsafe { std::ptr::copy_nonoverlapping(input.data_ptr().cast_const(), out.data_ptr().add(r * n), n) };
-            continue;
-        }
-        let src = if hw.is_local(r) { hw.read_ptr(r) + slot(r) } else { hw.read_ptr(leader) + slot(r) };
-        // SAFETY: a local rank's slot of call e is final (published before its ARRIVE, which the
-        // leader saw before RELEASE e, seen here with Acquire), another host's rank's slot in the
-        // leader's inbox landed before the FROM word the leader waited for; neither is rewritten
-        // before call e+2, which waits for this rank to finish call e (see above). `out` holds
-        // world blocks of n bytes (checked) and shares no byte with the workspace.
-        unsafe { std::ptr::copy_nonoverlapping(src as *const u8, out.data_ptr().add(r * n), n) };
-    }
-    Ok(())
+    // A local rank's slot of call e is final (published before its ARRIVE, which the leader saw
+    // before RELEASE e, seen with Acquire), another host's rank's slot in the leader's inbox
+    // landed before the FROM word the leader waited for; neither is rewritten before call e+2,
+    // which waits for this rank to finish call e (see above). In direct mode this rank's own
+    // input is in its tensor, which is the caller's (unchanged) until this call returns.
+    let inputs: Vec<*const u8> = (0..world)
+        .map(|r| match (r == me && direct, hw.is_local(r)) {
+            (true, _) => input.data_ptr().cast_const(),
+            (false, true) => (hw.read_ptr(r) + slot(r)) as *const u8,
+            (false, false) => (hw.read_ptr(leader) + slot(r)) as *const u8,
+        })
+        .collect();
+    finish(&inputs)
 }

@@ -3,6 +3,8 @@
 
 mod host_push;
 
+pub(crate) use host_push::{exchange_inputs, layout};
+
 use crate::error::Result;
 use crate::group::Group;
 use crate::ops::common::*;

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# Open MPI's MPI_Allreduce (or MPI_Alltoall with OP=all-to-all, MPI_Allgather with OP=all-gather,
-# or with OP=all-to-all-v an
+# Open MPI's MPI_Allreduce (or MPI_Alltoall with OP=all-to-all, MPI_Allgather with
+# OP=all-gather, MPI_Reduce_scatter_block with OP=reduce-scatter, or with OP=all-to-all-v an
 # MPI_Alltoall of the counts then MPI_Alltoallv, as a sender-known-splits exchange takes) next to
-# `symmem bench all-reduce` (all-to-all, all-gather, all-to-all-v), same sizes and rank count, each run RUNS
-# times (default 3); prints
-# the median of the runs' median latencies side by side.
+# `symmem bench all-reduce` (all-to-all, all-gather, reduce-scatter, all-to-all-v), same sizes
+# and rank count, each run RUNS times (default 3); prints the median of the runs' median
+# latencies side by side.
 # HOSTS=2 plays two hosts on this machine: symmem splits the ranks over two "hosts" that reach
 # each other through its tcp transport (`--hosts 2`), and Open MPI is restricted to its TCP
 # transport (`--mca btl tcp,self`, every pair over TCP loopback, as between hosts).
@@ -20,6 +20,7 @@
 #   bench/compare_mpi.sh [RANKS] [SIZES]     e.g. bench/compare_mpi.sh 2 8,4K,64K,1M,16M
 #   HOSTS=2 OP=all-to-all bench/compare_mpi.sh 4 8,65536,1048576,16777216
 #   HOSTS=2 XHOST=ucx MPI_PML=ucx bench/compare_mpi.sh 4 8,65536,1048576,16777216
+#   HOSTS=2 OP=all-gather bench/compare_mpi.sh 2 8,64K,1M,16M   (sizes: the gathered output)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RANKS=${1:-2}
@@ -44,6 +45,7 @@ PIN_ARGS=()
 if [ "${PIN:-1}" != 0 ] && [ "$RANKS" -le "$(nproc)" ]; then PIN_ARGS=(--pin); fi
 if [ "$OP" = all-to-all ]; then export MPI_BENCH_OP=alltoall; MPI_NAME=mpi_alltoall; SYM_NAME=all_to_all;
 elif [ "$OP" = all-gather ]; then export MPI_BENCH_OP=allgather; MPI_NAME=mpi_allgather; SYM_NAME=all_gather;
+elif [ "$OP" = reduce-scatter ]; then export MPI_BENCH_OP=reducescatter; MPI_NAME=mpi_reduce_scatter; SYM_NAME=reduce_scatter;
 elif [ "$OP" = all-to-all-v ]; then export MPI_BENCH_OP=alltoallv; MPI_NAME=mpi_alltoallv; SYM_NAME=all_to_all_v;
 else MPI_NAME=mpi_allreduce; SYM_NAME=all_reduce; fi
 if ! command -v mpicc >/dev/null; then

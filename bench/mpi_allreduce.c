@@ -1,7 +1,9 @@
 /* A minimal timing loop around Open MPI's MPI_Allreduce (float sum), or MPI_Alltoall when
  * MPI_BENCH_OP=alltoall (equal blocks of the size's bytes split over the ranks), or
  * MPI_Allgather when MPI_BENCH_OP=allgather (the size is the gathered output's, as nccl-tests and
- * `symmem bench all-gather` count it: each rank gives an equal block of it), or, when
+ * `symmem bench all-gather` count it: each rank gives an equal block of it), or
+ * MPI_Reduce_scatter_block when MPI_BENCH_OP=reducescatter (the size is each rank's input, float
+ * sum; each rank receives an equal block), or, when
  * MPI_BENCH_OP=alltoallv, what an all-to-all-v with splits known only to their senders takes
  * (symmem's all_to_all_vdev, or PyTorch's all_to_all_single of the splits then of the rows):
  * MPI_Alltoall of the counts, then MPI_Alltoallv of the data (equal counts), printing the
@@ -28,12 +30,13 @@ int main(int argc, char **argv) {
     int a2av = op && strcmp(op, "alltoallv") == 0;
     int a2a = a2av || (op && strcmp(op, "alltoall") == 0);
     int ag = op && strcmp(op, "allgather") == 0;
+    int rs = op && strcmp(op, "reducescatter") == 0;
     int *scount = calloc(size, sizeof(int)), *rcount = calloc(size, sizeof(int));
     int *sdispl = calloc(size, sizeof(int)), *rdispl = calloc(size, sizeof(int));
     for (int a = 1; a < argc; a++) {
         long bytes = atol(argv[a]);
         long count = bytes / 4 < 1 ? 1 : bytes / 4;
-        if (a2a || ag) count = (count + size - 1) / size * size;
+        if (a2a || ag || rs) count = (count + size - 1) / size * size;
         float *in = calloc(count, 4), *out = calloc(count, 4);
         long budget = (256L << 20) / (count * 4);
         int iters = budget < 10 ? 10 : budget > 2000 ? 2000 : (int)budget;
@@ -46,7 +49,9 @@ int main(int argc, char **argv) {
                 MPI_Alltoall(scount, 1, MPI_INT, rcount, 1, MPI_INT, MPI_COMM_WORLD);
                 for (int r = 0, at = 0; r < size; r++) rdispl[r] = at, at += rcount[r];
                 MPI_Alltoallv(in, scount, sdispl, MPI_FLOAT, out, rcount, rdispl, MPI_FLOAT, MPI_COMM_WORLD);
-            } else if (ag)
+            } else if (rs)
+                MPI_Reduce_scatter_block(in, out, (int)(count / size), MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
+            else if (ag)
                 MPI_Allgather(in, (int)(count / size), MPI_FLOAT, out, (int)(count / size), MPI_FLOAT, MPI_COMM_WORLD);
             else if (a2a)
                 MPI_Alltoall(in, (int)(count / size), MPI_FLOAT, out, (int)(count / size), MPI_FLOAT, MPI_COMM_WORLD);
@@ -60,11 +65,17 @@ int main(int argc, char **argv) {
             printf("{\"bench\":\"%s\",\"ranks\":%d,\"hosts\":1,\"size\":%ld,\"count\":%ld,\"dtype\":\"float32\","
                    "\"iters\":%d,\"time_us\":%.3f,\"p99_us\":%.3f,\"algbw\":null,\"busbw\":null,"
                    "\"note\":\"baseline: Open MPI %s\"}\n",
-                   a2av ? "mpi_alltoallv" : a2a ? "mpi_alltoall" : ag ? "mpi_allgather" : "mpi_allreduce", size, count * 4,
+                   a2av ? "mpi_alltoallv"
+                   : a2a ? "mpi_alltoall"
+                   : ag  ? "mpi_allgather"
+                   : rs  ? "mpi_reduce_scatter"
+                         : "mpi_allreduce",
+                   size, count * 4,
                    count, iters, median, p99,
                    a2av ? "MPI_Alltoall of the counts, then MPI_Alltoallv"
                    : a2a ? "MPI_Alltoall"
                    : ag  ? "MPI_Allgather"
+                   : rs  ? "MPI_Reduce_scatter_block"
                          : "MPI_Allreduce");
         fflush(stdout);
         free(in);

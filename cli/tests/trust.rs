@@ -1477,6 +1477,23 @@ fn rank_out_of_step() {
         assert!(got.iter().all(|&f| f == want), "reduce_scatter, call {i}: {n} floats, last {last}");
     }
 
+    // So does the one-shot all-reduce, each rank reducing every input.
+    for (what, n) in [("growing", 8192), ("straddling", 300_000)] {
+        let t = std::time::Instant::now();
+        let v = x.narrow(0, 0, if me == 1 { n } else { 64 }).unwrap();
+        let e = ops::one_shot_all_reduce(&v, ReduceOp::Sum, &g).unwrap_err().to_string();
+        assert!(e.contains("disagree") && e.contains("rank 1 pass"), "one_shot, {what}: {e}");
+        assert!(t.elapsed() < Duration::from_secs(2), "one_shot, {what}: after {:?}: {e}", t.elapsed());
+    }
+    for i in 0..20 {
+        let n = [64, 8192, 20_000, 300_000][i % 4];
+        let v = x.narrow(0, 0, n).unwrap();
+        v.fill(((me + 1) * (i + 1)) as f32).unwrap();
+        let got = ops::one_shot_all_reduce(&v, ReduceOp::Sum, &g).unwrap().to_vec::<f32>().unwrap();
+        let want = (ws * (ws + 1) / 2 * (i + 1)) as f32;
+        assert!(got.iter().all(|&f| f == want), "one_shot, call {i}: {n} floats");
+    }
+
     // A rank that comes to a call after the others gave up on it (their timeout is the job's
     // SYMMEM_OP_TIMEOUT): they time out, their calls ended at different points. So does the
     // late one, its peers gone; only alone with one peer (1+1) does it still find that peer's

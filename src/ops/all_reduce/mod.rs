@@ -127,13 +127,58 @@ pub fn one_shot_all_reduce_out(input: &Tensor, op: ReduceOp, group: &Group, out:
     same_shape(OP, input, out)?;
     disjoint(OP, input, out)?;
     reducible(OP, input)?;
-    let Some(h) = prologue(OP, input, group, &[op.code()])? else { return Ok(()) };
-    fetch_shared(&h, |_| (0, input.nbytes()))?;
+    let h = symmetric(OP, input, group)?;
+    if input.numel() == 0 {
+        return Ok(());
+    }
+    if h.all_local() {
+        enter_on(OP, input, group, &h, &[op.code()])?;
+        return one_shot_pulled(input, op, out, &h);
+    }
+    // Across hosts, within host push's limits, the all-gather's exchange: every rank's input
+    // reaches every host once, and each rank reduces them all, in rank order, into `out`.
+    // Ranks that took different ways, or left a call at different points, are out of step:
+    // refused from then on.
+    hostpush::guarded(group, OP, || {
+        if crate::ops::all_gather::select_for(input, &h) == crate::ops::all_gather::Algo::HostPush {
+            let sig = crate::ops::check::counts(input, Some(op));
+            let ws = h.world_size();
+            return crate::ops::all_gather::exchange_inputs(
+                input,
+                group,
+                &h,
+                OP,
+                sig,
+                timeout(),
+                || {},
+                |inputs| {
+                    // SAFETY: `inputs[r]` holds rank r's numel elements for the length of the call
+                    // (`exchange_inputs`); `out` is a contiguous tensor of numel elements sharing no
+                    // byte with any of them.
+                    unsafe { reduce::reduce(input.dtype(), op, inputs, &[out.data_ptr()], input.numel(), ws) }
+                },
+            );
+        }
+        // An entry that meets host push's calls: a rank whose size is on the other side of the
+        // limit disagrees at once.
+        let stamp = crate::ops::check::Stamp::new(OP, input, h.offset(), &[op.code()]);
+        let sig = crate::ops::check::counts_stamped(input, Some(op), &stamp);
+        let layout = crate::ops::all_gather::layout(group.world_size());
+        let disagree = |f, r, t| crate::ops::check::counts_disagree(OP, f, r, t);
+        hostpush::meet(group, OP, layout, sig, disagree, timeout())?;
+        one_shot_pulled(input, op, out, &h)
+    })
+}
+
+/// The pull path of [`one_shot_all_reduce_out`], once the ranks entered: every input fetched
+/// (each other host's once per host), reduced in rank order into `out`, then a barrier.
+fn one_shot_pulled(input: &Tensor, op: ReduceOp, out: &Tensor, h: &symm::SymmHandle) -> Result<()> {
+    fetch_shared(h, |_| (0, input.nbytes()))?;
     // SAFETY: between the barriers no rank writes its input (the operator's contract), every
     // peer pointer addresses numel elements inside that peer's mapped buffer or its mirror
     // (rendezvous checked the shapes), and `out` is a contiguous tensor of numel elements.
-    unsafe { reduce::reduce(input.dtype(), op, &peers(&h, 0), &[out.data_ptr()], input.numel(), h.world_size())? };
-    barrier(&h)
+    unsafe { reduce::reduce(input.dtype(), op, &peers(h, 0), &[out.data_ptr()], input.numel(), h.world_size())? };
+    barrier(h)
 }
 
 /// In-place all-reduce of a symmetric tensor: every rank reduces one slice and pushes it to all

@@ -400,6 +400,50 @@ pub(crate) fn gather_sigs(hw: &SymmHandle, sigs: &Sigs) {
     }
 }
 
+/// On a leader whose host's ranks all arrived in call `e` of an exchange its leader gathers
+/// (messages of `n` bytes up to [`GATHERED_MAX`], each rank's in its slot at `slot(rank)`,
+/// `stride` bytes apart): copies their slots into its own and sends its host's, as runs of
+/// consecutive ranks, with their signatures and then its FROM word, to every other leader.
+pub(crate) fn send_gathered(
+    w: &mut Workspace,
+    e: u32,
+    sigs: &Sigs,
+    slot: impl Fn(usize) -> usize,
+    stride: usize,
+    n: usize,
+    timeout: Duration,
+) -> Result<()> {
+    let hw = w.words.h.clone();
+    let locals = hw.local_ranks();
+    let me = hw.rank();
+    for &r in &locals[1..] {
+        // SAFETY: rank r's slot is final (its ARRIVE e seen with Acquire) and r rewrites it only
+        // for call e+2, after this leader's RELEASE e+1; this leader's copy of it is sent from,
+        // and rewritten only after the sends of call e-2 landed (the caller settled them).
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                (hw.read_ptr(r) + slot(r)) as *const u8,
+                (hw.read_ptr(me) + slot(r)) as *mut u8,
+                n,
+            )
+        };
+    }
+    gather_sigs(&hw, sigs);
+    for l in hw.leaders().filter(|&l| l != me) {
+        // The host's data, their signatures and the FROM word leave together.
+        hw.batch(l, || -> Result<()> {
+            for (a, b) in runs(locals) {
+                let (first, len) = (locals[a], (b - a - 1) * stride + n);
+                for work in send_before_signal(&hw, l, slot(first), slot(first), len, timeout)? {
+                    w.sent.push((l, e, work));
+                }
+            }
+            send_host_sigs(w, l, e, sigs, timeout)
+        })?;
+    }
+    Ok(())
+}
+
 /// On a leader, inside a batch to leader `l` of another host: its host's signatures (gathered
 /// by [`gather_sigs`]), then its own FROM word, which tells `l` they landed (the link keeps
 /// them in order). A FROM word is only ever raised by its own rank, on its own link: a word

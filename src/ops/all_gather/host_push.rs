@@ -150,29 +150,7 @@ pub(crate) fn exchange_inputs(
     let senders: Vec<usize> =
         if gathered { other_leaders.clone() } else { (0..world).filter(|&r| !hw.is_local(r)).collect() };
     let gather = |w: &mut Workspace| -> Result<()> {
-        if !gathered {
-            return Ok(());
-        }
-        for &r in &locals[1..] {
-            // SAFETY: rank r's slot is final (its ARRIVE e seen with Acquire) and r rewrites it
-            // only for call e+2, after this leader's RELEASE e+1; this leader's copy of it is
-            // sent from, and rewritten only after the sends of call e-2 landed (settled above).
-            unsafe { std::ptr::copy_nonoverlapping((hw.read_ptr(r) + slot(r)) as *const u8, own(slot(r)), n) };
-        }
-        gather_sigs(&hw, &sigs);
-        for &l in &other_leaders {
-            // The host's inputs, their signatures and the FROM word leave together.
-            hw.batch(l, || -> Result<()> {
-                for (a, b) in runs(locals) {
-                    let (first, len) = (locals[a], (b - a - 1) * stride + n);
-                    for work in send_before_signal(&hw, l, slot(first), slot(first), len, timeout)? {
-                        w.sent.push((l, e, work));
-                    }
-                }
-                send_host_sigs(w, l, e, &sigs, timeout)
-            })?;
-        }
-        Ok(())
+        if gathered { send_gathered(w, e, &sigs, slot, stride, n, timeout) } else { Ok(()) }
     };
     let judged = exchange_and_judge(w, e, &sigs, senders.into_iter(), gather, timeout);
     let written = landed(from_input);

@@ -135,25 +135,7 @@ pub(crate) fn all_reduce(
         }
         if gathered {
             // The host's inputs, as runs of consecutive ranks, to every other leader in one go.
-            for &r in &locals[1..] {
-                // SAFETY: rank r's slot is final (ARRIVE e seen with Acquire) and r rewrites it only
-                // for call e+2, after this leader's RELEASE e+1; this leader's copy of it is sent
-                // from and rewritten only after the sends of call e-2 landed (settled above).
-                unsafe { std::ptr::copy_nonoverlapping((hw.read_ptr(r) + inbox(r)) as *const u8, own(inbox(r)), n) };
-            }
-            gather_sigs(&hw, &sigs);
-            for &l in &other_leaders {
-                // The host's data, their signatures and the FROM word leave together.
-                hw.batch(l, || -> Result<()> {
-                    for (a, b) in runs(locals) {
-                        let (first, len) = (locals[a], (b - a - 1) * stride + n);
-                        for work in send_before_signal(&hw, l, inbox(first), inbox(first), len, timeout)? {
-                            w.sent.push((l, e, work));
-                        }
-                    }
-                    send_host_sigs(w, l, e, &sigs, timeout)
-                })?;
-            }
+            send_gathered(w, e, &sigs, inbox, stride, n, timeout)?;
         }
         // Ranks of this host on either side of the gathering limit: raise the FROM words of
         // those that left their messages to this leader, which others may wait for.

@@ -109,8 +109,10 @@ fn text(o: &Output) -> String {
 /// Checks every launcher succeeded and every rank finished; returns each rank's digests.
 fn digests(outs: &[Output], world: usize) -> BTreeMap<usize, BTreeMap<String, String>> {
     let mut all = BTreeMap::new();
+    // Every launcher that failed, whole: the first to fail stops the others.
+    let failed: Vec<String> = outs.iter().filter(|o| !o.status.success()).map(text).collect();
+    assert!(failed.is_empty(), "launchers failed:\n{}", failed.join("\n---- the next launcher ----\n"));
     for o in outs {
-        assert!(o.status.success(), "a launcher failed:\n{}", text(o));
         for line in String::from_utf8_lossy(&o.stdout).lines() {
             let Some((prefix, rest)) = line.split_once("] ") else { continue };
             let Ok(rank) = prefix.trim_start_matches('[').parse::<usize>() else { continue };

@@ -207,6 +207,21 @@ pub(crate) fn counts(t: &Tensor, op: Option<ReduceOp>) -> [u64; 2] {
     [t.numel() as u64, u64::from(t.dtype().code()) | op.map_or(0, ReduceOp::code) << 8]
 }
 
+/// Bits of a signature's first word that hold the element count; those above hold, for the
+/// operators that read every rank's view where they read their own ([`counts_at`]), a digest
+/// of the view's offset.
+pub(crate) const COUNT_BITS: u64 = (1 << 40) - 1;
+
+/// [`counts`] for an operator whose single-host algorithm reads every rank's view at this
+/// rank's own offset (all-gather, reduce-scatter, one-shot): the view's byte `offset` in its
+/// allocation is digested into the first word's upper bits, so ranks that pass views at
+/// different offsets disagree across hosts as on one host.
+pub(crate) fn counts_at(t: &Tensor, op: Option<ReduceOp>, offset: usize) -> [u64; 2] {
+    let [n, code] = counts(t, op);
+    let digest = (offset as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 40;
+    [n & COUNT_BITS | digest << 40, code]
+}
+
 /// [`counts`] with the [`Stamp`] of the whole call folded into its upper bits: the signature
 /// of a call across hosts that takes another algorithm than host push (above its limit), which
 /// meets host push's calls on their workspace ([`crate::ops::hostpush::meet`]). A host-push
@@ -227,9 +242,9 @@ pub(crate) fn counts_disagree(op: &str, first: [u64; 2], r: usize, theirs: [u64;
             ["", " (sum)", " (avg)", " (min)", " (max)"].get((w[1] >> 8 & 0x7f) as usize).copied().unwrap_or("");
         // Bit 15: a reduce-scatter split along the last dimension (`reduce_scatter_out`).
         let split = if w[1] >> 15 & 1 == 1 { " split along the last dimension" } else { "" };
-        format!("{} {dtype} elements{reduction}{split}", w[0])
+        format!("{} {dtype} elements{reduction}{split}", w[0] & COUNT_BITS)
     };
-    let low = |w: [u64; 2]| [w[0], w[1] & 0xffff];
+    let low = |w: [u64; 2]| [w[0] & COUNT_BITS, w[1] & 0xffff];
     let what = if low(first) == low(theirs) {
         format!("rank 0 and rank {r} passed {} with different arguments (shape, offset or algorithm)", show(first))
     } else {

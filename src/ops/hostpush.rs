@@ -523,7 +523,7 @@ fn left_to_leader(kind: &str, sig: [u64; 2]) -> bool {
         return false;
     }
     DType::from_code(sig[1] as u8)
-        .and_then(|d| usize::try_from(sig[0]).ok()?.checked_mul(d.size()))
+        .and_then(|d| usize::try_from(sig[0] & crate::ops::check::COUNT_BITS).ok()?.checked_mul(d.size()))
         .is_some_and(|n| n <= GATHERED_MAX)
 }
 
@@ -620,6 +620,13 @@ mod tests {
         assert!(left_to_leader("all_to_all", sig(8192, DType::BF16)));
         assert!(left_to_leader("all_gather", sig(4096, DType::F32)));
         assert!(!left_to_leader("all_gather", sig(4097, DType::F32)));
+        // The view's offset travels in the count's upper bits: it changes nothing here.
+        let at = |n: usize, offset: usize| {
+            crate::ops::check::counts_at(&Tensor::zeros(&[n], DType::F32).unwrap(), None, offset)
+        };
+        assert!(left_to_leader("all_gather", at(4096, 1 << 20)));
+        assert!(!left_to_leader("all_gather", at(4097, 16)));
+        assert_ne!(at(4096, 0), at(4096, 16), "views at different offsets disagree");
         assert!(!left_to_leader("all_reduce", sig(4097, DType::F32)));
         assert!(!left_to_leader("all_reduce", sig(8192, DType::F32)));
         // The all-to-all-v family always sends its own; so does the entry of a large call.

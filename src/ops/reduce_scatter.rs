@@ -40,9 +40,10 @@ pub fn select_for(input: &Tensor, h: &SymmHandle) -> Algo {
     select(input.nbytes(), h.max_ranks_per_host(), hosts, h.link_backend())
 }
 
-/// A host-push call's signature: the counts, with the reduction and (bit 15) the split.
-fn host_sig(input: &Tensor, op: ReduceOp, split_last_dim: bool) -> [u64; 2] {
-    let [n, code] = crate::ops::check::counts(input, Some(op));
+/// A host-push call's signature: the counts at the view's `offset`, with the reduction and
+/// (bit 15) the split.
+fn host_sig(input: &Tensor, op: ReduceOp, split_last_dim: bool, offset: usize) -> [u64; 2] {
+    let [n, code] = crate::ops::check::counts_at(input, Some(op), offset);
     [n, code | u64::from(split_last_dim) << 15]
 }
 
@@ -117,7 +118,7 @@ pub fn reduce_scatter_out(
     hostpush::guarded(group, KIND, || {
         if select_for(input, &h) == Algo::HostPush {
             // Host push checks the ranks' arguments itself, in its one exchange.
-            let sig = host_sig(input, op, split_last_dim);
+            let sig = host_sig(input, op, split_last_dim, h.offset());
             return crate::ops::all_gather::exchange_inputs(
                 input,
                 group,

@@ -40,7 +40,7 @@ pub(crate) fn meet(input: &Tensor, group: &Group, h: &SymmHandle, timeout: Durat
 /// after), then the others'. A call that fails leaves `out` unspecified, as MPI's do.
 pub(crate) fn all_gather(input: &Tensor, out: &Tensor, group: &Group, h: &SymmHandle, timeout: Duration) -> Result<()> {
     let n = input.nbytes();
-    let sig = crate::ops::check::counts(input, None);
+    let sig = crate::ops::check::counts_at(input, None, h.offset());
     let me = group.rank();
     // SAFETY: the input is contiguous, n bytes, sharing no byte with `out` (checked), which
     // holds world blocks of n bytes.

@@ -141,7 +141,7 @@ pub fn one_shot_all_reduce_out(input: &Tensor, op: ReduceOp, group: &Group, out:
     // refused from then on.
     hostpush::guarded(group, OP, || {
         if crate::ops::all_gather::select_for(input, &h) == crate::ops::all_gather::Algo::HostPush {
-            let sig = crate::ops::check::counts(input, Some(op));
+            let sig = crate::ops::check::counts_at(input, Some(op), h.offset());
             let ws = h.world_size();
             return crate::ops::all_gather::exchange_inputs(
                 input,

@@ -133,13 +133,7 @@ pub fn reduce_scatter_out(
                 },
             );
         }
-        // An entry that meets host push's calls: a rank whose size is on the other side of its
-        // limit disagrees at once.
-        let stamp = crate::ops::check::Stamp::new(OP, input, h.offset(), &args);
-        let sig = crate::ops::check::counts_stamped(input, Some(op), &stamp);
-        let layout = crate::ops::all_gather::layout(group.world_size());
-        let disagree = |f, r, t| crate::ops::check::counts_disagree(KIND, f, r, t);
-        hostpush::meet(group, KIND, layout, sig, disagree, timeout())?;
+        crate::ops::all_gather::meet(input, group, &h, KIND, Some(op), &args)?;
         pulled(input, op, split_last_dim, out, &h)
     })
 }

@@ -25,13 +25,23 @@ pub(crate) fn layout(world: usize) -> impl Fn(usize) -> usize {
     move |cap| 2 * world * cap
 }
 
-/// The entry of an all-gather across hosts above host push's limit (pulled), meeting host
-/// push's calls on its workspace ([`crate::ops::hostpush::meet`]).
-pub(crate) fn meet(input: &Tensor, group: &Group, h: &SymmHandle, timeout: Duration) -> Result<()> {
-    let stamp = crate::ops::check::Stamp::new(KIND, input, h.offset(), &[]);
-    let sig = crate::ops::check::counts_stamped(input, None, &stamp);
-    let disagree = |f, r, t| crate::ops::check::counts_disagree(KIND, f, r, t);
-    crate::ops::hostpush::meet(group, KIND, layout(group.world_size()), sig, disagree, timeout)
+/// The entry of a call across hosts above the limit of [`exchange_inputs`] (pulled) of the
+/// operator whose workspace is `kind` (reduction `op`, further arguments `args`): meets host
+/// push's calls on that workspace ([`crate::ops::hostpush::meet`]), so a rank whose size is on
+/// the other side of the limit disagrees at once.
+pub(crate) fn meet(
+    input: &Tensor,
+    group: &Group,
+    h: &SymmHandle,
+    kind: &'static str,
+    op: Option<crate::ops::reduce::ReduceOp>,
+    args: &[u64],
+) -> Result<()> {
+    let stamp = crate::ops::check::Stamp::new(kind, input, h.offset(), args);
+    let sig = crate::ops::check::counts_stamped(input, op, &stamp);
+    let disagree = |f, r, t| crate::ops::check::counts_disagree(kind, f, r, t);
+    let timeout = crate::ops::common::timeout();
+    crate::ops::hostpush::meet(group, kind, layout(group.world_size()), sig, disagree, timeout)
 }
 
 /// All-gather of a small or medium `input` on a group that spans hosts into `out` (`world`
@@ -60,18 +70,18 @@ pub(crate) fn all_gather(input: &Tensor, out: &Tensor, group: &Group, h: &SymmHa
 /// The host-push exchange of every rank's `input` (`h`: its handle) on a group that spans
 /// hosts, on the workspace of `kind` with the ranks' signatures `sig`, running `meanwhile`
 /// once this rank's sends are on their way; then `finish` gets, per rank, where its input is,
-/// readable until `finish` returns. Every rank copies its input into its
-/// slot and, unless its leader gathers (inputs up to [`GATHERED_MAX`]), writes it to the same
-/// slot of every other host's leader, then raises that leader's FROM word; a gathering leader
-/// packs its host's slots into its own and sends them as runs of consecutive ranks. Once its
-/// leader releases the host (every slot of the call landed, every signature agreed), each rank
-/// copies its host's ranks' slots and its leader's slots of the others into `out`. The slots
-/// alternate as in the all-reduce: a slot of call e is rewritten only in call e+2, which no
-/// rank of a host starts before every rank of it finished call e (its leader releases call
-/// e+1 only once they all arrived in it, and raises or waits for their FROM words of call e+1
-/// only then). A rank alone on its host sends an input of [`DIRECT_MIN`] bytes or more straight
-/// from the input (`h`: its handle) instead, copies it into `out` itself (nobody else reads
-/// its slot), and waits for those writes before returning, the input being the caller's again.
+/// readable until `finish` returns. Every rank copies its input into its slot and, unless its
+/// leader gathers (inputs up to [`GATHERED_MAX`]), writes it to the same slot of every other
+/// host's leader, then raises that leader's FROM word; a gathering leader packs its host's
+/// slots into its own and sends them as runs of consecutive ranks. Once its leader releases
+/// the host (every slot of the call landed, every signature agreed), `finish` reads its host's
+/// ranks' slots and its leader's slots of the others. The slots alternate as in the all-reduce:
+/// a slot of call e is rewritten only in call e+2, which no rank of a host starts before every
+/// rank of it finished call e (its leader releases call e+1 only once they all arrived in it,
+/// and raises or waits for their FROM words of call e+1 only then). A rank alone on its host
+/// sends an input of [`DIRECT_MIN`] bytes or more straight from the input instead (nobody else
+/// reads its slot; `finish` gets the input itself for it), and waits for those writes before
+/// `finish`, the input being the caller's again once the call returns.
 #[allow(clippy::too_many_arguments, reason = "the operator's call and its two hooks")]
 pub(crate) fn exchange_inputs(
     input: &Tensor,

@@ -3,7 +3,7 @@
 
 mod host_push;
 
-pub(crate) use host_push::{exchange_inputs, layout};
+pub(crate) use host_push::{exchange_inputs, meet};
 
 use crate::error::Result;
 use crate::group::Group;
@@ -98,9 +98,7 @@ pub fn all_gather_into(input: &Tensor, group: &Group, out: &Tensor) -> Result<()
             // Host push checks the ranks' arguments itself, in its one exchange.
             return host_push::all_gather(input, out, group, &h, timeout());
         }
-        // An entry that meets host push's calls: a rank whose size is on the other side of its
-        // limit disagrees at once.
-        host_push::meet(input, group, &h, timeout())?;
+        host_push::meet(input, group, &h, OP, None, &[])?;
         pulled(input, group, out, &h)
     })
 }

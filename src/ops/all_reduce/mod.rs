@@ -159,13 +159,7 @@ pub fn one_shot_all_reduce_out(input: &Tensor, op: ReduceOp, group: &Group, out:
                 },
             );
         }
-        // An entry that meets host push's calls: a rank whose size is on the other side of the
-        // limit disagrees at once.
-        let stamp = crate::ops::check::Stamp::new(OP, input, h.offset(), &[op.code()]);
-        let sig = crate::ops::check::counts_stamped(input, Some(op), &stamp);
-        let layout = crate::ops::all_gather::layout(group.world_size());
-        let disagree = |f, r, t| crate::ops::check::counts_disagree(OP, f, r, t);
-        hostpush::meet(group, OP, layout, sig, disagree, timeout())?;
+        crate::ops::all_gather::meet(input, group, &h, OP, Some(op), &[op.code()])?;
         one_shot_pulled(input, op, out, &h)
     })
 }

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Open MPI's MPI_Allreduce (or MPI_Alltoall with OP=all-to-all, MPI_Allgather with
-# OP=all-gather, MPI_Reduce_scatter_block with OP=reduce-scatter, or with OP=all-to-all-v an
+# OP=all-gather, MPI_Reduce_scatter_block with OP=reduce-scatter, MPI_Bcast from rank 0 with
+# OP=broadcast (both timed on their slowest rank), or with OP=all-to-all-v an
 # MPI_Alltoall of the counts then MPI_Alltoallv, as a sender-known-splits exchange takes) next to
-# `symmem bench all-reduce` (all-to-all, all-gather, reduce-scatter, all-to-all-v), same sizes
+# `symmem bench all-reduce` (all-to-all, all-gather, reduce-scatter, broadcast, all-to-all-v), same sizes
 # and rank count, each run RUNS times (default 3); prints the median of the runs' median
 # latencies side by side.
 # HOSTS=2 plays two hosts on this machine: symmem splits the ranks over two "hosts" that reach
@@ -46,6 +47,7 @@ if [ "${PIN:-1}" != 0 ] && [ "$RANKS" -le "$(nproc)" ]; then PIN_ARGS=(--pin); f
 if [ "$OP" = all-to-all ]; then export MPI_BENCH_OP=alltoall; MPI_NAME=mpi_alltoall; SYM_NAME=all_to_all;
 elif [ "$OP" = all-gather ]; then export MPI_BENCH_OP=allgather; MPI_NAME=mpi_allgather; SYM_NAME=all_gather;
 elif [ "$OP" = reduce-scatter ]; then export MPI_BENCH_OP=reducescatter; MPI_NAME=mpi_reduce_scatter; SYM_NAME=reduce_scatter;
+elif [ "$OP" = broadcast ]; then export MPI_BENCH_OP=bcast; MPI_NAME=mpi_bcast; SYM_NAME=broadcast;
 elif [ "$OP" = all-to-all-v ]; then export MPI_BENCH_OP=alltoallv; MPI_NAME=mpi_alltoallv; SYM_NAME=all_to_all_v;
 else MPI_NAME=mpi_allreduce; SYM_NAME=all_reduce; fi
 if ! command -v mpicc >/dev/null; then

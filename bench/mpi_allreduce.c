@@ -3,7 +3,8 @@
  * MPI_Allgather when MPI_BENCH_OP=allgather (the size is the gathered output's, as nccl-tests and
  * `symmem bench all-gather` count it: each rank gives an equal block of it), or
  * MPI_Reduce_scatter_block when MPI_BENCH_OP=reducescatter (the size is each rank's input, float
- * sum; each rank receives an equal block), or, when
+ * sum; each rank receives an equal block), or MPI_Bcast from rank 0 when MPI_BENCH_OP=bcast
+ * (the size is the buffer's; the time the slowest rank's), or, when
  * MPI_BENCH_OP=alltoallv, what an all-to-all-v with splits known only to their senders takes
  * (symmem's all_to_all_vdev, or PyTorch's all_to_all_single of the splits then of the rows):
  * MPI_Alltoall of the counts, then MPI_Alltoallv of the data (equal counts), printing the
@@ -31,6 +32,7 @@ int main(int argc, char **argv) {
     int a2a = a2av || (op && strcmp(op, "alltoall") == 0);
     int ag = op && strcmp(op, "allgather") == 0;
     int rs = op && strcmp(op, "reducescatter") == 0;
+    int bc = op && strcmp(op, "bcast") == 0;
     int *scount = calloc(size, sizeof(int)), *rcount = calloc(size, sizeof(int));
     int *sdispl = calloc(size, sizeof(int)), *rdispl = calloc(size, sizeof(int));
     for (int a = 1; a < argc; a++) {
@@ -49,7 +51,9 @@ int main(int argc, char **argv) {
                 MPI_Alltoall(scount, 1, MPI_INT, rcount, 1, MPI_INT, MPI_COMM_WORLD);
                 for (int r = 0, at = 0; r < size; r++) rdispl[r] = at, at += rcount[r];
                 MPI_Alltoallv(in, scount, sdispl, MPI_FLOAT, out, rcount, rdispl, MPI_FLOAT, MPI_COMM_WORLD);
-            } else if (rs)
+            } else if (bc)
+                MPI_Bcast(in, (int)count, MPI_FLOAT, 0, MPI_COMM_WORLD);
+            else if (rs)
                 MPI_Reduce_scatter_block(in, out, (int)(count / size), MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
             else if (ag)
                 MPI_Allgather(in, (int)(count / size), MPI_FLOAT, out, (int)(count / size), MPI_FLOAT, MPI_COMM_WORLD);
@@ -61,11 +65,19 @@ int main(int argc, char **argv) {
         }
         qsort(lat, iters, sizeof(double), cmp);
         double median = lat[(iters - 1) / 2], p99 = lat[(int)((iters - 1) * 0.99)];
+        if (bc) {
+            /* The root returns as soon as its sends are out (eagerly, for small messages): the
+             * broadcast's time is the slowest rank's. */
+            double mine[2] = {median, p99}, worst[2];
+            MPI_Reduce(mine, worst, 2, MPI_DOUBLE, MPI_MAX, 0, MPI_COMM_WORLD);
+            median = worst[0], p99 = worst[1];
+        }
         if (rank == 0)
             printf("{\"bench\":\"%s\",\"ranks\":%d,\"hosts\":1,\"size\":%ld,\"count\":%ld,\"dtype\":\"float32\","
                    "\"iters\":%d,\"time_us\":%.3f,\"p99_us\":%.3f,\"algbw\":null,\"busbw\":null,"
                    "\"note\":\"baseline: Open MPI %s\"}\n",
                    a2av ? "mpi_alltoallv"
+                   : bc  ? "mpi_bcast"
                    : a2a ? "mpi_alltoall"
                    : ag  ? "mpi_allgather"
                    : rs  ? "mpi_reduce_scatter"
@@ -73,6 +85,7 @@ int main(int argc, char **argv) {
                    size, count * 4,
                    count, iters, median, p99,
                    a2av ? "MPI_Alltoall of the counts, then MPI_Alltoallv"
+                   : bc  ? "MPI_Bcast (the slowest rank's median)"
                    : a2a ? "MPI_Alltoall"
                    : ag  ? "MPI_Allgather"
                    : rs  ? "MPI_Reduce_scatter_block"

@@ -1187,7 +1187,8 @@ pub fn transport_rank(backend: &str, window: usize, sizes: &[usize]) -> Result<(
 /// What `symmem bench <collective>` measures.
 #[derive(Clone, Debug)]
 pub struct OpBenchOptions {
-    /// `all_reduce`, `all_gather`, `reduce_scatter` or `all_to_all`.
+    /// `all_reduce`, `all_gather`, `reduce_scatter`, `all_to_all`, `all_to_all_v` or
+    /// `broadcast`.
     pub op: String,
     /// For all-reduce: `one_shot`, `two_shot` or `auto`.
     pub algo: String,
@@ -1218,6 +1219,7 @@ fn bus_factor(op: &str, n: usize) -> f64 {
     let n = n as f64;
     match op {
         "all_reduce" => 2.0 * (n - 1.0) / n,
+        "broadcast" => 1.0,
         _ => (n - 1.0) / n,
     }
 }
@@ -1401,6 +1403,7 @@ pub fn collective_rank(
                 ("reduce_scatter", _) => ops::reduce_scatter_out(&input, ReduceOp::Sum, &group, false, &out),
                 ("all_to_all", _) => ops::all_to_all(&input, &out, &group),
                 ("all_to_all_v", _) => ops::all_to_all_vdev(&input, &out, &splits, &splits_out, &group),
+                ("broadcast", _) => ops::broadcast_(&input, 0, &group),
                 (other, _) => Err(Error::InvalidArgument(format!("unknown collective {other:?}"))),
             }
         };
@@ -1427,7 +1430,14 @@ pub fn collective_rank(
             "all_gather" => numel * ws * es,
             _ => numel * es,
         };
-        let (median, p99) = percentiles(&mut lat);
+        let (mut median, mut p99) = percentiles(&mut lat);
+        if op == "broadcast" {
+            // The root may finish first: a broadcast takes as long as its slowest rank.
+            let worst = symm::empty(&[2], DType::F64, Device::Cpu)?;
+            worst.copy_from_slice(&[median, p99])?;
+            ops::all_reduce(&worst, ReduceOp::Max, &group)?;
+            [median, p99] = worst.to_vec::<f64>()?[..].try_into().unwrap_or([median, p99]);
+        }
         let hosts = symmem::config::hosts();
         // What the operator decided from (its input's handle, made by its first call).
         let h = symm::rendezvous(&input, &group)?;
@@ -1439,6 +1449,7 @@ pub fn collective_rank(
             ("all_to_all_v", _) => symmem::ops::all_to_all::select_v(bytes, ws, ws, hosts, true).name(),
             ("all_gather", _) => symmem::ops::all_gather::select_for(&input, &h).name(),
             ("reduce_scatter", _) => symmem::ops::reduce_scatter::select_for(&input, &h).name(),
+            ("broadcast", _) => symmem::ops::broadcast::select_for(&input, &h).name(),
             _ => "pull",
         };
         let mut row =

@@ -508,13 +508,14 @@ impl OutputArgs {
 /// What the collectives' columns mean (nccl-tests' definitions).
 const COLLECTIVE_FIELDS: &str =
     "Columns (one row per size, printed as each finishes; --json and --csv carry the same names):
-  size      bytes: all-reduce, the tensor; all-gather, the gathered output; reduce-scatter and
-            all-to-all, each rank's input (as nccl-tests counts them)
+  size      bytes: all-reduce and broadcast, the tensor; all-gather, the gathered output;
+            reduce-scatter and all-to-all, each rank's input (as nccl-tests counts them)
   count     elements of dtype in size
   time_us   median time of one call (rank 0's view), p99_us its 99th percentile
   algbw     size / time_us, GB/s (10^9 bytes per second)
   busbw     algbw x the collective's factor on n ranks: all-reduce 2(n-1)/n; all-gather,
-            reduce-scatter, all-to-all (n-1)/n; comparable with the hardware's link bandwidth
+            reduce-scatter, all-to-all (n-1)/n; broadcast 1; comparable with the hardware's link
+            bandwidth
   algo      the algorithm that ran";
 
 #[derive(Subcommand)]
@@ -534,6 +535,9 @@ enum BenchCommand {
     /// All-to-all with per-peer splits (all_to_all_vdev), equal splits.
     #[command(after_help = COLLECTIVE_FIELDS)]
     AllToAllV(CollectiveArgs),
+    /// Broadcast from rank 0, in place (nvshmem_broadcast); timed on the slowest rank.
+    #[command(after_help = COLLECTIVE_FIELDS)]
+    Broadcast(CollectiveArgs),
     /// One-sided write and read latency and bandwidth between two processes, next to the
     /// baselines of the same run: a plain TCP stream and ping-pong (blocking, and both sides
     /// busy-polling) between the same two processes (cross-host backends), memcpy and
@@ -726,6 +730,7 @@ fn dispatch(command: Command) -> Result<u8> {
         Command::Bench { which: BenchCommand::AllToAllV(a) } => {
             bench_collective("all_to_all_v", &a, AllReduceAlgo::Auto)
         }
+        Command::Bench { which: BenchCommand::Broadcast(a) } => bench_collective("broadcast", &a, AllReduceAlgo::Auto),
         Command::Bench { which: BenchCommand::Transport { output, backend, sizes, window, plot } } => {
             let exe = self_exe()?;
             let what = format!("transport over {backend}");

@@ -539,11 +539,22 @@ fn operators(j: &Job) {
         g.barrier(T).unwrap();
         j.report(name, &out);
     }
-    for root in [0, ws - 1] {
-        let b = sym(&[777], DType::F64);
-        fill(&b, |i| val(me, i));
-        ops::broadcast_(&b, root, g).unwrap();
-        j.report(&format!("broadcast/{root}"), &b);
+    // Broadcasts across hosts by every way: host push with the root's leader gathering (777
+    // f64), the root's own message (5000), straight from the input for a root alone on its
+    // host (20 000), and pulled (200 000, past host push's limit); from the first rank, a rank
+    // that leads no host when hosts have two, and the last. Each root rewrites its tensor once
+    // the call returns.
+    let mut roots = vec![0, 1 % ws, ws - 1];
+    roots.dedup();
+    for n in [777, 5000, 20_000, 200_000] {
+        for &root in &roots {
+            let b = sym(&[n], DType::F64);
+            fill(&b, |i| val(me, i));
+            ops::broadcast_(&b, root, g).unwrap();
+            j.report(&format!("broadcast/{n}/{root}"), &b);
+            b.fill(-1.0f64).unwrap();
+            g.barrier(T).unwrap();
+        }
     }
     let a2a = Tensor::zeros(&[per * ws], DType::F32).unwrap();
     ops::all_to_all(&x, &a2a, g).unwrap();
@@ -875,7 +886,7 @@ fn rank_lost() {
     // And all-reduces that take the chain (above 512 KiB of a host's inputs).
     let chained = sym(&[200_000], DType::F32);
     // And all-gathers by host push, gathered by the leaders (16 KiB inputs) or not (32 KiB),
-    // and reduce-scatters by host push.
+    // and reduce-scatters and broadcasts by host push.
     let (own, ag_small, ag_own, rs_out) = (
         sym(&[8192], DType::F32),
         Tensor::zeros(&[4096 * j.ws], DType::F32).unwrap(),
@@ -897,7 +908,8 @@ fn rank_lost() {
             4 => ops::all_reduce(&chained, ReduceOp::Sum, &j.g),
             5 => ops::all_gather_into(&x, &j.g, &ag_small),
             6 => ops::all_gather_into(&own, &j.g, &ag_own),
-            7 => ops::reduce_scatter_out(&x, ReduceOp::Sum, &j.g, false, &rs_out),
+            7 if i % 16 == 7 => ops::reduce_scatter_out(&x, ReduceOp::Sum, &j.g, false, &rs_out),
+            7 => ops::broadcast_(&own, j.ws - 1, &j.g),
             1 => ops::all_to_all(&big, &big_out, &j.g),
             2 => ops::all_to_all_vdev(&x, &v_out, &splits, &oso, &j.g),
             _ => ops::all_to_all_vdev(&w_in, &w_out, &w_splits, &oso, &j.g),

@@ -1112,6 +1112,10 @@ fn rank_disagree() {
     ops::all_reduce(&x.narrow(0, 0, 64).unwrap(), ReduceOp::Sum, &g).unwrap();
     assert!(x.narrow(0, 0, 64).unwrap().to_vec::<f32>().unwrap().iter().all(|&v| v == ws as f32));
     ops::two_shot_all_reduce_(&x, ReduceOp::Max, &g).unwrap();
+    let b = x.narrow(0, 0, 16).unwrap();
+    b.fill(me as f32).unwrap();
+    ops::broadcast_(&b, ws - 1, &g).unwrap();
+    assert!(b.to_vec::<f32>().unwrap().iter().all(|&v| v == (ws - 1) as f32), "broadcast after the refusal");
     let a2a_in = x.narrow(0, 0, ws * 8).unwrap().view(&[ws, 8]).unwrap();
     let a2a_out = Tensor::zeros(&[ws, 8], DType::F32).unwrap();
     ops::all_to_all(&a2a_in, &a2a_out, &g).unwrap();

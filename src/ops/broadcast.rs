@@ -1,9 +1,53 @@
-//! Broadcast: every rank pulls the root's buffer between two barriers.
+//! Broadcast: every rank pulls the root's buffer between two barriers, or, across hosts up to
+//! host push's limit, the root's buffer travels once to each other host's leader
+//! ([`crate::ops::all_gather::exchange_inputs`] with only the root's input travelling) and
+//! every rank copies it from its host's copy.
 
 use crate::error::Result;
 use crate::group::Group;
 use crate::ops::common::*;
+use crate::ops::hostpush;
+use crate::symm::SymmHandle;
 use crate::tensor::Tensor;
+
+/// The kind of the broadcast's host-push workspace.
+const KIND: &str = "broadcast";
+
+/// The algorithms of [`broadcast_`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Algo {
+    /// Every rank reads the root's buffer (across hosts, one rank of each host reads it for its
+    /// host), between two barriers.
+    Pull,
+    /// Across hosts: the root's buffer in one message to each other host's leader (with every
+    /// rank's signature), copied by every rank of that host after one exchange.
+    HostPush,
+}
+
+impl Algo {
+    /// Its name, as benchmarks report it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Algo::Pull => "pull",
+            Algo::HostPush => "host_push",
+        }
+    }
+}
+
+/// The one selection: across hosts host push while `bytes` fit the limit host push has for
+/// the all-gather of the same input size over links of backend `link`
+/// ([`crate::symm::SymmHandle::link_backend`], the same on every rank) with at most
+/// `ranks_per_host` ranks on a host (the workspace holds a slot per rank, as the
+/// all-gather's); pull otherwise and on one host.
+pub fn select(bytes: usize, ranks_per_host: usize, hosts: usize, link: Option<&str>) -> Algo {
+    if hosts > 1 && hostpush::fits_size(bytes, ranks_per_host, link) { Algo::HostPush } else { Algo::Pull }
+}
+
+/// The algorithm [`broadcast_`] takes for `input` on the group of `h` (its handle).
+pub fn select_for(input: &Tensor, h: &SymmHandle) -> Algo {
+    let hosts = if h.all_local() { 1 } else { 2 };
+    select(input.nbytes(), h.max_ranks_per_host(), hosts, h.link_backend())
+}
 
 /// Broadcast in place: every rank's `input` becomes `root`'s.
 ///
@@ -25,11 +69,88 @@ pub fn broadcast_(input: &Tensor, root: usize, group: &Group) -> Result<()> {
     if root >= group.world_size() {
         return Err(bad(OP, format!("root {root} is not a rank of a group of {}", group.world_size())));
     }
-    let Some(h) = prologue(OP, input, group, &[root as u64])? else { return Ok(()) };
-    fetch_shared(&h, |r| if r == root { (0, input.nbytes()) } else { (0, 0) })?;
+    let h = symmetric(OP, input, group)?;
+    if input.numel() == 0 {
+        return Ok(());
+    }
+    if h.all_local() {
+        enter_on(OP, input, group, &h, &[root as u64])?;
+        return pulled(input, root, &h);
+    }
+    // Across hosts, ranks that took different algorithms (sizes on either side of the limit)
+    // or left a call at different points are out of step: refused from then on.
+    hostpush::guarded(group, KIND, || {
+        if select_for(input, &h) == Algo::HostPush {
+            // Host push checks the ranks' arguments (the root's included) in its one exchange.
+            let sig = host_sig(input, root, h.offset());
+            let me = h.rank();
+            return crate::ops::all_gather::exchange_inputs(
+                input,
+                group,
+                &h,
+                KIND,
+                sig,
+                Some(root),
+                timeout(),
+                || {},
+                |inputs| {
+                    if me != root {
+                        // SAFETY: `inputs[root]` holds the root's whole input for the length of
+                        // the call (`exchange_inputs`), in the root's slot or its host's copy,
+                        // never this rank's tensor; the input is contiguous, its n bytes ours.
+                        unsafe {
+                            std::ptr::copy_nonoverlapping(inputs[root], input.data_ptr(), input.nbytes());
+                        }
+                    }
+                    Ok(())
+                },
+            );
+        }
+        crate::ops::all_gather::meet(input, group, &h, KIND, None, &[root as u64])?;
+        pulled(input, root, &h)
+    })
+}
+
+/// The signature of a host-push broadcast: [`crate::ops::check::counts_at`] with the root
+/// folded into the offset's digest (the first word's upper bits), so ranks that name
+/// different roots disagree, as they do on one host.
+fn host_sig(input: &Tensor, root: usize, offset: usize) -> [u64; 2] {
+    let [n, code] = crate::ops::check::counts_at(input, None, offset);
+    let r = (root as u64).wrapping_add(1).wrapping_mul(0xD6E8_FEB8_6659_FD93) >> 40;
+    [n ^ r << 40, code]
+}
+
+/// The pull path of [`broadcast_`], once the ranks entered: the root's buffer read (on another
+/// host, by one rank of each host for its host), copied, then a barrier.
+fn pulled(input: &Tensor, root: usize, h: &SymmHandle) -> Result<()> {
+    fetch_shared(h, |r| if r == root { (0, input.nbytes()) } else { (0, 0) })?;
     if h.rank() != root {
         // SAFETY: root's buffer is not written between the barriers; ours is written only here.
-        unsafe { std::ptr::copy_nonoverlapping(peers(&h, 0)[root], input.data_ptr(), input.nbytes()) };
+        unsafe { std::ptr::copy_nonoverlapping(peers(h, 0)[root], input.data_ptr(), input.nbytes()) };
     }
-    barrier(&h)
+    barrier(h)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn host_push_takes_the_all_gathers_sizes_across_hosts_only() {
+        assert_eq!(select(8, 2, 1, None), Algo::Pull, "one host always pulls");
+        assert_eq!(select(8, 2, 2, Some("tcp")), Algo::HostPush);
+        assert_eq!(select(512 << 10, 2, 2, Some("tcp")), Algo::HostPush);
+        assert_eq!(select((512 << 10) + 1, 2, 2, Some("tcp")), Algo::Pull);
+    }
+
+    #[test]
+    fn the_root_changes_the_signature_but_not_its_count() {
+        let t = Tensor::zeros(&[6], crate::tensor::DType::F32).unwrap();
+        let (a, b) = (host_sig(&t, 0, 64), host_sig(&t, 1, 64));
+        assert_ne!(a, b, "ranks naming different roots must disagree");
+        assert_eq!(a[0] & crate::ops::check::COUNT_BITS, 6);
+        assert_eq!(b[0] & crate::ops::check::COUNT_BITS, 6);
+        assert_eq!(a[1], b[1], "the dtype word leaves the gathering logic's bits alone");
+        assert_eq!(a[1] >> 16, 0, "a host-push signature is never stamped");
+    }
 }

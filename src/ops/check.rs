@@ -246,7 +246,10 @@ pub(crate) fn counts_disagree(op: &str, first: [u64; 2], r: usize, theirs: [u64;
     };
     let low = |w: [u64; 2]| [w[0] & COUNT_BITS, w[1] & 0xffff];
     let what = if low(first) == low(theirs) {
-        format!("rank 0 and rank {r} passed {} with different arguments (shape, offset or algorithm)", show(first))
+        format!(
+            "rank 0 and rank {r} passed {} with different arguments (shape, offset, root or algorithm)",
+            show(first)
+        )
     } else {
         format!("rank 0 passed {} but rank {r} passed {}", show(first), show(theirs))
     };

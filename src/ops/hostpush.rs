@@ -405,6 +405,9 @@ pub(crate) fn gather_sigs(hw: &SymmHandle, sigs: &Sigs) {
 /// (messages of `n` bytes up to [`GATHERED_MAX`], each rank's in its slot at `slot(rank)`,
 /// `stride` bytes apart): copies their slots into its own and sends its host's, as runs of
 /// consecutive ranks, with their signatures and then its FROM word, to every other leader.
+/// `travels: Some(root)`: only rank `root`'s slot travels (if it is of this host), and the
+/// signatures.
+#[allow(clippy::too_many_arguments, reason = "the exchange's call")]
 pub(crate) fn send_gathered(
     w: &mut Workspace,
     e: u32,
@@ -412,12 +415,21 @@ pub(crate) fn send_gathered(
     slot: impl Fn(usize) -> usize,
     stride: usize,
     n: usize,
+    travels: Option<usize>,
     timeout: Duration,
 ) -> Result<()> {
     let hw = w.words.h.clone();
-    let locals = hw.local_ranks();
+    let all = hw.local_ranks();
+    let only: Vec<usize>;
+    let locals = match travels {
+        None => all,
+        Some(root) => {
+            only = all.iter().copied().filter(|&r| r == root).collect();
+            &only
+        }
+    };
     let me = hw.rank();
-    for &r in &locals[1..] {
+    for &r in locals.iter().filter(|&&r| r != me) {
         // SAFETY: rank r's slot is final (its ARRIVE e seen with Acquire) and r rewrites it only
         // for call e+2, after this leader's RELEASE e+1; this leader's copy of it is sent from,
         // and rewritten only after the sends of call e-2 landed (the caller settled them).

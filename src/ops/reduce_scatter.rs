@@ -125,6 +125,7 @@ pub fn reduce_scatter_out(
                 &h,
                 KIND,
                 sig,
+                None,
                 timeout(),
                 || {},
                 |inputs| {

@@ -55,7 +55,7 @@ pub(crate) fn all_gather(input: &Tensor, out: &Tensor, group: &Group, h: &SymmHa
     // SAFETY: the input is contiguous, n bytes, sharing no byte with `out` (checked), which
     // holds world blocks of n bytes.
     let own = || unsafe { std::ptr::copy_nonoverlapping(input.data_ptr().cast_const(), out.data_ptr().add(me * n), n) };
-    exchange_inputs(input, group, h, KIND, sig, timeout, own, |inputs| {
+    exchange_inputs(input, group, h, KIND, sig, None, timeout, own, |inputs| {
         for k in 1..inputs.len() {
             let r = (group.rank() + k) % inputs.len();
             // SAFETY: `inputs[r]` holds rank r's n input bytes for the length of this call (see
@@ -82,6 +82,9 @@ pub(crate) fn all_gather(input: &Tensor, out: &Tensor, group: &Group, h: &SymmHa
 /// sends an input of [`DIRECT_MIN`] bytes or more straight from the input instead (nobody else
 /// reads its slot; `finish` gets the input itself for it), and waits for those writes before
 /// `finish`, the input being the caller's again once the call returns.
+///
+/// `travels: Some(root)` (the broadcast): only rank `root`'s input travels; every other rank
+/// sends its signature and FROM word alone, and `finish` may read only `root`'s input.
 #[allow(clippy::too_many_arguments, reason = "the operator's call and its two hooks")]
 pub(crate) fn exchange_inputs(
     input: &Tensor,
@@ -89,6 +92,7 @@ pub(crate) fn exchange_inputs(
     h: &SymmHandle,
     kind: &'static str,
     sig: [u64; 2],
+    travels: Option<usize>,
     timeout: Duration,
     meanwhile: impl FnOnce(),
     finish: impl FnOnce(&[*const u8]) -> Result<()>,
@@ -113,11 +117,12 @@ pub(crate) fn exchange_inputs(
     let leader = locals[0];
     let other_leaders: Vec<usize> = hw.leaders().filter(|&l| l != leader).collect();
     let direct = !gathered && n >= DIRECT_MIN && locals.len() == 1;
+    let mine_travels = travels.is_none_or(|r| r == me);
 
     // The sends of call e-2 read this call's slots: they must have landed; those of call e-1
     // may still be in flight.
     settle(&hw, &mut w.sent, |epoch| epoch != e.wrapping_sub(1), timeout)?;
-    if !direct {
+    if !direct && mine_travels {
         // SAFETY: slot `me` of parity p lies in this rank's own workspace (sized for `cap` >=
         // stride bytes per slot); the input is contiguous (a symmetric tensor's view, checked)
         // of n bytes; nobody reads the slot before this rank's ARRIVE and FROM words below,
@@ -137,7 +142,9 @@ pub(crate) fn exchange_inputs(
         for &l in &other_leaders {
             // The input, its signature and the FROM word leave together.
             hw.batch(l, || -> Result<()> {
-                if direct {
+                if !mine_travels {
+                    // Nothing of this rank's travels: its signature and FROM word alone.
+                } else if direct {
                     let push =
                         |at: usize, len: usize| hw.start_push_from(h, l, h.offset() + at, len, slot(me) + at, timeout);
                     from_input.extend(send_pieces_before_signal(&hw, l, n, push)?);
@@ -160,7 +167,7 @@ pub(crate) fn exchange_inputs(
     let senders: Vec<usize> =
         if gathered { other_leaders.clone() } else { (0..world).filter(|&r| !hw.is_local(r)).collect() };
     let gather = |w: &mut Workspace| -> Result<()> {
-        if gathered { send_gathered(w, e, &sigs, slot, stride, n, timeout) } else { Ok(()) }
+        if gathered { send_gathered(w, e, &sigs, slot, stride, n, travels, timeout) } else { Ok(()) }
     };
     let judged = exchange_and_judge(w, e, &sigs, senders.into_iter(), gather, timeout);
     let written = landed(from_input);

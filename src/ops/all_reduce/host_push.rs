@@ -135,7 +135,7 @@ pub(crate) fn all_reduce(
         }
         if gathered {
             // The host's inputs, as runs of consecutive ranks, to every other leader in one go.
-            send_gathered(w, e, &sigs, inbox, stride, n, timeout)?;
+            send_gathered(w, e, &sigs, inbox, stride, n, None, timeout)?;
         }
         // Ranks of this host on either side of the gathering limit: raise the FROM words of
         // those that left their messages to this leader, which others may wait for.

@@ -13,40 +13,12 @@ use crate::tensor::Tensor;
 /// The kind of the broadcast's host-push workspace.
 const KIND: &str = "broadcast";
 
-/// The algorithms of [`broadcast_`].
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Algo {
-    /// Every rank reads the root's buffer (across hosts, one rank of each host reads it for its
-    /// host), between two barriers.
-    Pull,
-    /// Across hosts: the root's buffer in one message to each other host's leader (with every
-    /// rank's signature), copied by every rank of that host after one exchange.
-    HostPush,
-}
-
-impl Algo {
-    /// Its name, as benchmarks report it.
-    pub fn name(self) -> &'static str {
-        match self {
-            Algo::Pull => "pull",
-            Algo::HostPush => "host_push",
-        }
-    }
-}
-
-/// The one selection: across hosts host push while `bytes` fit the limit host push has for
-/// the all-gather of the same input size over links of backend `link`
-/// ([`crate::symm::SymmHandle::link_backend`], the same on every rank) with at most
-/// `ranks_per_host` ranks on a host (the workspace holds a slot per rank, as the
-/// all-gather's); pull otherwise and on one host.
-pub fn select(bytes: usize, ranks_per_host: usize, hosts: usize, link: Option<&str>) -> Algo {
-    if hosts > 1 && hostpush::fits_size(bytes, ranks_per_host, link) { Algo::HostPush } else { Algo::Pull }
-}
-
-/// The algorithm [`broadcast_`] takes for `input` on the group of `h` (its handle).
-pub fn select_for(input: &Tensor, h: &SymmHandle) -> Algo {
-    let hosts = if h.all_local() { 1 } else { 2 };
-    select(input.nbytes(), h.max_ranks_per_host(), hosts, h.link_backend())
+/// The algorithm [`broadcast_`] takes for `input` on the group of `h` (its handle): the
+/// all-gather's of the same input ([`crate::ops::all_gather::select_for`]), host push across
+/// hosts within its limits (the workspace holds a slot per rank, as the all-gather's), pull
+/// otherwise and on one host.
+pub fn select_for(input: &Tensor, h: &SymmHandle) -> crate::ops::all_gather::Algo {
+    crate::ops::all_gather::select_for(input, h)
 }
 
 /// Broadcast in place: every rank's `input` becomes `root`'s.
@@ -80,7 +52,7 @@ pub fn broadcast_(input: &Tensor, root: usize, group: &Group) -> Result<()> {
     // Across hosts, ranks that took different algorithms (sizes on either side of the limit)
     // or left a call at different points are out of step: refused from then on.
     hostpush::guarded(group, KIND, || {
-        if select_for(input, &h) == Algo::HostPush {
+        if select_for(input, &h) == crate::ops::all_gather::Algo::HostPush {
             // Host push checks the ranks' arguments (the root's included) in its one exchange.
             let sig = host_sig(input, root, h.offset());
             let me = h.rank();
@@ -134,14 +106,6 @@ fn pulled(input: &Tensor, root: usize, h: &SymmHandle) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn host_push_takes_the_all_gathers_sizes_across_hosts_only() {
-        assert_eq!(select(8, 2, 1, None), Algo::Pull, "one host always pulls");
-        assert_eq!(select(8, 2, 2, Some("tcp")), Algo::HostPush);
-        assert_eq!(select(512 << 10, 2, 2, Some("tcp")), Algo::HostPush);
-        assert_eq!(select((512 << 10) + 1, 2, 2, Some("tcp")), Algo::Pull);
-    }
 
     #[test]
     fn the_root_changes_the_signature_but_not_its_count() {

@@ -7,7 +7,7 @@
 //!                    and chain (across hosts); all_reduce() picks by all_reduce::select_for
 //!   reduce_scatter   reduce_scatter_out (two-shot's first half), reduce_scatter_offset
 //!   all_gather/      all_gather_into (pull, or host_push across hosts: all_gather::select)
-//!   broadcast        broadcast_ (pull, or host_push across hosts: broadcast::select)
+//!   broadcast        broadcast_ (pull, or host_push across hosts: the all-gather's select)
 //!   all_to_all/      all_to_all (pull, or host_push across hosts: all_to_all::select),
 //!                    all_to_all_nd, the vdev family (vdev.rs)
 //!   tile, matmul     tile reductions; the fused all-gather-matmul and matmul-reduce-scatter

@@ -1187,8 +1187,8 @@ pub fn transport_rank(backend: &str, window: usize, sizes: &[usize]) -> Result<(
 /// What `symmem bench <collective>` measures.
 #[derive(Clone, Debug)]
 pub struct OpBenchOptions {
-    /// `all_reduce`, `all_gather`, `reduce_scatter`, `all_to_all`, `all_to_all_v` or
-    /// `broadcast`.
+    /// `all_reduce`, `all_gather`, `reduce_scatter`, `reduce_scatter_offset`, `all_to_all`,
+    /// `all_to_all_v` or `broadcast`.
     pub op: String,
     /// For all-reduce: `one_shot`, `two_shot` or `auto`.
     pub algo: String,
@@ -1373,7 +1373,11 @@ pub fn collective_rank(
     for &size in sizes {
         // Elements per rank's input, rounded to what every operator accepts.
         let aligned = es.max(4) / es;
-        let unit = if matches!(op, "reduce_scatter" | "all_to_all" | "all_to_all_v") { aligned * ws } else { aligned };
+        let unit = if matches!(op, "reduce_scatter" | "reduce_scatter_offset" | "all_to_all" | "all_to_all_v") {
+            aligned * ws
+        } else {
+            aligned
+        };
         let numel = match op {
             "all_gather" => (size / es / ws).max(1),
             _ => (size / es).div_ceil(unit).max(1) * unit,
@@ -1385,7 +1389,7 @@ pub fn collective_rank(
         let splits_out = Tensor::zeros(&[2, ws], DType::I64)?;
         let out_len = match op {
             "all_gather" => numel * ws,
-            "reduce_scatter" => numel / ws,
+            "reduce_scatter" | "reduce_scatter_offset" => numel / ws,
             _ => numel,
         };
         // all_to_all_v's out is symmetric, as PyTorch's operator requires.
@@ -1404,6 +1408,16 @@ pub fn collective_rank(
                 ("all_to_all", _) => ops::all_to_all(&input, &out, &group),
                 ("all_to_all_v", _) => ops::all_to_all_vdev(&input, &out, &splits, &splits_out, &group),
                 ("broadcast", _) => ops::broadcast_(&input, 0, &group),
+                // The input as [ws, numel / ws], each rank receiving the sum of its row.
+                ("reduce_scatter_offset", _) => ops::reduce_scatter_offset(
+                    &input.view(&[ws, numel / ws])?,
+                    std::slice::from_ref(&out.view(&[1, numel / ws])?),
+                    &group,
+                    0,
+                    None,
+                    None,
+                    ReduceOp::Sum,
+                ),
                 (other, _) => Err(Error::InvalidArgument(format!("unknown collective {other:?}"))),
             }
         };
@@ -1450,6 +1464,7 @@ pub fn collective_rank(
             ("all_gather", _) => symmem::ops::all_gather::select_for(&input, &h).name(),
             ("reduce_scatter", _) => symmem::ops::reduce_scatter::select_for(&input, &h).name(),
             ("broadcast", _) => symmem::ops::broadcast::select_for(&input, &h).name(),
+            ("reduce_scatter_offset", _) => symmem::ops::all_gather::select_for(&input, &h).name(),
             _ => "pull",
         };
         let mut row =

@@ -509,7 +509,8 @@ impl OutputArgs {
 const COLLECTIVE_FIELDS: &str =
     "Columns (one row per size, printed as each finishes; --json and --csv carry the same names):
   size      bytes: all-reduce and broadcast, the tensor; all-gather, the gathered output;
-            reduce-scatter and all-to-all, each rank's input (as nccl-tests counts them)
+            reduce-scatter (and -offset) and all-to-all, each rank's input (as nccl-tests counts
+            them)
   count     elements of dtype in size
   time_us   median time of one call (rank 0's view), p99_us its 99th percentile
   algbw     size / time_us, GB/s (10^9 bytes per second)
@@ -529,6 +530,10 @@ enum BenchCommand {
     /// Reduce-scatter.
     #[command(after_help = COLLECTIVE_FIELDS)]
     ReduceScatter(CollectiveArgs),
+    /// Reduce-scatter-offset (nccl_reduce_scatter_offset) of a [ranks, n] input along its rows,
+    /// one row per rank.
+    #[command(after_help = COLLECTIVE_FIELDS)]
+    ReduceScatterOffset(CollectiveArgs),
     /// Equal-split all-to-all.
     #[command(after_help = COLLECTIVE_FIELDS)]
     AllToAll(CollectiveArgs),
@@ -729,6 +734,9 @@ fn dispatch(command: Command) -> Result<u8> {
         Command::Bench { which: BenchCommand::AllToAll(a) } => bench_collective("all_to_all", &a, AllReduceAlgo::Auto),
         Command::Bench { which: BenchCommand::AllToAllV(a) } => {
             bench_collective("all_to_all_v", &a, AllReduceAlgo::Auto)
+        }
+        Command::Bench { which: BenchCommand::ReduceScatterOffset(a) } => {
+            bench_collective("reduce_scatter_offset", &a, AllReduceAlgo::Auto)
         }
         Command::Bench { which: BenchCommand::Broadcast(a) } => bench_collective("broadcast", &a, AllReduceAlgo::Auto),
         Command::Bench { which: BenchCommand::Transport { output, backend, sizes, window, plot } } => {

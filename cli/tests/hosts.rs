@@ -697,6 +697,36 @@ fn operators(j: &Job) {
     let o = Tensor::zeros(&[4, 6], DType::F32).unwrap();
     ops::reduce_scatter_offset(&xo, std::slice::from_ref(&o), g, 0, None, None, ReduceOp::Sum).unwrap();
     j.report("reduce_scatter_offset", &o);
+    // Across hosts by every way of the all-gather's exchange (gathered by the leader: 12 rows
+    // of 100; each rank's own message: of 1000; from the input for a rank alone on its host:
+    // of 4000; pulled past the limit: of 80 000 columns), uneven blocks dealt to the ranks in
+    // reverse, along either dimension, bf16 and f32. Each input is rewritten once the call
+    // returns.
+    for (dtype, cols) in [(DType::F32, 100), (DType::BF16, 1000), (DType::F32, 4000), (DType::F32, 80_000)] {
+        let rows = 3 * ws;
+        let x = sym(&[rows, cols], dtype);
+        // A block of one row (or column) and one of two per rank, owners reversed (the first
+        // 3·ws rows or columns).
+        for dim in [0, 1] {
+            let offsets: Vec<usize> = (1..=ws).chain((1..=ws).map(|k| ws + 2 * k)).collect();
+            let dst: Vec<usize> = (0..2 * ws).map(|i| ws - 1 - i % ws).collect();
+            let size = |i: usize| offsets[i] - if i == 0 { 0 } else { offsets[i - 1] };
+            let outs: Vec<Tensor> = (0..2 * ws)
+                .filter(|&i| dst[i] == me)
+                .map(|i| {
+                    let shape = if dim == 0 { [size(i), cols] } else { [rows, size(i)] };
+                    Tensor::zeros(&shape, dtype).unwrap()
+                })
+                .collect();
+            fill(&x, |i| val(me, i));
+            ops::reduce_scatter_offset(&x, &outs, g, dim, Some(&offsets), Some(&dst), ReduceOp::Sum).unwrap();
+            fill(&x, |_| -1.0);
+            g.barrier(T).unwrap();
+            for (k, o) in outs.iter().enumerate() {
+                j.report(&format!("reduce_scatter_offset/{dtype}/{cols}/{dim}/{k}"), o);
+            }
+        }
+    }
     let nd = sym(&[3, 2 * ws], DType::F32);
     fill(&nd, |i| val(me, i));
     let ndo = Tensor::zeros(&[3 * ws, 2], DType::F32).unwrap();

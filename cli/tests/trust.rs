@@ -1104,6 +1104,15 @@ fn rank_disagree() {
         ops::all_to_all_vdev_2d(&v_same, &v_out, &ones, &oso1, &g, Some(1 + me % 2)),
     );
     assert!(e.contains("major_align") || e.contains("different arguments"), "{e}");
+    // Reduce-scatter-offset with different blocks (4 rows each, or 2).
+    let per = 4 - 2 * (me % 2);
+    let xo = x.narrow(0, 0, 4 * ws * 8).unwrap().view(&[4 * ws, 8]).unwrap();
+    let offsets: Vec<usize> = (1..=ws).map(|i| i * per).collect();
+    let o = Tensor::zeros(&[per, 8], DType::F32).unwrap();
+    expect_disagreement(
+        "reduce_scatter_offset",
+        ops::reduce_scatter_offset(&xo, std::slice::from_ref(&o), &g, 0, Some(&offsets), None, ReduceOp::Sum),
+    );
     // Reductions that differ.
     let op = if me % 2 == 0 { ReduceOp::Sum } else { ReduceOp::Max };
     let e = expect_disagreement("two_shot", ops::two_shot_all_reduce_(&x, op, &g));

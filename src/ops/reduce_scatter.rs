@@ -301,35 +301,72 @@ pub fn reduce_scatter_offset(
     }
     let mut args = vec![dim as u64, op.code(), offsets.len() as u64];
     args.extend(offsets.iter().chain(dst).map(|&v| v as u64));
-    let Some(h) = prologue(OP, input, group, &args)? else { return Ok(()) };
+    let h = symmetric(OP, input, group)?;
+    if input.numel() == 0 {
+        return Ok(());
+    }
     let es = input.dtype().size();
     let cols = shape[1];
-    let peer = |r: usize, elem: usize| (h.read_ptr(r) + h.offset() + elem * es) as *const u8;
-    let outcome = (|| {
-        // Ranks on other hosts: fetch their whole input (the blocks this rank owns may be
-        // anywhere in it).
-        fetch_shared(&h, |_| (0, input.nbytes()))?;
+    // Reduces the blocks this rank owns of every rank's input (`inputs[r]`: rank r's) into
+    // `out`, in rank order.
+    let reduce_owned = |inputs: &[*const u8]| -> Result<()> {
+        let at = |elem: usize| inputs.iter().map(|&p| p.wrapping_add(elem * es)).collect::<Vec<_>>();
         for (j, &i) in owned[me].iter().enumerate() {
             let start = if i == 0 { 0 } else { offsets[i - 1] };
             let len = size(i);
             let o = out[j].data_ptr();
             if dim == 0 {
-                let srcs: Vec<*const u8> = (0..ws).map(|r| peer(r, start * cols)).collect();
-                // SAFETY: rows [start, start+len) of every rank's input, not written between the
-                // barriers; out[j] holds len·cols elements.
-                unsafe { reduce::reduce(input.dtype(), op, &srcs, &[o], len * cols, ws)? };
+                // SAFETY: rows [start, start+len) lie inside every rank's input, which the caller
+                // keeps readable and unchanged for the call; out[j] holds len·cols elements.
+                unsafe { reduce::reduce(input.dtype(), op, &at(start * cols), &[o], len * cols, ws)? };
             } else {
                 for row in 0..shape[0] {
-                    let srcs: Vec<*const u8> = (0..ws).map(|r| peer(r, row * cols + start)).collect();
-                    // SAFETY: as above, column block of one row; out[j]'s row holds len elements.
-                    unsafe { reduce::reduce(input.dtype(), op, &srcs, &[o.add(row * len * es)], len, ws)? };
+                    // SAFETY: as above, a column block of one row; out[j]'s row holds len elements.
+                    unsafe {
+                        reduce::reduce(input.dtype(), op, &at(row * cols + start), &[o.add(row * len * es)], len, ws)?
+                    };
                 }
             }
         }
         Ok(())
-    })();
-    let b = barrier(&h);
-    outcome.and(b)
+    };
+    // The pull path, once the ranks entered: every rank's whole input (the blocks this rank
+    // owns may be anywhere in it; another host's read by one rank of each host for its host),
+    // reduced, then a barrier.
+    let pulled = || -> Result<()> {
+        let outcome = fetch_shared(&h, |_| (0, input.nbytes())).and_then(|()| reduce_owned(&peers(&h, 0)));
+        let b = barrier(&h);
+        outcome.and(b)
+    };
+    if h.all_local() {
+        enter_on(OP, input, group, &h, &args)?;
+        return pulled();
+    }
+    // Across hosts, as the all-gather: every input travels once to each other host's leader
+    // (host push, within the all-gather's limits) or is read (pull).
+    hostpush::guarded(group, OP, || {
+        if crate::ops::all_gather::select_for(input, &h) == crate::ops::all_gather::Algo::HostPush {
+            // The arguments (dim, reduction, offsets, owners) are folded into the signature.
+            let stamp = crate::ops::check::Stamp::new(OP, input, h.offset(), &args).digest();
+            let [n, code] = crate::ops::check::counts_at(input, Some(op), h.offset());
+            let sig = [n ^ stamp >> 40 << 40, code];
+            // SAFETY (of `reduce_owned`'s reads): `inputs[r]` holds rank r's whole input for the
+            // length of the call (`exchange_inputs`).
+            return crate::ops::all_gather::exchange_inputs(
+                input,
+                group,
+                &h,
+                OP,
+                sig,
+                None,
+                timeout(),
+                || {},
+                reduce_owned,
+            );
+        }
+        crate::ops::all_gather::meet(input, group, &h, OP, Some(op), &args)?;
+        pulled()
+    })
 }
 
 #[cfg(test)]

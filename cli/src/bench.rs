@@ -1188,7 +1188,7 @@ pub fn transport_rank(backend: &str, window: usize, sizes: &[usize]) -> Result<(
 #[derive(Clone, Debug)]
 pub struct OpBenchOptions {
     /// `all_reduce`, `all_gather`, `reduce_scatter`, `reduce_scatter_offset`, `all_to_all`,
-    /// `all_to_all_v` or `broadcast`.
+    /// `all_to_all_v`, `all_to_all_nd` or `broadcast`.
     pub op: String,
     /// For all-reduce: `one_shot`, `two_shot` or `auto`.
     pub algo: String,
@@ -1373,7 +1373,10 @@ pub fn collective_rank(
     for &size in sizes {
         // Elements per rank's input, rounded to what every operator accepts.
         let aligned = es.max(4) / es;
-        let unit = if matches!(op, "reduce_scatter" | "reduce_scatter_offset" | "all_to_all" | "all_to_all_v") {
+        let unit = if matches!(
+            op,
+            "reduce_scatter" | "reduce_scatter_offset" | "all_to_all" | "all_to_all_v" | "all_to_all_nd"
+        ) {
             aligned * ws
         } else {
             aligned
@@ -1408,6 +1411,10 @@ pub fn collective_rank(
                 ("all_to_all", _) => ops::all_to_all(&input, &out, &group),
                 ("all_to_all_v", _) => ops::all_to_all_vdev(&input, &out, &splits, &splits_out, &group),
                 ("broadcast", _) => ops::broadcast_(&input, 0, &group),
+                // The input as [ws, numel / ws], scattered along its rows, gathered along columns.
+                ("all_to_all_nd", _) => {
+                    ops::all_to_all_nd(&input.view(&[ws, numel / ws])?, &out.view(&[1, numel])?, 0, 1, &group)
+                }
                 // The input as [ws, numel / ws], each rank receiving the sum of its row.
                 ("reduce_scatter_offset", _) => ops::reduce_scatter_offset(
                     &input.view(&[ws, numel / ws])?,
@@ -1464,7 +1471,7 @@ pub fn collective_rank(
             ("all_gather", _) => symmem::ops::all_gather::select_for(&input, &h).name(),
             ("reduce_scatter", _) => symmem::ops::reduce_scatter::select_for(&input, &h).name(),
             ("broadcast", _) => symmem::ops::broadcast::select_for(&input, &h).name(),
-            ("reduce_scatter_offset", _) => symmem::ops::all_gather::select_for(&input, &h).name(),
+            ("reduce_scatter_offset" | "all_to_all_nd", _) => symmem::ops::all_gather::select_for(&input, &h).name(),
             _ => "pull",
         };
         let mut row =

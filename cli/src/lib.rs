@@ -537,6 +537,10 @@ enum BenchCommand {
     /// Equal-split all-to-all.
     #[command(after_help = COLLECTIVE_FIELDS)]
     AllToAll(CollectiveArgs),
+    /// All-to-all between dimensions (nccl_all_to_all_nd) of a [ranks, n] input: scattered
+    /// along its rows, gathered along its columns.
+    #[command(after_help = COLLECTIVE_FIELDS)]
+    AllToAllNd(CollectiveArgs),
     /// All-to-all with per-peer splits (all_to_all_vdev), equal splits.
     #[command(after_help = COLLECTIVE_FIELDS)]
     AllToAllV(CollectiveArgs),
@@ -734,6 +738,9 @@ fn dispatch(command: Command) -> Result<u8> {
         Command::Bench { which: BenchCommand::AllToAll(a) } => bench_collective("all_to_all", &a, AllReduceAlgo::Auto),
         Command::Bench { which: BenchCommand::AllToAllV(a) } => {
             bench_collective("all_to_all_v", &a, AllReduceAlgo::Auto)
+        }
+        Command::Bench { which: BenchCommand::AllToAllNd(a) } => {
+            bench_collective("all_to_all_nd", &a, AllReduceAlgo::Auto)
         }
         Command::Bench { which: BenchCommand::ReduceScatterOffset(a) } => {
             bench_collective("reduce_scatter_offset", &a, AllReduceAlgo::Auto)

@@ -732,6 +732,28 @@ fn operators(j: &Job) {
     let ndo = Tensor::zeros(&[3 * ws, 2], DType::F32).unwrap();
     ops::all_to_all_nd(&nd, &ndo, 1, 0, g).unwrap();
     j.report("all_to_all_nd", &ndo);
+    // Across hosts by every way of the all-gather's exchange (inputs of 96 B · ws, 20 KiB · ws,
+    // 80 KiB · ws and 1.2 MB · ws: gathered by the leader, each rank's own message, from the
+    // input for a rank alone on its host, pulled), both pairs of dimensions. Each input is
+    // rewritten once the call returns.
+    for cols in [24, 5120, 20_480, 300_000] {
+        let x = sym(&[ws, cols], DType::F32);
+        for (sd, gd) in [(0, 1), (1, 0)] {
+            if sd == 1 && cols % ws != 0 {
+                continue;
+            }
+            let out = if sd == 0 {
+                Tensor::zeros(&[1, ws * cols], DType::F32).unwrap()
+            } else {
+                Tensor::zeros(&[ws * ws, cols / ws], DType::F32).unwrap()
+            };
+            fill(&x, |i| val(me, i));
+            ops::all_to_all_nd(&x, &out, sd, gd, g).unwrap();
+            fill(&x, |_| -1.0);
+            g.barrier(T).unwrap();
+            j.report(&format!("all_to_all_nd/{cols}/{sd}"), &out);
+        }
+    }
     let a = sym(&[4, 5], DType::F32);
     fill(&a, |i| val(me, i) / 1000.0);
     let b = Tensor::zeros(&[5, 3], DType::F32).unwrap();

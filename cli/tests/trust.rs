@@ -1113,6 +1113,12 @@ fn rank_disagree() {
         "reduce_scatter_offset",
         ops::reduce_scatter_offset(&xo, std::slice::from_ref(&o), &g, 0, Some(&offsets), None, ReduceOp::Sum),
     );
+    // All-to-all-nd along different dimensions of the same input.
+    let nd = x.narrow(0, 0, 4 * ws * ws).unwrap().view(&[2 * ws, 2 * ws]).unwrap();
+    let nd_out = Tensor::zeros(&[4 * ws * ws], DType::F32).unwrap();
+    let (sd, gd) = if me % 2 == 0 { (0, 1) } else { (1, 0) };
+    let nd_out = if sd == 0 { nd_out.view(&[2, 2 * ws * ws]) } else { nd_out.view(&[2 * ws * ws, 2]) }.unwrap();
+    expect_disagreement("all_to_all_nd", ops::all_to_all_nd(&nd, &nd_out, sd, gd, &g));
     // Reductions that differ.
     let op = if me % 2 == 0 { ReduceOp::Sum } else { ReduceOp::Max };
     let e = expect_disagreement("two_shot", ops::two_shot_all_reduce_(&x, op, &g));

@@ -18,9 +18,10 @@
 //!   of its slot, its leader reads it there, and a host of one rank reduces into its tensor
 //!   all-to-all: the same, with each rank sending the blocks for another host's ranks, and
 //!   every rank copying its blocks from its host's ranks' stages and its leader's inbox
-//!   all-gather (and reduce-scatter, one-shot): the all-reduce's exchange without the leader's
-//!   reduction (inputs through the slots, except a lone rank's from 64 KiB), every rank copying
-//!   (or reducing) its host's ranks' slots and its leader's inbox
+//!   all-gather (and reduce-scatter and -offset, one-shot, all-to-all-nd): the all-reduce's
+//!   exchange without the leader's reduction (inputs through the slots, except a lone rank's
+//!   from 64 KiB), every rank copying (or reducing) its host's ranks' slots and its leader's
+//!   inbox; the broadcast's moves the root's input alone (and every rank's signature)
 //!   tiny messages (up to 16 KiB per rank): the leader gathers its host's data first and sends
 //!   one message per other host (FROM words then count leaders, not ranks; a FROM word is
 //!   raised by its own rank, so it never overtakes that rank's data on another link, except

@@ -343,30 +343,9 @@ pub fn reduce_scatter_offset(
         return pulled();
     }
     // Across hosts, as the all-gather: every input travels once to each other host's leader
-    // (host push, within the all-gather's limits) or is read (pull).
-    hostpush::guarded(group, OP, || {
-        if crate::ops::all_gather::select_for(input, &h) == crate::ops::all_gather::Algo::HostPush {
-            // The arguments (dim, reduction, offsets, owners) are folded into the signature.
-            let stamp = crate::ops::check::Stamp::new(OP, input, h.offset(), &args).digest();
-            let [n, code] = crate::ops::check::counts_at(input, Some(op), h.offset());
-            let sig = [n ^ stamp >> 40 << 40, code];
-            // SAFETY (of `reduce_owned`'s reads): `inputs[r]` holds rank r's whole input for the
-            // length of the call (`exchange_inputs`).
-            return crate::ops::all_gather::exchange_inputs(
-                input,
-                group,
-                &h,
-                OP,
-                sig,
-                None,
-                timeout(),
-                || {},
-                reduce_owned,
-            );
-        }
-        crate::ops::all_gather::meet(input, group, &h, OP, Some(op), &args)?;
-        pulled()
-    })
+    // (host push, within the all-gather's limits; `inputs[r]` is rank r's whole input for the
+    // length of the call) or is read (pull).
+    crate::ops::all_gather::whole_inputs_across_hosts(input, group, &h, OP, Some(op), &args, reduce_owned, pulled)
 }
 
 #[cfg(test)]

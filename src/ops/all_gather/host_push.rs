@@ -44,6 +44,37 @@ pub(crate) fn meet(
     crate::ops::hostpush::meet(group, kind, layout(group.world_size()), sig, disagree, timeout)
 }
 
+/// An operator whose pull path reads every rank's whole `input` (`reduce_scatter_offset`,
+/// `all_to_all_nd`), across hosts (`h`: the input's handle): within the all-gather's limits,
+/// its exchange ([`exchange_inputs`]) with `finish` given every rank's input, the operator's
+/// arguments (`kind`, reduction `op`, the rest `args`) folded into the signature; above, its
+/// entry meeting host push's calls ([`meet`]), then `pulled`.
+#[allow(clippy::too_many_arguments, reason = "the operator's call and its two ways")]
+pub(crate) fn whole_inputs_across_hosts(
+    input: &Tensor,
+    group: &Group,
+    h: &SymmHandle,
+    kind: &'static str,
+    op: Option<crate::ops::reduce::ReduceOp>,
+    args: &[u64],
+    finish: impl FnOnce(&[*const u8]) -> Result<()>,
+    pulled: impl FnOnce() -> Result<()>,
+) -> Result<()> {
+    // Ranks that took different algorithms (sizes on either side of the limit) or left a call
+    // at different points are out of step: refused from then on.
+    guarded(group, kind, || {
+        if super::select_for(input, h) == super::Algo::HostPush {
+            let stamp = crate::ops::check::Stamp::new(kind, input, h.offset(), args).digest();
+            let [n, code] = crate::ops::check::counts_at(input, op, h.offset());
+            let sig = [n ^ stamp >> 40 << 40, code];
+            let timeout = crate::ops::common::timeout();
+            return exchange_inputs(input, group, h, kind, sig, None, timeout, || {}, finish);
+        }
+        meet(input, group, h, kind, op, args)?;
+        pulled()
+    })
+}
+
 /// All-gather of a small or medium `input` on a group that spans hosts into `out` (`world`
 /// inputs, in rank order): [`exchange_inputs`], this rank's own input copied into `out` while
 /// the others travel (2 ranks on 2 played hosts, 1 MiB gathered: 0.88x the time of copying it

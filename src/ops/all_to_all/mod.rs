@@ -201,40 +201,62 @@ pub fn all_to_all_nd(input: &Tensor, out: &Tensor, scatter_dim: usize, gather_di
     if os != expected.0.as_slice() && os != expected.1.as_slice() {
         return Err(bad(OP, format!("out shape {os:?}; expected {:?} or {:?}", expected.0, expected.1)));
     }
-    let Some(h) = prologue(OP, input, group, &[scatter_dim as u64, gather_dim as u64])? else { return Ok(()) };
-    fetch_shared(&h, |_| (0, input.nbytes()))?;
+    let args = [scatter_dim as u64, gather_dim as u64];
+    let h = symmetric(OP, input, group)?;
+    if input.numel() == 0 {
+        return Ok(());
+    }
     let (me, es) = (h.rank(), input.dtype().size());
-    let peer = |r: usize, elem: usize| (h.read_ptr(r) + h.offset() + elem * es) as *const u8;
-    for k in 0..g {
-        let j = (me + k) % g;
-        if (scatter_dim, gather_dim) == (1, 0) {
-            let lc = cols / g;
-            for row in 0..rows {
-                // SAFETY: peer j's row, column block `me`, inside its input (not written between
-                // the barriers); out block j, row `row` holds lc elements.
-                unsafe {
-                    std::ptr::copy_nonoverlapping(
-                        peer(j, row * cols + me * lc),
-                        out.data_ptr().add((j * rows + row) * lc * es),
-                        lc * es,
-                    )
-                };
-            }
-        } else {
-            let lr = rows / g;
-            for row in 0..lr {
-                // SAFETY: peer j's row me·lr + row inside its input; out[row, j, :] holds cols.
-                unsafe {
-                    std::ptr::copy_nonoverlapping(
-                        peer(j, (me * lr + row) * cols),
-                        out.data_ptr().add((row * g + j) * cols * es),
-                        cols * es,
-                    )
-                };
+    // Copies this rank's block of every rank's input (`inputs[r]`: rank r's) into `out`.
+    let copy_blocks = |inputs: &[*const u8]| -> Result<()> {
+        let peer = |r: usize, elem: usize| inputs[r].wrapping_add(elem * es);
+        for k in 0..g {
+            let j = (me + k) % g;
+            if (scatter_dim, gather_dim) == (1, 0) {
+                let lc = cols / g;
+                for row in 0..rows {
+                    // SAFETY: peer j's row, column block `me`, inside its input (readable and
+                    // unchanged for the call, the caller's promise); out block j, row `row` holds
+                    // lc elements.
+                    unsafe {
+                        std::ptr::copy_nonoverlapping(
+                            peer(j, row * cols + me * lc),
+                            out.data_ptr().add((j * rows + row) * lc * es),
+                            lc * es,
+                        )
+                    };
+                }
+            } else {
+                let lr = rows / g;
+                for row in 0..lr {
+                    // SAFETY: peer j's row me·lr + row inside its input; out[row, j, :] holds cols.
+                    unsafe {
+                        std::ptr::copy_nonoverlapping(
+                            peer(j, (me * lr + row) * cols),
+                            out.data_ptr().add((row * g + j) * cols * es),
+                            cols * es,
+                        )
+                    };
+                }
             }
         }
+        Ok(())
+    };
+    // The pull path, once the ranks entered: every rank's whole input (another host's read by
+    // one rank of each host for its host; inputs are not written between the barriers).
+    let pulled = || -> Result<()> {
+        fetch_shared(&h, |_| (0, input.nbytes()))?;
+        copy_blocks(&peers(&h, 0))?;
+        barrier(&h)
+    };
+    if h.all_local() {
+        enter_on(OP, input, group, &h, &args)?;
+        return pulled();
     }
-    barrier(&h)
+    // Across hosts, as the all-gather: every input travels once to each other host's leader
+    // (host push, within the all-gather's limits; `inputs[r]` is rank r's whole input for the
+    // length of the call) or is read (pull).
+    crate::ops::all_gather::whole_inputs_across_hosts(input, group, &h, OP, None, &args, copy_blocks, pulled)
 }
 
 #[cfg(test)]

@@ -1188,7 +1188,7 @@ pub fn transport_rank(backend: &str, window: usize, sizes: &[usize]) -> Result<(
 #[derive(Clone, Debug)]
 pub struct OpBenchOptions {
     /// `all_reduce`, `all_gather`, `reduce_scatter`, `reduce_scatter_offset`, `all_to_all`,
-    /// `all_to_all_v`, `all_to_all_nd` or `broadcast`.
+    /// `all_to_all_v`, `all_to_all_nd`, `all_gather_matmul` or `broadcast`.
     pub op: String,
     /// For all-reduce: `one_shot`, `two_shot` or `auto`.
     pub algo: String,
@@ -1382,10 +1382,12 @@ pub fn collective_rank(
             aligned
         };
         let numel = match op {
-            "all_gather" => (size / es / ws).max(1),
+            "all_gather" | "all_gather_matmul" => (size / es / ws).max(1),
             _ => (size / es).div_ceil(unit).max(1) * unit,
         };
         let input = symm::empty(&[numel], dtype, Device::Cpu)?;
+        // all_gather_matmul: the gathered [ws, numel] times a [numel, 8] matrix.
+        let bmat = if op == "all_gather_matmul" { Some(Tensor::zeros(&[numel, 8], dtype)?) } else { None };
         // all_to_all_v: equal splits of rows (one element each), through the vdev operator.
         let splits = symm::empty(&[ws], DType::I64, Device::Cpu)?;
         splits.fill((numel / ws) as i64)?;
@@ -1411,6 +1413,10 @@ pub fn collective_rank(
                 ("all_to_all", _) => ops::all_to_all(&input, &out, &group),
                 ("all_to_all_v", _) => ops::all_to_all_vdev(&input, &out, &splits, &splits_out, &group),
                 ("broadcast", _) => ops::broadcast_(&input, 0, &group),
+                ("all_gather_matmul", _) => {
+                    let b = bmat.as_ref().map(std::slice::from_ref).unwrap_or_default();
+                    ops::fused_all_gather_matmul(&input.view(&[1, numel])?, b, 0, &group, false).map(|_| ())
+                }
                 // The input as [ws, numel / ws], scattered along its rows, gathered along columns.
                 ("all_to_all_nd", _) => {
                     ops::all_to_all_nd(&input.view(&[ws, numel / ws])?, &out.view(&[1, numel])?, 0, 1, &group)
@@ -1448,7 +1454,7 @@ pub fn collective_rank(
             lat.push(t.elapsed());
         }
         let bytes = match op {
-            "all_gather" => numel * ws * es,
+            "all_gather" | "all_gather_matmul" => numel * ws * es,
             _ => numel * es,
         };
         let (mut median, mut p99) = percentiles(&mut lat);
@@ -1471,7 +1477,9 @@ pub fn collective_rank(
             ("all_gather", _) => symmem::ops::all_gather::select_for(&input, &h).name(),
             ("reduce_scatter", _) => symmem::ops::reduce_scatter::select_for(&input, &h).name(),
             ("broadcast", _) => symmem::ops::broadcast::select_for(&input, &h).name(),
-            ("reduce_scatter_offset" | "all_to_all_nd", _) => symmem::ops::all_gather::select_for(&input, &h).name(),
+            ("reduce_scatter_offset" | "all_to_all_nd" | "all_gather_matmul", _) => {
+                symmem::ops::all_gather::select_for(&input, &h).name()
+            }
             _ => "pull",
         };
         let mut row =

@@ -530,6 +530,10 @@ enum BenchCommand {
     /// Reduce-scatter.
     #[command(after_help = COLLECTIVE_FIELDS)]
     ReduceScatter(CollectiveArgs),
+    /// Fused all-gather-matmul (fused_all_gather_matmul) of [1, n] shards, gathered along rows,
+    /// times an [n, 8] matrix; sizes are the gathered A's.
+    #[command(after_help = COLLECTIVE_FIELDS)]
+    AllGatherMatmul(CollectiveArgs),
     /// Reduce-scatter-offset (nccl_reduce_scatter_offset) of a [ranks, n] input along its rows,
     /// one row per rank.
     #[command(after_help = COLLECTIVE_FIELDS)]
@@ -738,6 +742,9 @@ fn dispatch(command: Command) -> Result<u8> {
         Command::Bench { which: BenchCommand::AllToAll(a) } => bench_collective("all_to_all", &a, AllReduceAlgo::Auto),
         Command::Bench { which: BenchCommand::AllToAllV(a) } => {
             bench_collective("all_to_all_v", &a, AllReduceAlgo::Auto)
+        }
+        Command::Bench { which: BenchCommand::AllGatherMatmul(a) } => {
+            bench_collective("all_gather_matmul", &a, AllReduceAlgo::Auto)
         }
         Command::Bench { which: BenchCommand::AllToAllNd(a) } => {
             bench_collective("all_to_all_nd", &a, AllReduceAlgo::Auto)

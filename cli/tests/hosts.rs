@@ -761,6 +761,24 @@ fn operators(j: &Job) {
     let (ga, outs) = ops::fused_all_gather_matmul(&a, std::slice::from_ref(&b), 0, g, true).unwrap();
     j.report("fused_all_gather_matmul/a", &ga.unwrap());
     j.report("fused_all_gather_matmul/out", &outs[0]);
+    // Across hosts by every way of the all-gather's exchange (shards of 2 x 300 f32: gathered by
+    // the leader; of 2 x 3000: each rank's own message; of 2 x 9000: from the input for a rank
+    // alone on its host; of 2 x 200 000: pulled), gathered along either dimension. Each shard
+    // is rewritten once the call returns.
+    for k in [300, 3000, 9000, 200_000] {
+        let shard = sym(&[2, k], DType::F32);
+        for gd in [0, 1] {
+            let kk = if gd == 1 { k * ws } else { k };
+            let bm = Tensor::zeros(&[kk, 3], DType::F32).unwrap();
+            fill(&bm, |i| ((i % 7) as f64 - 3.0) / 8.0);
+            fill(&shard, |i| val(me, i) / 1000.0);
+            let (ga, outs) = ops::fused_all_gather_matmul(&shard, std::slice::from_ref(&bm), gd, g, true).unwrap();
+            fill(&shard, |_| -1.0);
+            g.barrier(T).unwrap();
+            j.report(&format!("fused_all_gather_matmul/{k}/{gd}/a"), &ga.unwrap());
+            j.report(&format!("fused_all_gather_matmul/{k}/{gd}/out"), &outs[0]);
+        }
+    }
     let am = Tensor::zeros(&[2 * ws, 5], DType::F32).unwrap();
     fill(&am, |i| val(me, i) / 1000.0);
     let rs_mm = ops::fused_matmul_reduce_scatter(&am, &b, ReduceOp::Sum, 0, g).unwrap();

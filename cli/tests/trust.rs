@@ -1119,6 +1119,12 @@ fn rank_disagree() {
     let (sd, gd) = if me % 2 == 0 { (0, 1) } else { (1, 0) };
     let nd_out = if sd == 0 { nd_out.view(&[2, 2 * ws * ws]) } else { nd_out.view(&[2 * ws * ws, 2]) }.unwrap();
     expect_disagreement("all_to_all_nd", ops::all_to_all_nd(&nd, &nd_out, sd, gd, &g));
+    // A fused all-gather-matmul gathering along different dimensions.
+    let shard = x.narrow(0, 0, 8).unwrap().view(&[2, 4]).unwrap();
+    let gd = me % 2;
+    let bm = Tensor::zeros(&[if gd == 1 { 4 * ws } else { 4 }, 1], DType::F32).unwrap();
+    let r = ops::fused_all_gather_matmul(&shard, std::slice::from_ref(&bm), gd, &g, false).map(|_| ());
+    expect_disagreement("fused_all_gather_matmul", r);
     // Reductions that differ.
     let op = if me % 2 == 0 { ReduceOp::Sum } else { ReduceOp::Max };
     let e = expect_disagreement("two_shot", ops::two_shot_all_reduce_(&x, op, &g));

@@ -219,75 +219,99 @@ pub fn fused_all_gather_matmul(
     let a = Tensor::zeros(&gathered_shape, dtype)?;
     let outs: Vec<Tensor> =
         bs.iter().map(|b| Tensor::zeros(&[gathered_shape[0], b.shape()[1]], dtype)).collect::<Result<_>>()?;
-    super::check::enter(group, &h, &super::check::Stamp::new(OP, a_shard, h.offset(), &[gather_dim as u64]))?;
-    // Shards on other hosts are fetched first; the gatherer then copies every shard alike.
-    fetch_shared(&h, |_| (0, a_shard.nbytes()))?;
     let a_ptr = a.data_ptr() as usize;
-    let (tx, rx) = std::sync::mpsc::channel::<usize>();
-    std::thread::scope(|s| -> Result<()> {
-        // The gatherer: pulls shard r into its place in A, in rank order.
-        let hh = &h;
-        s.spawn(move || {
-            for r in 0..ws {
-                let src = hh.read_ptr(r) + hh.offset();
-                for row in 0..m {
-                    let (from, to) = if gather_dim == 0 {
-                        (src + row * k * es, a_ptr + (r * m + row) * k * es)
-                    } else {
-                        (src + row * k * es, a_ptr + (row * k * ws + r * k) * es)
-                    };
-                    // SAFETY: shard r is not written between the barriers; the destination row
-                    // lies inside A, which outlives this scope.
-                    unsafe { std::ptr::copy_nonoverlapping(from as *const u8, to as *mut u8, k * es) };
+    // Gathers every rank's shard (rank r's at address `srcs[r]`, readable and unchanged for the
+    // call) into A and multiplies each as it lands.
+    let run = |srcs: &[usize]| -> Result<()> {
+        let (tx, rx) = std::sync::mpsc::channel::<usize>();
+        std::thread::scope(|s| -> Result<()> {
+            // The gatherer: pulls shard r into its place in A, in rank order.
+            s.spawn(move || {
+                for (r, &src) in srcs.iter().enumerate() {
+                    for row in 0..m {
+                        let (from, to) = if gather_dim == 0 {
+                            (src + row * k * es, a_ptr + (r * m + row) * k * es)
+                        } else {
+                            (src + row * k * es, a_ptr + (row * k * ws + r * k) * es)
+                        };
+                        // SAFETY: shard r is readable and unchanged for the call (the caller's
+                        // promise); the destination row lies inside A, which outlives this scope.
+                        unsafe { std::ptr::copy_nonoverlapping(from as *const u8, to as *mut u8, k * es) };
+                    }
+                    if tx.send(r).is_err() {
+                        return;
+                    }
                 }
-                if tx.send(r).is_err() {
-                    return;
-                }
-            }
-        });
-        // The multiplier: each shard as it lands (in rank order, so sums are bitwise equal on
-        // every rank).
-        for r in rx.iter() {
-            for (b, out) in bs.iter().zip(&outs) {
-                let n = b.shape()[1];
-                // SAFETY: shard r's rows (gather_dim 0) or columns (1) of A were written before
-                // `r` was sent; B and out are contiguous with the shapes checked above.
-                unsafe {
-                    if gather_dim == 0 {
-                        gemm(
-                            dtype,
-                            m,
-                            k,
-                            n,
-                            a.data_ptr().add(r * m * k * es),
-                            k,
-                            b.data_ptr(),
-                            n,
-                            out.data_ptr().add(r * m * n * es),
-                            n,
-                            false,
-                        );
-                    } else {
-                        gemm(
-                            dtype,
-                            m,
-                            k,
-                            n,
-                            a.data_ptr().add(r * k * es),
-                            k * ws,
-                            b.data_ptr().add(r * k * n * es),
-                            n,
-                            out.data_ptr(),
-                            n,
-                            r > 0,
-                        );
+            });
+            // The multiplier: each shard as it lands (in rank order, so sums are bitwise equal on
+            // every rank).
+            for r in rx.iter() {
+                for (b, out) in bs.iter().zip(&outs) {
+                    let n = b.shape()[1];
+                    // SAFETY: shard r's rows (gather_dim 0) or columns (1) of A were written before
+                    // `r` was sent; B and out are contiguous with the shapes checked above.
+                    unsafe {
+                        if gather_dim == 0 {
+                            gemm(
+                                dtype,
+                                m,
+                                k,
+                                n,
+                                a.data_ptr().add(r * m * k * es),
+                                k,
+                                b.data_ptr(),
+                                n,
+                                out.data_ptr().add(r * m * n * es),
+                                n,
+                                false,
+                            );
+                        } else {
+                            gemm(
+                                dtype,
+                                m,
+                                k,
+                                n,
+                                a.data_ptr().add(r * k * es),
+                                k * ws,
+                                b.data_ptr().add(r * k * n * es),
+                                n,
+                                out.data_ptr(),
+                                n,
+                                r > 0,
+                            );
+                        }
                     }
                 }
             }
-        }
-        Ok(())
-    })?;
-    barrier(&h)?;
+            Ok(())
+        })
+    };
+    let args = [gather_dim as u64];
+    // The pull path, once the ranks entered: shards on other hosts fetched first (one rank of
+    // each host for its host), then every shard gathered alike; a barrier.
+    let pulled = || -> Result<()> {
+        fetch_shared(&h, |_| (0, a_shard.nbytes()))?;
+        run(&(0..ws).map(|r| h.read_ptr(r) + h.offset()).collect::<Vec<_>>())?;
+        barrier(&h)
+    };
+    if h.all_local() || a_shard.numel() == 0 {
+        super::check::enter(group, &h, &super::check::Stamp::new(OP, a_shard, h.offset(), &args))?;
+        pulled()?;
+    } else {
+        // Across hosts, as the all-gather: every shard travels once to each other host's leader
+        // (host push, within the all-gather's limits; `inputs[r]` is rank r's shard for the
+        // length of the call) or is read (pull).
+        super::all_gather::whole_inputs_across_hosts(
+            a_shard,
+            group,
+            &h,
+            OP,
+            None,
+            &args,
+            |inputs| run(&inputs.iter().map(|&p| p as usize).collect::<Vec<_>>()),
+            pulled,
+        )?;
+    }
     Ok((return_a.then_some(a), outs))
 }
 

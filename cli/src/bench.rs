@@ -1414,7 +1414,7 @@ pub fn collective_rank(
                 ("all_to_all_v", _) => ops::all_to_all_vdev(&input, &out, &splits, &splits_out, &group),
                 ("broadcast", _) => ops::broadcast_(&input, 0, &group),
                 ("all_gather_matmul", _) => {
-                    let b = bmat.as_ref().map(std::slice::from_ref).unwrap_or_default();
+                    let b = bmat.as_slice();
                     ops::fused_all_gather_matmul(&input.view(&[1, numel])?, b, 0, &group, false).map(|_| ())
                 }
                 // The input as [ws, numel / ws], scattered along its rows, gathered along columns.

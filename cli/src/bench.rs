@@ -1188,7 +1188,8 @@ pub fn transport_rank(backend: &str, window: usize, sizes: &[usize]) -> Result<(
 #[derive(Clone, Debug)]
 pub struct OpBenchOptions {
     /// `all_reduce`, `all_gather`, `reduce_scatter`, `reduce_scatter_offset`, `all_to_all`,
-    /// `all_to_all_v`, `all_to_all_nd`, `all_gather_matmul` or `broadcast`.
+    /// `all_to_all_v`, `all_to_all_nd`, `all_gather_matmul`, `matmul_reduce_scatter` or
+    /// `broadcast`.
     pub op: String,
     /// For all-reduce: `one_shot`, `two_shot` or `auto`.
     pub algo: String,
@@ -1375,7 +1376,12 @@ pub fn collective_rank(
         let aligned = es.max(4) / es;
         let unit = if matches!(
             op,
-            "reduce_scatter" | "reduce_scatter_offset" | "all_to_all" | "all_to_all_v" | "all_to_all_nd"
+            "reduce_scatter"
+                | "reduce_scatter_offset"
+                | "all_to_all"
+                | "all_to_all_v"
+                | "all_to_all_nd"
+                | "matmul_reduce_scatter"
         ) {
             aligned * ws
         } else {
@@ -1388,6 +1394,13 @@ pub fn collective_rank(
         let input = symm::empty(&[numel], dtype, Device::Cpu)?;
         // all_gather_matmul: the gathered [ws, numel] times a [numel, 8] matrix.
         let bmat = if op == "all_gather_matmul" { Some(Tensor::zeros(&[numel, 8], dtype)?) } else { None };
+        // matmul_reduce_scatter: a [ws, 8] times [8, numel / ws] product (numel elements),
+        // reduce-scattered along its rows.
+        let (amat, bwide) = if op == "matmul_reduce_scatter" {
+            (Some(Tensor::zeros(&[ws, 8], dtype)?), Some(Tensor::zeros(&[8, numel / ws], dtype)?))
+        } else {
+            (None, None)
+        };
         // all_to_all_v: equal splits of rows (one element each), through the vdev operator.
         let splits = symm::empty(&[ws], DType::I64, Device::Cpu)?;
         splits.fill((numel / ws) as i64)?;
@@ -1413,6 +1426,10 @@ pub fn collective_rank(
                 ("all_to_all", _) => ops::all_to_all(&input, &out, &group),
                 ("all_to_all_v", _) => ops::all_to_all_vdev(&input, &out, &splits, &splits_out, &group),
                 ("broadcast", _) => ops::broadcast_(&input, 0, &group),
+                ("matmul_reduce_scatter", _) => match (&amat, &bwide) {
+                    (Some(a), Some(b)) => ops::fused_matmul_reduce_scatter(a, b, ReduceOp::Sum, 0, &group).map(|_| ()),
+                    _ => Ok(()),
+                },
                 ("all_gather_matmul", _) => {
                     let b = bmat.as_slice();
                     ops::fused_all_gather_matmul(&input.view(&[1, numel])?, b, 0, &group, false).map(|_| ())
@@ -1477,6 +1494,7 @@ pub fn collective_rank(
             ("all_gather", _) => symmem::ops::all_gather::select_for(&input, &h).name(),
             ("reduce_scatter", _) => symmem::ops::reduce_scatter::select_for(&input, &h).name(),
             ("broadcast", _) => symmem::ops::broadcast::select_for(&input, &h).name(),
+            ("matmul_reduce_scatter", _) => symmem::ops::reduce_scatter::select_for(&input, &h).name(),
             ("reduce_scatter_offset" | "all_to_all_nd" | "all_gather_matmul", _) => {
                 symmem::ops::all_gather::select_for(&input, &h).name()
             }

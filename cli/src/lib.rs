@@ -534,6 +534,10 @@ enum BenchCommand {
     /// times an [n, 8] matrix; sizes are the gathered A's.
     #[command(after_help = COLLECTIVE_FIELDS)]
     AllGatherMatmul(CollectiveArgs),
+    /// Fused matmul-reduce-scatter (fused_matmul_reduce_scatter) of a [ranks, 8] x [8, n / ranks]
+    /// product, along its rows; sizes are the product's.
+    #[command(after_help = COLLECTIVE_FIELDS)]
+    MatmulReduceScatter(CollectiveArgs),
     /// Reduce-scatter-offset (nccl_reduce_scatter_offset) of a [ranks, n] input along its rows,
     /// one row per rank.
     #[command(after_help = COLLECTIVE_FIELDS)]
@@ -742,6 +746,9 @@ fn dispatch(command: Command) -> Result<u8> {
         Command::Bench { which: BenchCommand::AllToAll(a) } => bench_collective("all_to_all", &a, AllReduceAlgo::Auto),
         Command::Bench { which: BenchCommand::AllToAllV(a) } => {
             bench_collective("all_to_all_v", &a, AllReduceAlgo::Auto)
+        }
+        Command::Bench { which: BenchCommand::MatmulReduceScatter(a) } => {
+            bench_collective("matmul_reduce_scatter", &a, AllReduceAlgo::Auto)
         }
         Command::Bench { which: BenchCommand::AllGatherMatmul(a) } => {
             bench_collective("all_gather_matmul", &a, AllReduceAlgo::Auto)

@@ -783,6 +783,20 @@ fn operators(j: &Job) {
     fill(&am, |i| val(me, i) / 1000.0);
     let rs_mm = ops::fused_matmul_reduce_scatter(&am, &b, ReduceOp::Sum, 0, g).unwrap();
     j.report("fused_matmul_reduce_scatter", &rs_mm);
+    // Across hosts by every way of the all-gather's exchange (partials of 2·ws x 5, x 1024, x
+    // 4096 and x 65 536 f32: gathered by the leader, each rank's own message, from the workspace
+    // for a rank alone on its host, pulled), scattered along either dimension.
+    for cols in [5, 1024, 4096, 65_536] {
+        let bm = Tensor::zeros(&[5, cols], DType::F32).unwrap();
+        fill(&bm, |i| ((i % 11) as f64 - 5.0) / 4.0 + me as f64);
+        for sd in [0, 1] {
+            if sd == 1 && cols % ws != 0 {
+                continue;
+            }
+            let got = ops::fused_matmul_reduce_scatter(&am, &bm, ReduceOp::Sum, sd, g).unwrap();
+            j.report(&format!("fused_matmul_reduce_scatter/{cols}/{sd}"), &got);
+        }
+    }
 }
 
 #[test]

@@ -308,6 +308,7 @@ pub fn fused_all_gather_matmul(
             OP,
             None,
             &args,
+            super::all_gather::select_for(a_shard, &h) == super::all_gather::Algo::HostPush,
             |inputs| run(&inputs.iter().map(|&p| p as usize).collect::<Vec<_>>()),
             pulled,
         )?;
@@ -388,38 +389,69 @@ pub fn fused_matmul_reduce_scatter(
     // The workspace grows collectively with the product's size: ranks must agree on it first.
     let args = [op.code(), scatter_dim as u64, k as u64, n as u64];
     super::check::agree(group, &super::check::Stamp::new(OP, a, 0, &args))?;
-    let (_ws_tensor, h) = workspace(group, m * n * es)?;
+    let (ws_tensor, h) = workspace(group, m * n * es)?;
     let mine = (h.read_ptr(h.rank()) + h.offset()) as *mut u8;
-    // SAFETY: the workspace holds at least m·n elements; no peer reads it before the barrier.
+    // SAFETY: the workspace holds at least m·n elements; no peer reads it before this rank's
+    // next barrier or exchange (across hosts, host push reads a copy, or waits for its sends).
     unsafe { gemm(dtype, m, k, n, a.data_ptr(), k, b.data_ptr(), n, mine, n, false) };
-    barrier(&h)?;
     let me = h.rank();
     let out = if scatter_dim == 0 { Tensor::zeros(&[m / ws, n], dtype)? } else { Tensor::zeros(&[m, n / ws], dtype)? };
-    let outcome = (|| {
-        if scatter_dim == 0 {
-            fetch(&h, |_| (me * (m / ws) * n * es, (m / ws) * n * es))?;
-        } else {
-            fetch_shared(&h, |_| (0, m * n * es))?;
-        }
+    // Reduces this rank's block of every rank's partial (`partials[r]`: rank r's m·n product,
+    // readable and unchanged for the call) into `out`, in rank order.
+    let reduce_mine = |partials: &[*const u8]| -> Result<()> {
         if scatter_dim == 0 {
             let rows = m / ws;
-            let srcs: Vec<*const u8> =
-                (0..ws).map(|r| (h.read_ptr(r) + h.offset() + me * rows * n * es) as *const u8).collect();
-            // SAFETY: row block `me` of every workspace, complete (barrier) and not rewritten
-            // before the final barrier; out holds rows·n elements.
+            let srcs: Vec<*const u8> = partials.iter().map(|&p| p.wrapping_add(me * rows * n * es)).collect();
+            // SAFETY: row block `me` of every partial (the caller's promise); out holds rows·n
+            // elements.
             unsafe { reduce::reduce(dtype, op, &srcs, &[out.data_ptr()], rows * n, ws) }
         } else {
             let cols = n / ws;
             for row in 0..m {
                 let srcs: Vec<*const u8> =
-                    (0..ws).map(|r| (h.read_ptr(r) + h.offset() + (row * n + me * cols) * es) as *const u8).collect();
+                    partials.iter().map(|&p| p.wrapping_add((row * n + me * cols) * es)).collect();
                 // SAFETY: as above, one row's column block.
                 unsafe { reduce::reduce(dtype, op, &srcs, &[out.data_ptr().add(row * cols * es)], cols, ws)? };
             }
             Ok(())
         }
-    })();
-    let b = h.barrier(0, timeout());
-    outcome.and(b)?;
+    };
+    // The pull path once every partial is complete (after a barrier, or across hosts the
+    // entry meeting host push's calls): the blocks read (row blocks alone, or whole partials
+    // shared by a host's ranks), reduced, then a barrier.
+    let pulled = || -> Result<()> {
+        let outcome = (|| {
+            if scatter_dim == 0 {
+                fetch(&h, |_| (me * (m / ws) * n * es, (m / ws) * n * es))?;
+            } else {
+                fetch_shared(&h, |_| (0, m * n * es))?;
+            }
+            reduce_mine(&super::common::peers(&h, 0))
+        })();
+        let b = h.barrier(0, timeout());
+        outcome.and(b)
+    };
+    if h.all_local() {
+        barrier(&h)?;
+        pulled()?;
+    } else {
+        // Across hosts, as the all-gather: every partial travels once to each other host's
+        // leader (host push, within the all-gather's limits; `inputs[r]` is rank r's partial
+        // for the length of the call), or the blocks are read (pull).
+        let partial = ws_tensor.narrow(0, 0, m * n * es)?;
+        // Pull reads only this rank's blocks: the reduce-scatter's limits (over ucx, 64 KiB).
+        let push = super::reduce_scatter::select_for(&partial, &h) == super::all_gather::Algo::HostPush;
+        super::all_gather::whole_inputs_across_hosts(
+            &partial,
+            group,
+            &h,
+            OP,
+            Some(op),
+            &args,
+            push,
+            reduce_mine,
+            pulled,
+        )?;
+    }
     Ok(out)
 }

@@ -345,7 +345,17 @@ pub fn reduce_scatter_offset(
     // Across hosts, as the all-gather: every input travels once to each other host's leader
     // (host push, within the all-gather's limits; `inputs[r]` is rank r's whole input for the
     // length of the call) or is read (pull).
-    crate::ops::all_gather::whole_inputs_across_hosts(input, group, &h, OP, Some(op), &args, reduce_owned, pulled)
+    crate::ops::all_gather::whole_inputs_across_hosts(
+        input,
+        group,
+        &h,
+        OP,
+        Some(op),
+        &args,
+        crate::ops::all_gather::select_for(input, &h) == Algo::HostPush,
+        reduce_owned,
+        pulled,
+    )
 }
 
 #[cfg(test)]

@@ -44,11 +44,13 @@ pub(crate) fn meet(
     crate::ops::hostpush::meet(group, kind, layout(group.world_size()), sig, disagree, timeout)
 }
 
-/// An operator whose pull path reads every rank's whole `input` (`reduce_scatter_offset`,
-/// `all_to_all_nd`), across hosts (`h`: the input's handle): within the all-gather's limits,
-/// its exchange ([`exchange_inputs`]) with `finish` given every rank's input, the operator's
-/// arguments (`kind`, reduction `op`, the rest `args`) folded into the signature; above, its
-/// entry meeting host push's calls ([`meet`]), then `pulled`.
+/// An operator whose ranks each need their part of every rank's whole `input`
+/// (`reduce_scatter_offset`, `all_to_all_nd`, the fused matmuls), across hosts (`h`: the
+/// input's handle): with `push` (the operator's selection: within the all-gather's limits, or
+/// the reduce-scatter's where pull reads only the parts), the exchange ([`exchange_inputs`])
+/// with `finish` given every rank's input, the operator's arguments (`kind`, reduction `op`,
+/// the rest `args`) folded into the signature; otherwise its entry meeting host push's calls
+/// ([`meet`]), then `pulled`.
 #[allow(clippy::too_many_arguments, reason = "the operator's call and its two ways")]
 pub(crate) fn whole_inputs_across_hosts(
     input: &Tensor,
@@ -57,13 +59,14 @@ pub(crate) fn whole_inputs_across_hosts(
     kind: &'static str,
     op: Option<crate::ops::reduce::ReduceOp>,
     args: &[u64],
+    push: bool,
     finish: impl FnOnce(&[*const u8]) -> Result<()>,
     pulled: impl FnOnce() -> Result<()>,
 ) -> Result<()> {
     // Ranks that took different algorithms (sizes on either side of the limit) or left a call
     // at different points are out of step: refused from then on.
     guarded(group, kind, || {
-        if super::select_for(input, h) == super::Algo::HostPush {
+        if push {
             let stamp = crate::ops::check::Stamp::new(kind, input, h.offset(), args).digest();
             let [n, code] = crate::ops::check::counts_at(input, op, h.offset());
             let sig = [n ^ stamp >> 40 << 40, code];

@@ -256,7 +256,17 @@ pub fn all_to_all_nd(input: &Tensor, out: &Tensor, scatter_dim: usize, gather_di
     // Across hosts, as the all-gather: every input travels once to each other host's leader
     // (host push, within the all-gather's limits; `inputs[r]` is rank r's whole input for the
     // length of the call) or is read (pull).
-    crate::ops::all_gather::whole_inputs_across_hosts(input, group, &h, OP, None, &args, copy_blocks, pulled)
+    crate::ops::all_gather::whole_inputs_across_hosts(
+        input,
+        group,
+        &h,
+        OP,
+        None,
+        &args,
+        crate::ops::all_gather::select_for(input, &h) == crate::ops::all_gather::Algo::HostPush,
+        copy_blocks,
+        pulled,
+    )
 }
 
 #[cfg(test)]

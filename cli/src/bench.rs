@@ -1391,7 +1391,15 @@ pub fn collective_rank(
             "all_gather" | "all_gather_matmul" => (size / es / ws).max(1),
             _ => (size / es).div_ceil(unit).max(1) * unit,
         };
-        let input = symm::empty(&[numel], dtype, Device::Cpu)?;
+        // tile_reduce: the left half of a [rows, 2 x cols] symmetric matrix, numel elements.
+        let tile_cols = numel.min(256);
+        let tile_rows = numel.div_ceil(tile_cols);
+        let numel = if op == "tile_reduce" { tile_rows * tile_cols } else { numel };
+        let input = if op == "tile_reduce" {
+            symm::empty(&[tile_rows, 2 * tile_cols], dtype, Device::Cpu)?
+        } else {
+            symm::empty(&[numel], dtype, Device::Cpu)?
+        };
         // all_gather_matmul: the gathered [ws, numel] times a [numel, 8] matrix.
         let bmat = if op == "all_gather_matmul" { Some(Tensor::zeros(&[numel, 8], dtype)?) } else { None };
         // matmul_reduce_scatter: a [ws, 8] times [8, numel / ws] product (numel elements),
@@ -1448,6 +1456,13 @@ pub fn collective_rank(
                     None,
                     ReduceOp::Sum,
                 ),
+                ("tile_reduce", _) => ops::tile_reduce(
+                    &input.tile(0..tile_rows, 0..tile_cols)?,
+                    &out.view(&[tile_rows, tile_cols])?,
+                    0,
+                    &group,
+                    ReduceOp::Sum,
+                ),
                 (other, _) => Err(Error::InvalidArgument(format!("unknown collective {other:?}"))),
             }
         };
@@ -1497,6 +1512,9 @@ pub fn collective_rank(
             ("matmul_reduce_scatter", _) => symmem::ops::reduce_scatter::select_for(&input, &h).name(),
             ("reduce_scatter_offset" | "all_to_all_nd" | "all_gather_matmul", _) => {
                 symmem::ops::all_gather::select_for(&input, &h).name()
+            }
+            ("tile_reduce", _) => {
+                symmem::ops::all_gather::select(bytes, h.max_ranks_per_host(), hosts.min(2), link).name()
             }
             _ => "pull",
         };

@@ -542,6 +542,10 @@ enum BenchCommand {
     /// one row per rank.
     #[command(after_help = COLLECTIVE_FIELDS)]
     ReduceScatterOffset(CollectiveArgs),
+    /// Tile reduction (tile_reduce) to rank 0 of the left half of every rank's [rows, 2 x cols]
+    /// symmetric matrix (a strided tile of up to 256 columns); sizes are the tile's.
+    #[command(after_help = COLLECTIVE_FIELDS)]
+    TileReduce(CollectiveArgs),
     /// Equal-split all-to-all.
     #[command(after_help = COLLECTIVE_FIELDS)]
     AllToAll(CollectiveArgs),
@@ -758,6 +762,9 @@ fn dispatch(command: Command) -> Result<u8> {
         }
         Command::Bench { which: BenchCommand::ReduceScatterOffset(a) } => {
             bench_collective("reduce_scatter_offset", &a, AllReduceAlgo::Auto)
+        }
+        Command::Bench { which: BenchCommand::TileReduce(a) } => {
+            bench_collective("tile_reduce", &a, AllReduceAlgo::Auto)
         }
         Command::Bench { which: BenchCommand::Broadcast(a) } => bench_collective("broadcast", &a, AllReduceAlgo::Auto),
         Command::Bench { which: BenchCommand::Transport { output, backend, sizes, window, plot } } => {

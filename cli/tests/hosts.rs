@@ -691,6 +691,38 @@ fn operators(j: &Job) {
     let mine = Tensor::zeros(&[2, 2], DType::F64).unwrap();
     ops::multi_root_tile_reduce(&tiles, &mine, &roots, g, ReduceOp::Sum).unwrap();
     j.report("multi_root_tile_reduce", &mine);
+    // Across hosts by every way of the all-gather's exchange, packed row by row: strided tiles
+    // gathered by the leader (the two above), each rank's own message (40 x 100 f64 of a
+    // 300-column matrix; bf16), from the tensor for a rank alone on its host (a tile of whole
+    // rows, contiguous, 100 KiB), pulled past the limit (600 x 256 f64); roots the first, a
+    // non-leader and the last rank. Each matrix is rewritten once the call returns.
+    for (dtype, rows, cols, width, root) in [
+        (DType::F64, 40, 100, 300, 1 % ws),
+        (DType::BF16, 40, 100, 300, ws - 1),
+        (DType::F64, 100, 128, 128, 0),
+        (DType::F64, 600, 256, 300, ws - 1),
+    ] {
+        let m = sym(&[rows + 3, width], dtype);
+        fill(&m, |i| val(me, i));
+        let tile = m.tile(3..rows + 3, width - cols..width).unwrap();
+        let out = Tensor::zeros(&[rows, cols], dtype).unwrap();
+        ops::tile_reduce(&tile, &out, root, g, ReduceOp::Sum).unwrap();
+        fill(&m, |_| -1.0);
+        g.barrier(T).unwrap();
+        j.report(&format!("tile_reduce/{dtype}/{rows}x{cols}/{root}"), &out);
+    }
+    // Every rank's tiles in one message (ws tiles of 20 x 64 and of 300 x 128 f64, strided,
+    // the second pulled where a host has two ranks), roots reversed.
+    for (rows, cols) in [(20, 64), (300, 128)] {
+        let m = sym(&[rows, cols * ws + 5], DType::F64);
+        fill(&m, |i| val(me, i));
+        let tiles: Vec<Tensor> = (0..ws).map(|i| m.tile(0..rows, 5 + i * cols..5 + (i + 1) * cols).unwrap()).collect();
+        let out = Tensor::zeros(&[rows, cols], DType::F64).unwrap();
+        ops::multi_root_tile_reduce(&tiles, &out, &roots, g, ReduceOp::Max).unwrap();
+        fill(&m, |_| -1.0);
+        g.barrier(T).unwrap();
+        j.report(&format!("multi_root_tile_reduce/{rows}x{cols}"), &out);
+    }
     let rows = 4 * ws;
     let xo = sym(&[rows, 6], DType::F32);
     fill(&xo, |i| val(me, i));

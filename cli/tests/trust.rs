@@ -1125,6 +1125,20 @@ fn rank_disagree() {
     let bm = Tensor::zeros(&[if gd == 1 { 4 * ws } else { 4 }, 1], DType::F32).unwrap();
     let r = ops::fused_all_gather_matmul(&shard, std::slice::from_ref(&bm), gd, &g, false).map(|_| ());
     expect_disagreement("fused_all_gather_matmul", r);
+    // Tile reductions to different roots, and with roots in different orders.
+    let square = x.narrow(0, 0, 16).unwrap().view(&[4, 4]).unwrap();
+    let quad = square.tile(0..2, 2..4).unwrap();
+    let quad_out = Tensor::zeros(&[2, 2], DType::F32).unwrap();
+    expect_disagreement("tile_reduce", ops::tile_reduce(&quad, &quad_out, me % 2, &g, ReduceOp::Sum));
+    let tiles: Vec<Tensor> = (0..ws).map(|i| square.tile(i % 2 * 2..i % 2 * 2 + 2, 0..2).unwrap()).collect();
+    let mut roots: Vec<usize> = (0..ws).collect();
+    if me % 2 == 1 {
+        roots.reverse();
+    }
+    expect_disagreement(
+        "multi_root_tile_reduce",
+        ops::multi_root_tile_reduce(&tiles, &quad_out, &roots, &g, ReduceOp::Sum),
+    );
     // Reductions that differ.
     let op = if me % 2 == 0 { ReduceOp::Sum } else { ReduceOp::Max };
     let e = expect_disagreement("two_shot", ops::two_shot_all_reduce_(&x, op, &g));
@@ -1137,6 +1151,14 @@ fn rank_disagree() {
     b.fill(me as f32).unwrap();
     ops::broadcast_(&b, ws - 1, &g).unwrap();
     assert!(b.to_vec::<f32>().unwrap().iter().all(|&v| v == (ws - 1) as f32), "broadcast after the refusal");
+    // Every rank read the broadcast's root (which `square` shares memory with) before any
+    // rewrites it.
+    g.barrier(Duration::from_secs(30)).unwrap();
+    square.fill(me as f32 + 1.0).unwrap();
+    quad_out.fill(-1.0f32).unwrap();
+    ops::tile_reduce(&quad, &quad_out, ws - 1, &g, ReduceOp::Sum).unwrap();
+    let want = if me == ws - 1 { (ws * (ws + 1) / 2) as f32 } else { -1.0 };
+    assert_eq!(quad_out.to_vec::<f32>().unwrap(), [want; 4], "tile_reduce after the refusal");
     let a2a_in = x.narrow(0, 0, ws * 8).unwrap().view(&[ws, 8]).unwrap();
     let a2a_out = Tensor::zeros(&[ws, 8], DType::F32).unwrap();
     ops::all_to_all(&a2a_in, &a2a_out, &g).unwrap();

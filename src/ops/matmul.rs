@@ -302,7 +302,7 @@ pub fn fused_all_gather_matmul(
         // (host push, within the all-gather's limits; `inputs[r]` is rank r's shard for the
         // length of the call) or is read (pull).
         super::all_gather::whole_inputs_across_hosts(
-            a_shard,
+            &[a_shard],
             group,
             &h,
             OP,
@@ -442,7 +442,7 @@ pub fn fused_matmul_reduce_scatter(
         // Pull reads only this rank's blocks: the reduce-scatter's limits (over ucx, 64 KiB).
         let push = super::reduce_scatter::select_for(&partial, &h) == super::all_gather::Algo::HostPush;
         super::all_gather::whole_inputs_across_hosts(
-            &partial,
+            &[&partial],
             group,
             &h,
             OP,

@@ -346,7 +346,7 @@ pub fn reduce_scatter_offset(
     // (host push, within the all-gather's limits; `inputs[r]` is rank r's whole input for the
     // length of the call) or is read (pull).
     crate::ops::all_gather::whole_inputs_across_hosts(
-        input,
+        &[input],
         group,
         &h,
         OP,

@@ -1,6 +1,13 @@
 //! Tile reductions on strided 2-D views of symmetric tensors
 //! (`docs/symm-mem-algorithms.md` §6): only the root's `out_tile` receives the
 //! reduction of every rank's tile; the other ranks contribute and synchronize.
+//!
+//! On one host, the root reads every rank's tile where it lies, between two barriers. Across
+//! hosts, within the all-gather's limits, the all-gather's exchange
+//! (`all_gather::whole_inputs_across_hosts`): every rank's tiles, packed row by row, reach
+//! every host once, with the ranks' arguments in the signature, and each root reduces its tile
+//! from them in rank order with the same kernel (bitwise the single host's); above, the same
+//! entry as the other operators (meeting host push's calls), then the single host's reads.
 
 use super::check::{Stamp, enter};
 use super::common::{bad, barrier, fetch};
@@ -57,6 +64,24 @@ fn reduce_tile(h: &SymmHandle, t: &Tensor, out: &Tensor, op: ReduceOp) -> Result
     Ok(())
 }
 
+/// Reduces tile `part` of every rank's packed tiles (`inputs[r]`: rank r's, tiles of `t`'s shape
+/// back to back, each row by row) into `out`, row by row, in rank order.
+fn reduce_packed(inputs: &[*const u8], part: usize, t: &Tensor, out: &Tensor, op: ReduceOp) -> Result<()> {
+    let (rows, cols) = (t.shape()[0], t.shape()[1]);
+    let es = t.dtype().size();
+    for r in 0..rows {
+        let at = (part * rows + r) * cols * es;
+        let srcs: Vec<*const u8> = inputs.iter().map(|&p| p.wrapping_add(at)).collect();
+        // SAFETY: every rank's packed tiles hold at least part + 1 tiles of rows x cols elements
+        // and stay readable and unchanged for the length of the call
+        // (`all_gather::exchange_parts`); out's row r holds `cols` elements.
+        unsafe {
+            reduce::reduce(t.dtype(), op, &srcs, &[out.data_ptr().add(r * out.strides()[0] * es)], cols, inputs.len())?
+        };
+    }
+    Ok(())
+}
+
 /// Reduces every rank's `in_tile` (a strided 2-D view of a symmetric tensor, the same view on
 /// every rank) into `root`'s `out_tile`.
 ///
@@ -83,10 +108,36 @@ pub fn tile_reduce(in_tile: &Tensor, out_tile: &Tensor, root: usize, group: &Gro
         return Err(bad(OP, format!("root must be smaller than group size ({root} >= {})", group.world_size())));
     }
     let h = symm::rendezvous(in_tile, group)?;
-    enter(group, &h, &Stamp::new(OP, in_tile, h.offset(), &[root as u64, op.code()]))?;
-    let outcome = if h.rank() == root { reduce_tile(&h, in_tile, out_tile, op) } else { Ok(()) };
-    let b = barrier(&h);
-    outcome.and(b)
+    let args = [root as u64, op.code()];
+    let me = h.rank();
+    let pulled = || {
+        let outcome = if me == root { reduce_tile(&h, in_tile, out_tile, op) } else { Ok(()) };
+        let b = barrier(&h);
+        outcome.and(b)
+    };
+    if h.all_local() {
+        enter(group, &h, &Stamp::new(OP, in_tile, h.offset(), &args))?;
+        return pulled();
+    }
+    crate::ops::all_gather::whole_inputs_across_hosts(
+        &[in_tile],
+        group,
+        &h,
+        OP,
+        Some(op),
+        &args,
+        across_hosts_pushed(in_tile.nbytes(), &h),
+        |inputs| if me == root { reduce_packed(inputs, 0, in_tile, out_tile, op) } else { Ok(()) },
+        pulled,
+    )
+}
+
+/// Whether a tile reduction across hosts whose tiles travel as `bytes` per rank takes host
+/// push: the all-gather's selection.
+fn across_hosts_pushed(bytes: usize, h: &SymmHandle) -> bool {
+    let hosts = if h.all_local() { 1 } else { 2 };
+    crate::ops::all_gather::select(bytes, h.max_ranks_per_host(), hosts, h.link_backend())
+        == crate::ops::all_gather::Algo::HostPush
 }
 
 /// Several tile reductions at once: tile i is reduced into the `out_tile` of rank `roots[i]`;
@@ -140,12 +191,34 @@ pub fn multi_root_tile_reduce(
         args.extend([r as u64, hh.offset() as u64]);
         args.extend(t.shape().iter().chain(t.strides()).map(|&d| d as u64));
     }
-    enter(group, first, &Stamp::new(OP, &in_tiles[0], first.offset(), &args))?;
     let mine = roots.iter().position(|&r| r == first.rank());
-    let outcome = match mine {
-        Some(i) => reduce_tile(&handles[i], &in_tiles[i], out_tile, op),
-        None => Ok(()),
+    let pulled = || {
+        let outcome = match mine {
+            Some(i) => reduce_tile(&handles[i], &in_tiles[i], out_tile, op),
+            None => Ok(()),
+        };
+        let b = barrier(first);
+        outcome.and(b)
     };
-    let b = barrier(first);
-    outcome.and(b)
+    if first.all_local() {
+        enter(group, first, &Stamp::new(OP, &in_tiles[0], first.offset(), &args))?;
+        return pulled();
+    }
+    // Every tile travels (packed one after another): each root takes its own from them.
+    let parts: Vec<&Tensor> = in_tiles.iter().collect();
+    let bytes = out_tile.nbytes().saturating_mul(in_tiles.len());
+    crate::ops::all_gather::whole_inputs_across_hosts(
+        &parts,
+        group,
+        first,
+        OP,
+        Some(op),
+        &args,
+        across_hosts_pushed(bytes, first),
+        |inputs| match mine {
+            Some(i) => reduce_packed(inputs, i, &in_tiles[i], out_tile, op),
+            None => Ok(()),
+        },
+        pulled,
+    )
 }

@@ -44,16 +44,17 @@ pub(crate) fn meet(
     crate::ops::hostpush::meet(group, kind, layout(group.world_size()), sig, disagree, timeout)
 }
 
-/// An operator whose ranks each need their part of every rank's whole `input`
-/// (`reduce_scatter_offset`, `all_to_all_nd`, the fused matmuls), across hosts (`h`: the
-/// input's handle): with `push` (the operator's selection: within the all-gather's limits, or
-/// the reduce-scatter's where pull reads only the parts), the exchange ([`exchange_inputs`])
-/// with `finish` given every rank's input, the operator's arguments (`kind`, reduction `op`,
-/// the rest `args`) folded into the signature; otherwise its entry meeting host push's calls
-/// ([`meet`]), then `pulled`.
+/// An operator whose ranks each need their part of every rank's whole input
+/// (`reduce_scatter_offset`, `all_to_all_nd`, the fused matmuls, the tile reductions), across
+/// hosts (`h`: the handle of `parts[0]`; the input is `parts`, one after another, each packed
+/// row by row, see [`exchange_parts`]): with `push` (the operator's selection: within the
+/// all-gather's limits, or the reduce-scatter's where pull reads only the parts), the exchange
+/// with `finish` given every rank's packed input, the operator's arguments (`kind`, reduction
+/// `op`, the rest `args`) folded into the signature; otherwise its entry meeting host push's
+/// calls ([`meet`], on `parts[0]`), then `pulled`.
 #[allow(clippy::too_many_arguments, reason = "the operator's call and its two ways")]
 pub(crate) fn whole_inputs_across_hosts(
-    input: &Tensor,
+    parts: &[&Tensor],
     group: &Group,
     h: &SymmHandle,
     kind: &'static str,
@@ -65,13 +66,17 @@ pub(crate) fn whole_inputs_across_hosts(
 ) -> Result<()> {
     // Ranks that took different algorithms (sizes on either side of the limit) or left a call
     // at different points are out of step: refused from then on.
+    let Some(&input) = parts.first() else { return Ok(()) };
     guarded(group, kind, || {
         if push {
             let stamp = crate::ops::check::Stamp::new(kind, input, h.offset(), args).digest();
             let [n, code] = crate::ops::check::counts_at(input, op, h.offset());
+            // The count is of every part (all of the first's element type): what travels.
+            let all: usize = parts.iter().map(|t| t.numel()).sum();
+            let n = n & !crate::ops::check::COUNT_BITS | all as u64 & crate::ops::check::COUNT_BITS;
             let sig = [n ^ stamp >> 40 << 40, code];
             let timeout = crate::ops::common::timeout();
-            return exchange_inputs(input, group, h, kind, sig, None, timeout, || {}, finish);
+            return exchange_parts(parts, group, h, kind, sig, None, timeout, || {}, finish);
         }
         meet(input, group, h, kind, op, args)?;
         pulled()
@@ -131,7 +136,35 @@ pub(crate) fn exchange_inputs(
     meanwhile: impl FnOnce(),
     finish: impl FnOnce(&[*const u8]) -> Result<()>,
 ) -> Result<()> {
-    let n = input.nbytes();
+    exchange_parts(&[input], group, h, kind, sig, travels, timeout, meanwhile, finish)
+}
+
+/// [`exchange_inputs`] of an input in `parts` (`h`: the handle of the first), which travel one
+/// after another, each packed row by row: a contiguous tensor whole, a 2-D view with contiguous
+/// rows (a tile) as its rows back to back. `finish` gets, per rank, where its packed input is.
+/// Only a lone contiguous part may leave straight from the tensor.
+#[allow(clippy::too_many_arguments, reason = "the operator's call and its two hooks")]
+pub(crate) fn exchange_parts(
+    parts: &[&Tensor],
+    group: &Group,
+    h: &SymmHandle,
+    kind: &'static str,
+    sig: [u64; 2],
+    travels: Option<usize>,
+    timeout: Duration,
+    meanwhile: impl FnOnce(),
+    finish: impl FnOnce(&[*const u8]) -> Result<()>,
+) -> Result<()> {
+    let packable = |t: &&Tensor| t.is_contiguous() || (t.shape().len() == 2 && t.strides()[1] == 1);
+    let (Some(&input), true) = (parts.first(), parts.iter().all(packable)) else {
+        return Err(crate::error::Error::InvalidArgument(format!(
+            "{kind}: what travels must be contiguous tensors or 2-D views with contiguous rows"
+        )));
+    };
+    let n = parts
+        .iter()
+        .try_fold(0usize, |n, t| n.checked_add(t.nbytes()))
+        .ok_or_else(|| crate::error::Error::InvalidArgument(format!("{kind}: the inputs' sizes overflow")))?;
     let gathered = n <= GATHERED_MAX;
     let stride = n.next_multiple_of(16);
     let (me, world) = (group.rank(), group.world_size());
@@ -150,7 +183,7 @@ pub(crate) fn exchange_inputs(
     let locals = hw.local_ranks();
     let leader = locals[0];
     let other_leaders: Vec<usize> = hw.leaders().filter(|&l| l != leader).collect();
-    let direct = !gathered && n >= DIRECT_MIN && locals.len() == 1;
+    let direct = !gathered && n >= DIRECT_MIN && locals.len() == 1 && parts.len() == 1 && input.is_contiguous();
     let mine_travels = travels.is_none_or(|r| r == me);
 
     // The sends of call e-2 read this call's slots: they must have landed; those of call e-1
@@ -158,10 +191,11 @@ pub(crate) fn exchange_inputs(
     settle(&hw, &mut w.sent, |epoch| epoch != e.wrapping_sub(1), timeout)?;
     if !direct && mine_travels {
         // SAFETY: slot `me` of parity p lies in this rank's own workspace (sized for `cap` >=
-        // stride bytes per slot); the input is contiguous (a symmetric tensor's view, checked)
-        // of n bytes; nobody reads the slot before this rank's ARRIVE and FROM words below,
-        // nobody still reads it from call e-2 (see above), and its sends of call e-2 landed.
-        unsafe { std::ptr::copy_nonoverlapping(input.data_ptr().cast_const(), own(slot(me)), n) };
+        // stride bytes per slot), and the parts hold n bytes in all, each contiguous or a 2-D
+        // view with contiguous rows (checked above); nobody reads the slot before this rank's
+        // ARRIVE and FROM words below, nobody still reads it from call e-2 (see above), and its
+        // sends of call e-2 landed.
+        unsafe { pack(parts, own(slot(me))) };
     }
     for (i, v) in sig.into_iter().enumerate() {
         // Relaxed: published with the slot, by ARRIVE here and by FROM on other hosts.
@@ -223,4 +257,35 @@ pub(crate) fn exchange_inputs(
         })
         .collect();
     finish(&inputs)
+}
+
+/// Writes `parts` one after another at `dst`, each packed row by row.
+///
+/// # Safety
+/// `dst` holds the parts' bytes in all and shares none with them; each part is contiguous or a
+/// 2-D view whose rows are contiguous (stride 1 in its last dimension).
+unsafe fn pack(parts: &[&Tensor], dst: *mut u8) {
+    let mut at = 0;
+    for t in parts {
+        let n = t.nbytes();
+        if t.is_contiguous() {
+            // SAFETY: the part's n bytes are contiguous; dst has room for them at `at`.
+            unsafe { std::ptr::copy_nonoverlapping(t.data_ptr().cast_const(), dst.add(at), n) };
+        } else {
+            let es = t.dtype().size();
+            let (rows, row) = (t.shape()[0], t.shape()[1] * es);
+            for r in 0..rows {
+                // SAFETY: row r of the view is `row` contiguous bytes at r · stride elements
+                // from its start; dst has room for the part's rows back to back at `at`.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(
+                        t.data_ptr().add(r * t.strides()[0] * es).cast_const(),
+                        dst.add(at + r * row),
+                        row,
+                    )
+                };
+            }
+        }
+        at += n;
+    }
 }

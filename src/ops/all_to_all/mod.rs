@@ -257,7 +257,7 @@ pub fn all_to_all_nd(input: &Tensor, out: &Tensor, scatter_dim: usize, gather_di
     // (host push, within the all-gather's limits; `inputs[r]` is rank r's whole input for the
     // length of the call) or is read (pull).
     crate::ops::all_gather::whole_inputs_across_hosts(
-        input,
+        &[input],
         group,
         &h,
         OP,

@@ -1009,6 +1009,9 @@ fn rank_lost() {
         Tensor::zeros(&[8192 * j.ws], DType::F32).unwrap(),
         Tensor::zeros(&[4096 / j.ws], DType::F32).unwrap(),
     );
+    // And tile reductions by host push (a strided 32 x 32 tile of a 64 x 64 matrix).
+    let (quad, quad_out) =
+        (sym(&[64, 64], DType::F32).tile(16..48, 32..64).unwrap(), Tensor::zeros(&[32, 32], DType::F32).unwrap());
     let marker = std::env::var("SYMMEM_TEST_MARKER").ok();
     let start = Instant::now();
     for i in 0.. {
@@ -1028,6 +1031,7 @@ fn rank_lost() {
             7 => ops::broadcast_(&own, j.ws - 1, &j.g),
             1 => ops::all_to_all(&big, &big_out, &j.g),
             2 => ops::all_to_all_vdev(&x, &v_out, &splits, &oso, &j.g),
+            3 if i % 16 == 3 => ops::tile_reduce(&quad, &quad_out, j.ws - 1, &j.g, ReduceOp::Sum),
             _ => ops::all_to_all_vdev(&w_in, &w_out, &w_splits, &oso, &j.g),
         };
         if let Err(e) = done {

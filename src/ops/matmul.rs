@@ -1,9 +1,9 @@
 //! Fused collective matmuls (`docs/symm-mem-algorithms.md` §4), with
 //! `matrixmultiply`'s CPU GEMM. f32 and f64 natively; f16 and bf16 through f32.
 //!
-//! - `fused_all_gather_matmul`: a helper thread pulls the peers' shards into the gathered `A`
-//!   (in rank order) while this thread multiplies each shard as soon as it lands, so the copies
-//!   overlap the matmuls.
+//! - `fused_all_gather_matmul`: each shard, in rank order, is copied into the gathered `A` and
+//!   multiplied at once, while it is still in cache (a helper thread copying while this one
+//!   multiplied cost its start on every call and gained nothing measurable on 2 cores).
 //! - `fused_matmul_reduce_scatter`: `A @ B` goes into a per-group symmetric workspace, then
 //!   every rank reduces its block from all workspaces in rank order (sum or avg).
 
@@ -164,8 +164,8 @@ fn check_float(op: &str, d: DType) -> Result<()> {
     Ok(())
 }
 
-/// `A = all_gather(A_shard, gather_dim)`, then `A @ B` for every `B`, with the gathering
-/// overlapped with the matmuls. `A_shard` is a 2-D symmetric tensor; `gather_dim` 0 stacks the
+/// `A = all_gather(A_shard, gather_dim)`, then `A @ B` for every `B`, each shard multiplied as
+/// soon as it is gathered. `A_shard` is a 2-D symmetric tensor; `gather_dim` 0 stacks the
 /// shards' rows, 1 (the last dimension) their columns. Returns `A` when `return_a`.
 ///
 /// ```

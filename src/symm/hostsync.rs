@@ -299,13 +299,31 @@ impl HostSync {
 }
 
 /// Runs of consecutive ranks in `ranks` (sorted), as (index of the first, index past the last).
-pub(crate) fn runs(ranks: &[usize]) -> Vec<(usize, usize)> {
-    let mut out: Vec<(usize, usize)> = Vec::new();
-    for (i, &r) in ranks.iter().enumerate() {
-        match out.last_mut() {
-            Some((_, end)) if ranks[*end - 1] + 1 == r => *end = i + 1,
-            _ => out.push((i, i + 1)),
+pub(crate) fn runs(ranks: &[usize]) -> impl Iterator<Item = (usize, usize)> + '_ {
+    let mut at = 0;
+    std::iter::from_fn(move || {
+        let start = at;
+        if start >= ranks.len() {
+            return None;
         }
+        at += 1;
+        while at < ranks.len() && ranks[at - 1] + 1 == ranks[at] {
+            at += 1;
+        }
+        Some((start, at))
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::runs;
+
+    #[test]
+    fn runs_are_the_stretches_of_consecutive_ranks() {
+        let of = |r: &[usize]| runs(r).collect::<Vec<_>>();
+        assert_eq!(of(&[0, 1, 2, 5, 6, 9]), [(0, 3), (3, 5), (5, 6)]);
+        assert_eq!(of(&[4]), [(0, 1)]);
+        assert_eq!(of(&[1, 3, 5]), [(0, 1), (1, 2), (2, 3)]);
+        assert_eq!(of(&[]), []);
     }
-    out
 }

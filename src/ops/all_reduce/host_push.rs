@@ -143,8 +143,7 @@ pub(crate) fn all_reduce(
         if split {
             raise_for_gathered(w, e, &sigs, timeout)?;
         }
-        let senders: Vec<usize> =
-            if gathered { other_leaders.clone() } else { (0..world).filter(|&r| !hw.is_local(r)).collect() };
+        let senders = (0..world).filter(|&r| if gathered { other_leaders.contains(&r) } else { !hw.is_local(r) });
         for r in senders {
             w.words.wait_for(from(r), e, r, &p, timeout)?;
         }

@@ -76,7 +76,7 @@ pub(crate) fn all_to_all(input: &Tensor, out: &Tensor, group: &Group, h: &SymmHa
     let host_runs: Vec<Vec<(usize, usize, bool)>> = (0..hosts)
         .map(|x| {
             let direct = |(a, end): (usize, usize)| !gathered && b == bs && (end - a) * b >= DIRECT_MIN;
-            runs(hw.ranks_on(x)).into_iter().map(|r| (r.0, r.1, x != my_host && direct(r))).collect()
+            runs(hw.ranks_on(x)).map(|r| (r.0, r.1, x != my_host && direct(r))).collect()
         })
         .collect();
     // Blocks staged: those this host's other ranks take, and the ones for another host that

@@ -464,7 +464,15 @@ impl Client {
             return Err(self.lost());
         }
         let id = self.next.fetch_add(1, Ordering::Relaxed);
-        let chunks = self.plan(req.len);
+        // A small request's one chunk, planned without allocating (most requests).
+        let (single, planned);
+        let chunks: &[(usize, usize, usize)] = if req.len <= INLINE.min(self.chunk) {
+            single = [(0, 0, req.len)];
+            &single
+        } else {
+            planned = self.plan(req.len);
+            &planned
+        };
         // One frame on flow 0, one reply: a waiter reads it itself while it spins, so the reply
         // reaches it with no hand-off from the receiver thread (and sends it, if held).
         let one = matches!(chunks[..], [(0, _, _)]);
@@ -498,7 +506,7 @@ impl Client {
                 return Err(self.lost());
             }
         }
-        for (flow, at, n) in chunks {
+        for &(flow, at, n) in chunks {
             let header = Header {
                 op,
                 status,

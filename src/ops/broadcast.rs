@@ -57,7 +57,7 @@ pub fn broadcast_(input: &Tensor, root: usize, group: &Group) -> Result<()> {
             let sig = host_sig(input, root, h.offset());
             let me = h.rank();
             return crate::ops::all_gather::exchange_inputs(
-                input,
+                &[input],
                 group,
                 &h,
                 KIND,

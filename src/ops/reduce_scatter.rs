@@ -120,7 +120,7 @@ pub fn reduce_scatter_out(
             // Host push checks the ranks' arguments itself, in its one exchange.
             let sig = host_sig(input, op, split_last_dim, h.offset());
             return crate::ops::all_gather::exchange_inputs(
-                input,
+                &[input],
                 group,
                 &h,
                 KIND,

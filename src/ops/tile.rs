@@ -74,7 +74,7 @@ fn reduce_packed(inputs: &[*const u8], part: usize, t: &Tensor, out: &Tensor, op
         let srcs: Vec<*const u8> = inputs.iter().map(|&p| p.wrapping_add(at)).collect();
         // SAFETY: every rank's packed tiles hold at least part + 1 tiles of rows x cols elements
         // and stay readable and unchanged for the length of the call
-        // (`all_gather::exchange_parts`); out's row r holds `cols` elements.
+        // (`all_gather::exchange_inputs`); out's row r holds `cols` elements.
         unsafe {
             reduce::reduce(t.dtype(), op, &srcs, &[out.data_ptr().add(r * out.strides()[0] * es)], cols, inputs.len())?
         };

@@ -47,7 +47,7 @@ pub(crate) fn meet(
 /// An operator whose ranks each need their part of every rank's whole input
 /// (`reduce_scatter_offset`, `all_to_all_nd`, the fused matmuls, the tile reductions), across
 /// hosts (`h`: the handle of `parts[0]`; the input is `parts`, one after another, each packed
-/// row by row, see [`exchange_parts`]): with `push` (the operator's selection: within the
+/// row by row, see [`exchange_inputs`]): with `push` (the operator's selection: within the
 /// all-gather's limits, or the reduce-scatter's where pull reads only the parts), the exchange
 /// with `finish` given every rank's packed input, the operator's arguments (`kind`, reduction
 /// `op`, the rest `args`) folded into the signature; otherwise its entry meeting host push's
@@ -76,7 +76,7 @@ pub(crate) fn whole_inputs_across_hosts(
             let n = n & !crate::ops::check::COUNT_BITS | all as u64 & crate::ops::check::COUNT_BITS;
             let sig = [n ^ stamp >> 40 << 40, code];
             let timeout = crate::ops::common::timeout();
-            return exchange_parts(parts, group, h, kind, sig, None, timeout, || {}, finish);
+            return exchange_inputs(parts, group, h, kind, sig, None, timeout, || {}, finish);
         }
         meet(input, group, h, kind, op, args)?;
         pulled()
@@ -94,7 +94,7 @@ pub(crate) fn all_gather(input: &Tensor, out: &Tensor, group: &Group, h: &SymmHa
     // SAFETY: the input is contiguous, n bytes, sharing no byte with `out` (checked), which
     // holds world blocks of n bytes.
     let own = || unsafe { std::ptr::copy_nonoverlapping(input.data_ptr().cast_const(), out.data_ptr().add(me * n), n) };
-    exchange_inputs(input, group, h, KIND, sig, None, timeout, own, |inputs| {
+    exchange_inputs(&[input], group, h, KIND, sig, None, timeout, own, |inputs| {
         for k in 1..inputs.len() {
             let r = (group.rank() + k) % inputs.len();
             // SAFETY: `inputs[r]` holds rank r's n input bytes for the length of this call (see
@@ -124,27 +124,13 @@ pub(crate) fn all_gather(input: &Tensor, out: &Tensor, group: &Group, h: &SymmHa
 ///
 /// `travels: Some(root)` (the broadcast): only rank `root`'s input travels; every other rank
 /// sends its signature and FROM word alone, and `finish` may read only `root`'s input.
+///
+/// The input is `parts` (`h`: the handle of the first), which travel one after another, each
+/// packed row by row: a contiguous tensor whole, a 2-D view with contiguous rows (a tile) as its
+/// rows back to back; `finish` gets, per rank, where its packed input is. Only a lone
+/// contiguous part may leave straight from the tensor.
 #[allow(clippy::too_many_arguments, reason = "the operator's call and its two hooks")]
 pub(crate) fn exchange_inputs(
-    input: &Tensor,
-    group: &Group,
-    h: &SymmHandle,
-    kind: &'static str,
-    sig: [u64; 2],
-    travels: Option<usize>,
-    timeout: Duration,
-    meanwhile: impl FnOnce(),
-    finish: impl FnOnce(&[*const u8]) -> Result<()>,
-) -> Result<()> {
-    exchange_parts(&[input], group, h, kind, sig, travels, timeout, meanwhile, finish)
-}
-
-/// [`exchange_inputs`] of an input in `parts` (`h`: the handle of the first), which travel one
-/// after another, each packed row by row: a contiguous tensor whole, a 2-D view with contiguous
-/// rows (a tile) as its rows back to back. `finish` gets, per rank, where its packed input is.
-/// Only a lone contiguous part may leave straight from the tensor.
-#[allow(clippy::too_many_arguments, reason = "the operator's call and its two hooks")]
-pub(crate) fn exchange_parts(
     parts: &[&Tensor],
     group: &Group,
     h: &SymmHandle,

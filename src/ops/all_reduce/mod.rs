@@ -144,7 +144,7 @@ pub fn one_shot_all_reduce_out(input: &Tensor, op: ReduceOp, group: &Group, out:
             let sig = crate::ops::check::counts_at(input, Some(op), h.offset());
             let ws = h.world_size();
             return crate::ops::all_gather::exchange_inputs(
-                input,
+                &[input],
                 group,
                 &h,
                 OP,

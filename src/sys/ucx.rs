@@ -765,10 +765,39 @@ pub unsafe fn request_free(req: *mut c_void) {
     }
 }
 
+/// Set once the process exits ([`begin_exit`]): UCX's own exit-time destructors are about to
+/// tear down its global state, and a worker destroyed after that crashes.
+static EXITING: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+/// Workers being destroyed now: [`begin_exit`] waits for them.
+static DESTROYING: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// Called as the process exits, before UCX's libraries run their destructors (an `atexit`
+/// handler registered after they were loaded runs before them): from now on a dropped worker
+/// is left to the process's end rather than destroyed, and the destructions already under way
+/// (a thread dropping its transport while another exits) finish first, for at most a second.
+pub(crate) fn begin_exit() {
+    use std::sync::atomic::Ordering;
+    // SeqCst: a Dekker pair with `Worker::drop` (its increment, then its load of EXITING):
+    // either this sees its increment and waits, or it sees EXITING and destroys nothing.
+    EXITING.store(true, Ordering::SeqCst);
+    let until = std::time::Instant::now() + std::time::Duration::from_secs(1);
+    while DESTROYING.load(Ordering::SeqCst) > 0 && std::time::Instant::now() < until {
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+}
+
 impl Drop for Worker {
     fn drop(&mut self) {
-        // SAFETY: the worker is live and dropped by its owner, after its endpoints closed.
-        unsafe { (self.api.worker_destroy)(self.h) }
+        use std::sync::atomic::Ordering;
+        // SeqCst: see `begin_exit`.
+        DESTROYING.fetch_add(1, Ordering::SeqCst);
+        if !EXITING.load(Ordering::SeqCst) {
+            // SAFETY: the worker is live and dropped by its owner, after its endpoints closed;
+            // UCX's libraries are not being torn down (the process is not exiting, or
+            // `begin_exit` waits for this).
+            unsafe { (self.api.worker_destroy)(self.h) }
+        }
+        DESTROYING.fetch_sub(1, Ordering::SeqCst);
     }
 }
 

@@ -381,6 +381,7 @@ impl UcxBackend {
         });
         let (core, address, efd) = Core::new(shared.clone(), tls).map_err(unavailable)?;
         let core = Arc::new(Mutex::new(core));
+        live_cores(&core);
         let (c, s) = (core.clone(), shared.clone());
         let thread = std::thread::Builder::new()
             .name("symmem-ucx".into())
@@ -616,6 +617,63 @@ impl Backend for UcxBackend {
 impl Drop for UcxBackend {
     fn drop(&mut self) {
         self.shutdown();
+    }
+}
+
+// ---- the process's exit ----
+
+/// The cores of the live endpoints, for [`at_exit`].
+static CORES: Mutex<Vec<std::sync::Weak<Mutex<Core>>>> = Mutex::new(Vec::new());
+
+/// Records a new endpoint's core; the first registers [`at_exit`] with the C library.
+fn live_cores(core: &Arc<Mutex<Core>>) {
+    static REGISTERED: std::sync::Once = std::sync::Once::new();
+    REGISTERED.call_once(|| {
+        // SAFETY: `at_exit` is an `extern "C"` function that never unwinds (it catches
+        // nothing that could panic: locks taken with their poison ignored). Registered after
+        // UCX's libraries were loaded (the core was just made), it runs before their
+        // destructors.
+        if unsafe { libc::atexit(at_exit) } != 0 {
+            tracing::debug!("ucx: could not register the exit handler");
+        }
+    });
+    let mut cores = CORES.lock().unwrap_or_else(|p| p.into_inner());
+    cores.retain(|c| c.strong_count() > 0);
+    cores.push(Arc::downgrade(core));
+}
+
+/// As the process exits, before UCX's libraries tear down their global state: every live
+/// endpoint's core is taken and kept, so no thread (a progress thread, a waiter, a thread
+/// dropping its transport) enters UCX through it again, and no worker is destroyed from then
+/// on ([`ucx::begin_exit`]). Without it a thread still progressing or destroying a worker
+/// while the process exited crashed it (SIGSEGV in `ucs_async_context_cleanup`, seen in
+/// `two_hosts_with_a_late_rank_match_one_host_bit_for_bit`, where a lagging transport's thread
+/// dropped its endpoint as the rank exited). Each core is waited for at most 100 ms: a thread
+/// inside UCX leaves it within a progress call.
+extern "C" fn at_exit() {
+    ucx::begin_exit();
+    let cores: Vec<Arc<Mutex<Core>>> =
+        CORES.lock().unwrap_or_else(|p| p.into_inner()).iter().filter_map(std::sync::Weak::upgrade).collect();
+    for core in cores {
+        let until = Instant::now() + Duration::from_millis(100);
+        loop {
+            match core.try_lock() {
+                Ok(guard) => {
+                    // Kept for the rest of the process's life: nobody enters UCX through this
+                    // core again.
+                    std::mem::forget(guard);
+                    break;
+                }
+                Err(std::sync::TryLockError::Poisoned(p)) => {
+                    std::mem::forget(p.into_inner());
+                    break;
+                }
+                Err(std::sync::TryLockError::WouldBlock) if Instant::now() < until => std::thread::yield_now(),
+                Err(std::sync::TryLockError::WouldBlock) => break,
+            }
+        }
+        // The core itself is never dropped (its worker would be destroyed): leaked with it.
+        std::mem::forget(core);
     }
 }
 

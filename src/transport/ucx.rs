@@ -55,6 +55,10 @@
 //! answered together, one ACKS per peer endpoint (a window of small writes costs one message
 //! back, not one each); refusals, reads' bytes and a lone acceptance go as before.
 //!
+//! As the process exits, an `atexit` handler takes every live endpoint's mutex before UCX's
+//! libraries tear down their state, and workers dropped after that are left to the process's
+//! end: a thread still inside UCX then crashed the exit (see `at_exit`).
+//!
 //! Each endpoint has a UCX worker in serialized mode behind a mutex. A caller sends its own
 //! requests (no hand-off to another thread on the way out); a progress thread per endpoint
 //! progresses the worker whenever it is not idle, serving peers and completing Works, keeps
@@ -629,10 +633,10 @@ static CORES: Mutex<Vec<std::sync::Weak<Mutex<Core>>>> = Mutex::new(Vec::new());
 fn live_cores(core: &Arc<Mutex<Core>>) {
     static REGISTERED: std::sync::Once = std::sync::Once::new();
     REGISTERED.call_once(|| {
-        // SAFETY: `at_exit` is an `extern "C"` function that never unwinds (it catches
-        // nothing that could panic: locks taken with their poison ignored). Registered after
-        // UCX's libraries were loaded (the core was just made), it runs before their
-        // destructors.
+        // SAFETY: `at_exit` is an `extern "C"` function that never unwinds (nothing in it
+        // panics: it takes locks ignoring their poison and allocates one small Vec).
+        // Registered after UCX's libraries were loaded (the core was just made), it runs
+        // before their destructors.
         if unsafe { libc::atexit(at_exit) } != 0 {
             tracing::debug!("ucx: could not register the exit handler");
         }

@@ -293,25 +293,11 @@ pub fn fused_all_gather_matmul(
         run(&(0..ws).map(|r| h.read_ptr(r) + h.offset()).collect::<Vec<_>>())?;
         barrier(&h)
     };
-    if h.all_local() || a_shard.numel() == 0 {
-        super::check::enter(group, &h, &super::check::Stamp::new(OP, a_shard, h.offset(), &args))?;
-        pulled()?;
-    } else {
-        // Across hosts, as the all-gather: every shard travels once to each other host's leader
-        // (host push, within the all-gather's limits; `inputs[r]` is rank r's shard for the
-        // length of the call) or is read (pull).
-        super::all_gather::whole_inputs_across_hosts(
-            &[a_shard],
-            group,
-            &h,
-            OP,
-            None,
-            &args,
-            super::all_gather::select_for(a_shard, &h) == super::all_gather::Algo::HostPush,
-            |inputs| run(&inputs.iter().map(|&p| p as usize).collect::<Vec<_>>()),
-            pulled,
-        )?;
-    }
+    // Pulled on one host; across hosts, as the all-gather: every shard travels once to each
+    // other host's leader (host push, within the all-gather's limits; `inputs[r]` is rank r's
+    // shard for the length of the call) or is read (pull).
+    let finish = |inputs: &[*const u8]| run(&inputs.iter().map(|&p| p as usize).collect::<Vec<_>>());
+    super::all_gather::whole_inputs(&[a_shard], group, &h, OP, None, &args, None, finish, pulled)?;
     Ok((return_a.then_some(a), outs))
 }
 
@@ -440,17 +426,7 @@ pub fn fused_matmul_reduce_scatter(
         let partial = ws_tensor.narrow(0, 0, m * n * es)?;
         // Pull reads only this rank's blocks: the reduce-scatter's limits (over ucx, 64 KiB).
         let push = super::reduce_scatter::select_for(&partial, &h) == super::all_gather::Algo::HostPush;
-        super::all_gather::whole_inputs_across_hosts(
-            &[&partial],
-            group,
-            &h,
-            OP,
-            Some(op),
-            &args,
-            push,
-            reduce_mine,
-            pulled,
-        )?;
+        super::all_gather::whole_inputs(&[&partial], group, &h, OP, Some(op), &args, Some(push), reduce_mine, pulled)?;
     }
     Ok(out)
 }

@@ -338,24 +338,10 @@ pub fn reduce_scatter_offset(
         let b = barrier(&h);
         outcome.and(b)
     };
-    if h.all_local() {
-        enter_on(OP, input, group, &h, &args)?;
-        return pulled();
-    }
-    // Across hosts, as the all-gather: every input travels once to each other host's leader
-    // (host push, within the all-gather's limits; `inputs[r]` is rank r's whole input for the
-    // length of the call) or is read (pull).
-    crate::ops::all_gather::whole_inputs_across_hosts(
-        &[input],
-        group,
-        &h,
-        OP,
-        Some(op),
-        &args,
-        crate::ops::all_gather::select_for(input, &h) == Algo::HostPush,
-        reduce_owned,
-        pulled,
-    )
+    // Pulled on one host; across hosts, as the all-gather: every input travels once to each
+    // other host's leader (host push, within the all-gather's limits; `inputs[r]` is rank r's
+    // whole input for the length of the call) or is read (pull).
+    crate::ops::all_gather::whole_inputs(&[input], group, &h, OP, Some(op), &args, None, reduce_owned, pulled)
 }
 
 #[cfg(test)]

@@ -4,12 +4,11 @@
 //!
 //! On one host, the root reads every rank's tile where it lies, between two barriers. Across
 //! hosts, within the all-gather's limits, the all-gather's exchange
-//! (`all_gather::whole_inputs_across_hosts`): every rank's tiles, packed row by row, reach
+//! (`all_gather::whole_inputs`): every rank's tiles, packed row by row, reach
 //! every host once, with the ranks' arguments in the signature, and each root reduces its tile
 //! from them in rank order with the same kernel (bitwise the single host's); above, the same
 //! entry as the other operators (meeting host push's calls), then the single host's reads.
 
-use super::check::{Stamp, enter};
 use super::common::{bad, barrier, fetch};
 use super::reduce::{self, ReduceOp};
 use crate::error::Result;
@@ -115,29 +114,9 @@ pub fn tile_reduce(in_tile: &Tensor, out_tile: &Tensor, root: usize, group: &Gro
         let b = barrier(&h);
         outcome.and(b)
     };
-    if h.all_local() {
-        enter(group, &h, &Stamp::new(OP, in_tile, h.offset(), &args))?;
-        return pulled();
-    }
-    crate::ops::all_gather::whole_inputs_across_hosts(
-        &[in_tile],
-        group,
-        &h,
-        OP,
-        Some(op),
-        &args,
-        across_hosts_pushed(in_tile.nbytes(), &h),
-        |inputs| if me == root { reduce_packed(inputs, 0, in_tile, out_tile, op) } else { Ok(()) },
-        pulled,
-    )
-}
-
-/// Whether a tile reduction across hosts whose tiles travel as `bytes` per rank takes host
-/// push: the all-gather's selection.
-fn across_hosts_pushed(bytes: usize, h: &SymmHandle) -> bool {
-    let hosts = if h.all_local() { 1 } else { 2 };
-    crate::ops::all_gather::select(bytes, h.max_ranks_per_host(), hosts, h.link_backend())
-        == crate::ops::all_gather::Algo::HostPush
+    let finish =
+        |inputs: &[*const u8]| if me == root { reduce_packed(inputs, 0, in_tile, out_tile, op) } else { Ok(()) };
+    crate::ops::all_gather::whole_inputs(&[in_tile], group, &h, OP, Some(op), &args, None, finish, pulled)
 }
 
 /// Several tile reductions at once: tile i is reduced into the `out_tile` of rank `roots[i]`;
@@ -200,25 +179,11 @@ pub fn multi_root_tile_reduce(
         let b = barrier(first);
         outcome.and(b)
     };
-    if first.all_local() {
-        enter(group, first, &Stamp::new(OP, &in_tiles[0], first.offset(), &args))?;
-        return pulled();
-    }
-    // Every tile travels (packed one after another): each root takes its own from them.
+    // Across hosts every tile travels (packed one after another): each root takes its own.
     let parts: Vec<&Tensor> = in_tiles.iter().collect();
-    let bytes = out_tile.nbytes().saturating_mul(in_tiles.len());
-    crate::ops::all_gather::whole_inputs_across_hosts(
-        &parts,
-        group,
-        first,
-        OP,
-        Some(op),
-        &args,
-        across_hosts_pushed(bytes, first),
-        |inputs| match mine {
-            Some(i) => reduce_packed(inputs, i, &in_tiles[i], out_tile, op),
-            None => Ok(()),
-        },
-        pulled,
-    )
+    let finish = |inputs: &[*const u8]| match mine {
+        Some(i) => reduce_packed(inputs, i, &in_tiles[i], out_tile, op),
+        None => Ok(()),
+    };
+    crate::ops::all_gather::whole_inputs(&parts, group, first, OP, Some(op), &args, None, finish, pulled)
 }

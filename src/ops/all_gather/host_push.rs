@@ -45,28 +45,36 @@ pub(crate) fn meet(
 }
 
 /// An operator whose ranks each need their part of every rank's whole input
-/// (`reduce_scatter_offset`, `all_to_all_nd`, the fused matmuls, the tile reductions), across
-/// hosts (`h`: the handle of `parts[0]`; the input is `parts`, one after another, each packed
-/// row by row, see [`exchange_inputs`]): with `push` (the operator's selection: within the
-/// all-gather's limits, or the reduce-scatter's where pull reads only the parts), the exchange
-/// with `finish` given every rank's packed input, the operator's arguments (`kind`, reduction
-/// `op`, the rest `args`) folded into the signature; otherwise its entry meeting host push's
-/// calls ([`meet`], on `parts[0]`), then `pulled`.
+/// (`reduce_scatter_offset`, `all_to_all_nd`, the fused matmuls, the tile reductions; `h`: the
+/// handle of `parts[0]`; the input is `parts`, one after another, each packed row by row, see
+/// [`exchange_inputs`]). On one host (or of no bytes), the checked entry with the operator's
+/// arguments (`kind`, the rest `args`), then `pulled`. Across hosts, with host push (`push`:
+/// the operator's own selection, such as the reduce-scatter's where pull reads only the parts;
+/// `None`, the all-gather's for the parts' bytes), the exchange with `finish` given every
+/// rank's packed input, the arguments and reduction `op` folded into the signature; otherwise
+/// its entry meeting host push's calls ([`meet`], on `parts[0]`), then `pulled`.
 #[allow(clippy::too_many_arguments, reason = "the operator's call and its two ways")]
-pub(crate) fn whole_inputs_across_hosts(
+pub(crate) fn whole_inputs(
     parts: &[&Tensor],
     group: &Group,
     h: &SymmHandle,
     kind: &'static str,
     op: Option<crate::ops::reduce::ReduceOp>,
     args: &[u64],
-    push: bool,
+    push: Option<bool>,
     finish: impl FnOnce(&[*const u8]) -> Result<()>,
     pulled: impl FnOnce() -> Result<()>,
 ) -> Result<()> {
+    let Some(&input) = parts.first() else { return Ok(()) };
+    let bytes = parts.iter().map(|t| t.nbytes()).fold(0usize, usize::saturating_add);
+    if h.all_local() || bytes == 0 {
+        crate::ops::common::enter_on(kind, input, group, h, args)?;
+        return pulled();
+    }
+    let push = push
+        .unwrap_or_else(|| super::select(bytes, h.max_ranks_per_host(), 2, h.link_backend()) == super::Algo::HostPush);
     // Ranks that took different algorithms (sizes on either side of the limit) or left a call
     // at different points are out of step: refused from then on.
-    let Some(&input) = parts.first() else { return Ok(()) };
     guarded(group, kind, || {
         if push {
             let stamp = crate::ops::check::Stamp::new(kind, input, h.offset(), args).digest();

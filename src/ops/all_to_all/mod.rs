@@ -249,24 +249,10 @@ pub fn all_to_all_nd(input: &Tensor, out: &Tensor, scatter_dim: usize, gather_di
         copy_blocks(&peers(&h, 0))?;
         barrier(&h)
     };
-    if h.all_local() {
-        enter_on(OP, input, group, &h, &args)?;
-        return pulled();
-    }
-    // Across hosts, as the all-gather: every input travels once to each other host's leader
-    // (host push, within the all-gather's limits; `inputs[r]` is rank r's whole input for the
-    // length of the call) or is read (pull).
-    crate::ops::all_gather::whole_inputs_across_hosts(
-        &[input],
-        group,
-        &h,
-        OP,
-        None,
-        &args,
-        crate::ops::all_gather::select_for(input, &h) == crate::ops::all_gather::Algo::HostPush,
-        copy_blocks,
-        pulled,
-    )
+    // Pulled on one host; across hosts, as the all-gather: every input travels once to each
+    // other host's leader (host push, within the all-gather's limits; `inputs[r]` is rank r's
+    // whole input for the length of the call) or is read (pull).
+    crate::ops::all_gather::whole_inputs(&[input], group, &h, OP, None, &args, None, copy_blocks, pulled)
 }
 
 #[cfg(test)]

@@ -17,7 +17,8 @@
 //!   from 64 KiB (DIRECT_MIN) a rank's input leaves straight from its symmetric tensor instead
 //!   of its slot, its leader reads it there, and a host of one rank reduces into its tensor
 //!   all-to-all: the same, with each rank sending the blocks for another host's ranks, and
-//!   every rank copying its blocks from its host's ranks' stages and its leader's inbox
+//!   every rank copying its blocks from its host's ranks' inputs (their stages when small)
+//!   and its leader's inbox, and returning once its host's ranks copied from its input
 //!   all-gather (and reduce-scatter and -offset, one-shot, all-to-all-nd): the all-reduce's
 //!   exchange without the leader's reduction (inputs through the slots, except a lone rank's
 //!   from 64 KiB), every rank copying (or reducing) its host's ranks' slots and its leader's

@@ -77,7 +77,21 @@ impl Words {
     /// Waits until this rank's word `i` reaches `e`; `from` names who should move it (its link
     /// is watched when it is on another host).
     pub(crate) fn wait_for(&self, i: usize, e: u32, from: usize, p: &Patience, timeout: Duration) -> Result<()> {
-        let w = self.word(self.h.rank(), i);
+        self.wait_on(self.h.rank(), i, e, from, p, timeout)
+    }
+
+    /// Waits until word `i` of `owner` (this rank or one on its host) reaches `e`; `from`
+    /// names who should move it, as for [`Words::wait_for`].
+    pub(crate) fn wait_on(
+        &self,
+        owner: usize,
+        i: usize,
+        e: u32,
+        from: usize,
+        p: &Patience,
+        timeout: Duration,
+    ) -> Result<()> {
+        let w = self.word(owner, i);
         let lost = || match self.h.remote(from) {
             Some(r) => match r.link.lost() {
                 Some(why) => Err(Error::transfer(
@@ -105,7 +119,8 @@ impl Words {
                     seen()
                 })
         };
-        let sleepers = self.h.sleepers(self.h.rank());
+        // The owner's count: whoever moves the word wakes by it (`publish`).
+        let sleepers = self.h.sleepers(owner);
         match wait_until(w, done, p, lost, |seen, nap| crate::sync::sleep_on(w, seen, nap, sleepers)) {
             Ok(()) => Ok(()),
             Err(Stop::Failed(err)) => Err(err),

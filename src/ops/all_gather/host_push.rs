@@ -125,10 +125,12 @@ pub(crate) fn all_gather(input: &Tensor, out: &Tensor, group: &Group, h: &SymmHa
 /// ranks' slots and its leader's slots of the others. The slots alternate as in the all-reduce:
 /// a slot of call e is rewritten only in call e+2, which no rank of a host starts before every
 /// rank of it finished call e (its leader releases call e+1 only once they all arrived in it,
-/// and raises or waits for their FROM words of call e+1 only then). A rank alone on its host
-/// sends an input of [`DIRECT_MIN`] bytes or more straight from the input instead (nobody else
-/// reads its slot; `finish` gets the input itself for it), and waits for those writes before
-/// `finish`, the input being the caller's again once the call returns.
+/// and raises or waits for their FROM words of call e+1 only then). A rank sends a contiguous
+/// input of [`DIRECT_MIN`] bytes or more (not gathered) straight from the input instead, and
+/// waits for those writes before `finish`; its slot stays unwritten, and `finish` gets the
+/// inputs themselves for this host's ranks, which then raise their COPIED words once `finish`
+/// returned and wait for each other's before returning (the inputs are the callers' again
+/// after): 4 ranks on 2 played hosts over tcp, one copy fewer per rank and call.
 ///
 /// `travels: Some(root)` (the broadcast): only rank `root`'s input travels; every other rank
 /// sends its signature and FROM word alone, and `finish` may read only `root`'s input.
@@ -177,7 +179,13 @@ pub(crate) fn exchange_inputs(
     let locals = hw.local_ranks();
     let leader = locals[0];
     let other_leaders: Vec<usize> = hw.leaders().filter(|&l| l != leader).collect();
-    let direct = !gathered && n >= DIRECT_MIN && locals.len() == 1 && parts.len() == 1 && input.is_contiguous();
+    let direct = !gathered && n >= DIRECT_MIN && parts.len() == 1 && input.is_contiguous();
+    // Its host's other ranks then read its input itself, and it returns only once they have
+    // (their COPIED words, below).
+    let read_inputs = direct && locals.len() > 1;
+    // Ranks that disagree on it disagree on the signature: a rank never reads another's input
+    // in the layout of a slot, nor a slot left unwritten.
+    let sig = [sig[0], sig[1] ^ u64::from(direct) << 63];
     let mine_travels = travels.is_none_or(|r| r == me);
 
     // The sends of call e-2 read this call's slots: they must have landed; those of call e-1
@@ -241,16 +249,30 @@ pub(crate) fn exchange_inputs(
     // A local rank's slot of call e is final (published before its ARRIVE, which the leader saw
     // before RELEASE e, seen with Acquire), another host's rank's slot in the leader's inbox
     // landed before the FROM word the leader waited for; neither is rewritten before call e+2,
-    // which waits for this rank to finish call e (see above). In direct mode this rank's own
-    // input is in its tensor, which is the caller's (unchanged) until this call returns.
+    // which waits for this rank to finish call e (see above). In direct mode a local rank's
+    // input is in its tensor (this rank's own, or another's through its mapping, at the same
+    // offset of the same symmetric allocation), which holds its input of call e until that rank
+    // returns, after this rank's COPIED word below.
     let inputs: Vec<*const u8> = (0..world)
-        .map(|r| match (r == me && direct, hw.is_local(r)) {
-            (true, _) => input.data_ptr().cast_const(),
+        .map(|r| match (direct, hw.is_local(r)) {
+            (true, true) if r == me => input.data_ptr().cast_const(),
+            (true, true) => (h.read_ptr(r) + h.offset()) as *const u8,
             (false, true) => (hw.read_ptr(r) + slot(r)) as *const u8,
-            (false, false) => (hw.read_ptr(leader) + slot(r)) as *const u8,
+            (_, false) => (hw.read_ptr(leader) + slot(r)) as *const u8,
         })
         .collect();
-    finish(&inputs)
+    let finished = finish(&inputs);
+    if read_inputs {
+        // COPIED: word `me` of this rank's own workspace, which no other step of the protocol
+        // uses (ARRIVE[r] is word r of r's leader's, and a leader does not arrive at itself).
+        // Raised even after `finish` failed, so that no rank of the host waits for it in vain.
+        w.words.publish(me, me, e);
+        let p = hw.patience(timeout);
+        for &r in locals.iter().filter(|&&r| r != me) {
+            w.words.wait_on(r, r, e, r, &p, timeout)?;
+        }
+    }
+    finished
 }
 
 /// Writes `parts` one after another at `dst`, each packed row by row.

@@ -68,8 +68,9 @@ pub fn broadcast_(input: &Tensor, root: usize, group: &Group) -> Result<()> {
                 |inputs| {
                     if me != root {
                         // SAFETY: `inputs[root]` holds the root's whole input for the length of
-                        // the call (`exchange_inputs`), in the root's slot or its host's copy,
-                        // never this rank's tensor; the input is contiguous, its n bytes ours.
+                        // the call (`exchange_inputs`), in the root's slot, its tensor (a root on
+                        // this host, from 64 KiB) or its host's copy, never this rank's tensor; the
+                        // input is contiguous, its n bytes ours.
                         unsafe {
                             std::ptr::copy_nonoverlapping(inputs[root], input.data_ptr(), input.nbytes());
                         }

@@ -114,6 +114,14 @@ pub(crate) fn all_gather(input: &Tensor, out: &Tensor, group: &Group, h: &SymmHa
     })
 }
 
+/// On hosts of several ranks, inputs leave straight from the tensor, read there by the host's
+/// ranks, from this many bytes ([`DIRECT_MIN`] for a rank alone on its host): below, the
+/// COPIED words' wait costs more than the copy into the slot it saves (4 ranks on 2 played
+/// hosts, paired runs of the two ways: reduce-scatter over ucx 1.13x the time at 64 KiB per
+/// rank, over tcp 0.94x; from 128 KiB per rank 0.71-0.92x, all-gather and reduce-scatter,
+/// over tcp and ucx).
+const SHARED_DIRECT_MIN: usize = 128 << 10;
+
 /// The host-push exchange of every rank's `input` (`h`: its handle) on a group that spans
 /// hosts, on the workspace of `kind` with the ranks' signatures `sig`, running `meanwhile`
 /// once this rank's sends are on their way; then `finish` gets, per rank, where its input is,
@@ -126,11 +134,12 @@ pub(crate) fn all_gather(input: &Tensor, out: &Tensor, group: &Group, h: &SymmHa
 /// a slot of call e is rewritten only in call e+2, which no rank of a host starts before every
 /// rank of it finished call e (its leader releases call e+1 only once they all arrived in it,
 /// and raises or waits for their FROM words of call e+1 only then). A rank sends a contiguous
-/// input of [`DIRECT_MIN`] bytes or more (not gathered) straight from the input instead, and
+/// input of [`DIRECT_MIN`] bytes or more ([`SHARED_DIRECT_MIN`] on a host of several ranks)
+/// straight from the input instead, and
 /// waits for those writes before `finish`; its slot stays unwritten, and `finish` gets the
 /// inputs themselves for this host's ranks, which then raise their COPIED words once `finish`
 /// returned and wait for each other's before returning (the inputs are the callers' again
-/// after): 4 ranks on 2 played hosts over tcp, one copy fewer per rank and call.
+/// after): one copy fewer per rank and call.
 ///
 /// `travels: Some(root)` (the broadcast): only rank `root`'s input travels; every other rank
 /// sends its signature and FROM word alone, and `finish` may read only `root`'s input.
@@ -179,7 +188,8 @@ pub(crate) fn exchange_inputs(
     let locals = hw.local_ranks();
     let leader = locals[0];
     let other_leaders: Vec<usize> = hw.leaders().filter(|&l| l != leader).collect();
-    let direct = !gathered && n >= DIRECT_MIN && parts.len() == 1 && input.is_contiguous();
+    let min = if locals.len() == 1 { DIRECT_MIN } else { SHARED_DIRECT_MIN };
+    let direct = !gathered && n >= min && parts.len() == 1 && input.is_contiguous();
     // Its host's other ranks then read its input itself, and it returns only once they have
     // (their COPIED words, below).
     let read_inputs = direct && locals.len() > 1;

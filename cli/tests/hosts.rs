@@ -559,9 +559,11 @@ fn operators(j: &Job) {
     let a2a = Tensor::zeros(&[per * ws], DType::F32).unwrap();
     ops::all_to_all(&x, &a2a, g).unwrap();
     j.report("all_to_all", &a2a);
-    // Host push without the leader gathering: blocks staged (16 KiB per rank), and blocks
-    // written straight from the input (64 KiB), which its rank rewrites once the call returns.
-    for (name, block) in [("all_to_all_staged", 4096), ("all_to_all_direct", 16384)] {
+    // Host push without the leader gathering: blocks staged (16 KiB per rank), blocks written
+    // straight from the input (64 KiB), and blocks its host's ranks also read there (128 KiB,
+    // ops::hostpush::SHARED_DIRECT_MIN), which its rank rewrites once the call returns.
+    for (name, block) in [("all_to_all_staged", 4096), ("all_to_all_direct", 16384), ("all_to_all_read_inputs", 32768)]
+    {
         let x = sym(&[block * ws], DType::F32);
         fill(&x, |i| val(me, i));
         let out = Tensor::zeros(&[block * ws], DType::F32).unwrap();

@@ -114,14 +114,6 @@ pub(crate) fn all_gather(input: &Tensor, out: &Tensor, group: &Group, h: &SymmHa
     })
 }
 
-/// On hosts of several ranks, inputs leave straight from the tensor, read there by the host's
-/// ranks, from this many bytes ([`DIRECT_MIN`] for a rank alone on its host): below, the
-/// COPIED words' wait costs more than the copy into the slot it saves (4 ranks on 2 played
-/// hosts, paired runs of the two ways: reduce-scatter over ucx 1.13x the time at 64 KiB per
-/// rank, over tcp 0.94x; from 128 KiB per rank 0.71-0.92x, all-gather and reduce-scatter,
-/// over tcp and ucx).
-const SHARED_DIRECT_MIN: usize = 128 << 10;
-
 /// The host-push exchange of every rank's `input` (`h`: its handle) on a group that spans
 /// hosts, on the workspace of `kind` with the ranks' signatures `sig`, running `meanwhile`
 /// once this rank's sends are on their way; then `finish` gets, per rank, where its input is,

@@ -41,11 +41,11 @@ pub(crate) fn meet(input: &Tensor, group: &Group, h: &SymmHandle, timeout: Durat
 /// the leader packs its host's blocks for another host into one message instead (every block
 /// staged, those its host's ranks take too). Each rank copies its blocks from its input, its
 /// leader's inbox, and its host's other ranks' inputs (their stages when the leader
-/// gathers): having read those, it raises its COPIED word, and it returns only once its
-/// host's other ranks raised theirs (they read its input no more). One copy of each block
-/// that stays on its host, where staging it made two: 4 ranks on 2 played hosts over tcp,
-/// `bench/ab_builds.py 8`, 0.86x the time at 512 KiB and 1 MiB per rank. The buffers
-/// alternate as in the all-reduce, with the same argument.
+/// gathers, or blocks under [`SHARED_DIRECT_MIN`]): having read those, it raises its COPIED
+/// word, and it returns only once its host's other ranks raised theirs (they read its input no
+/// more). One copy of each block that stays on its host, where staging it made two: 4 ranks on
+/// 2 played hosts over tcp, `bench/ab_builds.py 8`, 0.86x the time at 512 KiB and 1 MiB per
+/// rank. The buffers alternate as in the all-reduce, with the same argument.
 pub(crate) fn all_to_all(input: &Tensor, out: &Tensor, group: &Group, h: &SymmHandle, timeout: Duration) -> Result<()> {
     let (me, world) = (group.rank(), group.world_size());
     let gathered = input.nbytes() <= GATHERED_MAX;
@@ -88,7 +88,7 @@ pub(crate) fn all_to_all(input: &Tensor, out: &Tensor, group: &Group, h: &SymmHa
     // copy their blocks straight from this rank's input (`read_inputs`), and each rank waits,
     // before its input is the caller's again, until they have (`COPIED`). This rank's own
     // block is copied from its input.
-    let read_inputs = !gathered && locals.len() > 1;
+    let read_inputs = !gathered && locals.len() > 1 && b >= SHARED_DIRECT_MIN;
     // COPIED: rank r's word r in its own workspace, which no protocol of the workspace uses
     // otherwise (ARRIVE[r] is word r of r's leader's, and a leader does not arrive at itself).
     let copied = |r: usize| r;

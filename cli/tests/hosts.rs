@@ -1011,6 +1011,11 @@ fn rank_lost() {
         Tensor::zeros(&[8192 * j.ws], DType::F32).unwrap(),
         Tensor::zeros(&[4096 / j.ws], DType::F32).unwrap(),
     );
+    // And all-to-alls and all-gathers by host push whose host-mates read each other's inputs
+    // (ops::hostpush::SHARED_DIRECT_MIN: blocks and inputs of 128 KiB), then wait for each
+    // other's COPIED words.
+    let (mid, mid_out) = (sym(&[32768 * j.ws], DType::F32), Tensor::zeros(&[32768 * j.ws], DType::F32).unwrap());
+    let mid_ag = Tensor::zeros(&[32768 * j.ws * j.ws], DType::F32).unwrap();
     // And tile reductions by host push (a strided 32 x 32 tile of a 64 x 64 matrix).
     let (quad, quad_out) =
         (sym(&[64, 64], DType::F32).tile(16..48, 32..64).unwrap(), Tensor::zeros(&[32, 32], DType::F32).unwrap());
@@ -1028,10 +1033,12 @@ fn rank_lost() {
             0 => ops::all_reduce(&x, ReduceOp::Sum, &j.g),
             4 => ops::all_reduce(&chained, ReduceOp::Sum, &j.g),
             5 => ops::all_gather_into(&x, &j.g, &ag_small),
-            6 => ops::all_gather_into(&own, &j.g, &ag_own),
+            6 if i % 16 == 6 => ops::all_gather_into(&own, &j.g, &ag_own),
+            6 => ops::all_gather_into(&mid, &j.g, &mid_ag),
             7 if i % 16 == 7 => ops::reduce_scatter_out(&x, ReduceOp::Sum, &j.g, false, &rs_out),
             7 => ops::broadcast_(&own, j.ws - 1, &j.g),
-            1 => ops::all_to_all(&big, &big_out, &j.g),
+            1 if i % 16 == 1 => ops::all_to_all(&big, &big_out, &j.g),
+            1 => ops::all_to_all(&mid, &mid_out, &j.g),
             2 => ops::all_to_all_vdev(&x, &v_out, &splits, &oso, &j.g),
             3 if i % 16 == 3 => ops::tile_reduce(&quad, &quad_out, j.ws - 1, &j.g, ReduceOp::Sum),
             _ => ops::all_to_all_vdev(&w_in, &w_out, &w_splits, &oso, &j.g),

@@ -1,6 +1,6 @@
 //! Broadcast: every rank pulls the root's buffer between two barriers, or, across hosts up to
 //! host push's limit, the root's buffer travels once to each other host's leader
-//! ([`crate::ops::all_gather::exchange_inputs`] with only the root's input travelling) and
+//! (`all_gather::exchange_inputs` with only the root's input travelling) and
 //! every rank copies it from its host's copy.
 
 use crate::error::Result;

@@ -21,9 +21,10 @@
 //!   and its leader's inbox, and returning once its host's ranks copied from its input
 //!   all-gather (and reduce-scatter and -offset, one-shot, all-to-all-nd): the all-reduce's
 //!   exchange without the leader's reduction (inputs through the slots, except contiguous
-//!   ones from 64 KiB, 128 KiB on hosts of several ranks), every rank copying (or reducing) its host's ranks' slots (or inputs,
-//!   then returning once they copied from its own) and its leader's inbox; the broadcast's
-//!   moves the root's input alone (and every rank's signature)
+//!   ones from 64 KiB, 128 KiB on hosts of several ranks), every rank copying (or reducing)
+//!   its host's ranks' slots (or inputs, then returning once they copied from its own) and
+//!   its leader's inbox; the broadcast's moves the root's input alone (and every rank's
+//!   signature)
 //!   tiny messages (up to 16 KiB per rank): the leader gathers its host's data first and sends
 //!   one message per other host (FROM words then count leaders, not ranks; a FROM word is
 //!   raised by its own rank, so it never overtakes that rank's data on another link, except

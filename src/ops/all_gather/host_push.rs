@@ -127,11 +127,10 @@ pub(crate) fn all_gather(input: &Tensor, out: &Tensor, group: &Group, h: &SymmHa
 /// rank of it finished call e (its leader releases call e+1 only once they all arrived in it,
 /// and raises or waits for their FROM words of call e+1 only then). A rank sends a contiguous
 /// input of [`DIRECT_MIN`] bytes or more ([`SHARED_DIRECT_MIN`] on a host of several ranks)
-/// straight from the input instead, and
-/// waits for those writes before `finish`; its slot stays unwritten, and `finish` gets the
-/// inputs themselves for this host's ranks, which then raise their COPIED words once `finish`
-/// returned and wait for each other's before returning (the inputs are the callers' again
-/// after): one copy fewer per rank and call.
+/// straight from the input instead, and waits for those writes before `finish`; its slot
+/// stays unwritten, and `finish` gets the inputs themselves for this host's ranks, which then
+/// raise their COPIED words once `finish` returned and wait for each other's before returning
+/// (the inputs are the callers' again after): one copy fewer per rank and call.
 ///
 /// `travels: Some(root)` (the broadcast): only rank `root`'s input travels; every other rank
 /// sends its signature and FROM word alone, and `finish` may read only `root`'s input.

@@ -243,8 +243,8 @@ pub(crate) fn exchange_inputs(
     let judged = exchange_and_judge(w, e, &sigs, senders.into_iter(), gather, timeout);
     let written = landed(from_input);
     let verdict = judged?;
-    written?;
     if verdict != 0 {
+        written?;
         return Err(verdict_error(kind, &hw, leader, &sigs, verdict));
     }
     // A local rank's slot of call e is final (published before its ARRIVE, which the leader saw
@@ -262,11 +262,15 @@ pub(crate) fn exchange_inputs(
             (_, false) => (hw.read_ptr(leader) + slot(r)) as *const u8,
         })
         .collect();
-    let finished = finish(&inputs);
+    // A write from this rank's input that failed fails its call, after the host's COPIED
+    // words all the same: its host-mates, released, read its input and wait for its word.
+    let finished = written.and_then(|()| finish(&inputs));
     if read_inputs {
         // COPIED: word `me` of this rank's own workspace, which no other step of the protocol
         // uses (ARRIVE[r] is word r of r's leader's, and a leader does not arrive at itself).
-        // Raised even after `finish` failed, so that no rank of the host waits for it in vain.
+        // Raised even after this rank's call failed past its release, so that no rank of the
+        // host waits for it in vain, and awaited all the same: its input is the caller's again
+        // once this returns.
         w.words.publish(me, me, e);
         let p = hw.patience(timeout);
         for &r in locals.iter().filter(|&&r| r != me) {

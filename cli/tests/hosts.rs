@@ -541,12 +541,14 @@ fn operators(j: &Job) {
     }
     // Broadcasts across hosts by every way: host push with the root's leader gathering (777
     // f64), the root's own message (5000), straight from the input for a root alone on its
-    // host (20 000), and pulled (200 000, past host push's limit); from the first rank, a rank
-    // that leads no host when hosts have two, and the last. Each root rewrites its tensor once
+    // host (20 000), and pulled (100 000 past the broadcast's own limit, where hosts of one
+    // rank would push an all-gather; 200 000 past every limit), the root's buffer read into
+    // one tensor per host, which that host's other ranks copy; from the first rank, a rank
+    // that leads no host when hosts have two, and the last. Each rank rewrites its tensor once
     // the call returns.
     let mut roots = vec![0, 1 % ws, ws - 1];
     roots.dedup();
-    for n in [777, 5000, 20_000, 200_000] {
+    for n in [777, 5000, 20_000, 100_000, 200_000] {
         for &root in &roots {
             let b = sym(&[n], DType::F64);
             fill(&b, |i| val(me, i));
@@ -983,9 +985,9 @@ fn two_network_namespaces_linked_by_ucx_match_one_host_bit_for_bit() {
 }
 
 /// All-reduces (host-pushed and chained), all-to-alls large enough that every rank reads from
-/// the other host, and all-to-all-vs host-pushed or written into the other ranks' outs, until
-/// something fails;
-/// rank 0 writes the marker file once it is running.
+/// the other host, all-to-all-vs host-pushed or written into the other ranks' outs, and the
+/// other operators listed below, until something fails; rank 0 writes the marker file once it
+/// is running.
 #[test]
 #[ignore = "a rank program; run by the lost-host tests below"]
 fn rank_lost() {
@@ -1001,7 +1003,9 @@ fn rank_lost() {
     let w_rows = ops::VDEV_CARRY_MAX / 4 + 1024;
     let (w_in, w_out) = (sym(&[w_rows], DType::F32), sym(&[w_rows * j.ws], DType::F32));
     let w_splits = i64_sym(&vec![4096; j.ws]);
-    // And all-reduces that take the chain (above 512 KiB of a host's inputs).
+    // And all-reduces that take the chain (above 512 KiB of a host's inputs), and broadcasts of
+    // the same tensor from the last rank, pulled (a host's leader reads the root's tensor into
+    // its own, and its host's other ranks copy it from there).
     let chained = sym(&[200_000], DType::F32);
     // And all-gathers by host push, gathered by the leaders (16 KiB inputs) or not (32 KiB),
     // and reduce-scatters and broadcasts by host push.
@@ -1036,6 +1040,7 @@ fn rank_lost() {
             6 if i % 16 == 6 => ops::all_gather_into(&own, &j.g, &ag_own),
             6 => ops::all_gather_into(&mid, &j.g, &mid_ag),
             7 if i % 16 == 7 => ops::reduce_scatter_out(&x, ReduceOp::Sum, &j.g, false, &rs_out),
+            7 if i % 32 == 15 => ops::broadcast_(&chained, j.ws - 1, &j.g),
             7 => ops::broadcast_(&own, j.ws - 1, &j.g),
             1 if i % 16 == 1 => ops::all_to_all(&big, &big_out, &j.g),
             1 => ops::all_to_all(&mid, &mid_out, &j.g),

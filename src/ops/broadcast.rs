@@ -1,10 +1,12 @@
-//! Broadcast: every rank pulls the root's buffer between two barriers, or, across hosts up to
-//! host push's limit, the root's buffer travels once to each other host's leader
-//! (`all_gather::exchange_inputs` with only the root's input travelling) and
-//! every rank copies it from its host's copy.
+//! Broadcast: every rank pulls the root's buffer between two barriers (across hosts, one rank
+//! of each host reads it into its own tensor and the others copy it from there), or, across
+//! hosts up to host push's limit, the root's buffer travels once to each other host's leader
+//! (`all_gather::exchange_inputs` with only the root's input travelling) and every rank copies
+//! it from its host's copy.
 
 use crate::error::Result;
 use crate::group::Group;
+use crate::ops::all_gather::Algo;
 use crate::ops::common::*;
 use crate::ops::hostpush;
 use crate::symm::SymmHandle;
@@ -13,13 +15,33 @@ use crate::tensor::Tensor;
 /// The kind of the broadcast's host-push workspace.
 const KIND: &str = "broadcast";
 
-/// The algorithm [`broadcast_`] takes for `input` on the group of `h` (its handle): the
-/// all-gather's of the same input ([`crate::ops::all_gather::select_for`]), host push across
-/// hosts within its limits (the workspace holds a slot per rank, as the all-gather's), pull
-/// otherwise and on one host.
-pub fn select_for(input: &Tensor, h: &SymmHandle) -> crate::ops::all_gather::Algo {
-    crate::ops::all_gather::select_for(input, h)
+/// The one selection, from what every rank of the group knows alike: bytes broadcast, at most
+/// `ranks_per_host` ranks on a host, `hosts` hosts (1 or more), and the links between hosts
+/// (`link`, [`crate::symm::SymmHandle::link_backend`]): the all-gather's of the same input
+/// ([`crate::ops::all_gather::select`]: host push across hosts within its limits, the workspace
+/// holding a slot per rank, as the all-gather's) up to [`PUSH_MAX`] bytes, pull otherwise and
+/// on one host.
+pub fn select(bytes: usize, ranks_per_host: usize, hosts: usize, link: Option<&str>) -> Algo {
+    match crate::ops::all_gather::select(bytes, ranks_per_host, hosts, link) {
+        Algo::HostPush if bytes <= PUSH_MAX => Algo::HostPush,
+        _ => Algo::Pull,
+    }
 }
+
+/// The algorithm [`broadcast_`] takes for `input` on the group of `h` (its handle): [`select`].
+pub fn select_for(input: &Tensor, h: &SymmHandle) -> Algo {
+    let hosts = if h.all_local() { 1 } else { 2 };
+    select(input.nbytes(), h.max_ranks_per_host(), hosts, h.link_backend())
+}
+
+/// Across hosts, broadcasts of more bytes than this are pulled, even where the all-gather's
+/// limits would push them (hosts of one rank, up to 1 MiB): the pull path reads the root's
+/// buffer straight into one tensor per host, where host push lands it in the leader's
+/// workspace and copies it out. 2 ranks on 2 played hosts, `bench/ab_builds.py 6`, host push
+/// against pull: over tcp 0.52x the time at 512 KiB, 1.35x at 1 MiB, 1.45x at 2 MiB; over ucx
+/// 0.73x at 512 KiB (no difference shown), 1.60x at 1 MiB. (With 2 ranks a host, the
+/// all-gather's limits stop host push at 512 KiB over tcp and 256 KiB over ucx already.)
+pub const PUSH_MAX: usize = 512 << 10;
 
 /// Broadcast in place: every rank's `input` becomes `root`'s.
 ///
@@ -52,7 +74,7 @@ pub fn broadcast_(input: &Tensor, root: usize, group: &Group) -> Result<()> {
     // Across hosts, ranks that took different algorithms (sizes on either side of the limit)
     // or left a call at different points are out of step: refused from then on.
     hostpush::guarded(group, KIND, || {
-        if select_for(input, &h) == crate::ops::all_gather::Algo::HostPush {
+        if select_for(input, &h) == Algo::HostPush {
             // Host push checks the ranks' arguments (the root's included) in its one exchange.
             let sig = host_sig(input, root, h.offset());
             let me = h.rank();
@@ -93,13 +115,38 @@ fn host_sig(input: &Tensor, root: usize, offset: usize) -> [u64; 2] {
     [n ^ r << 40, code]
 }
 
-/// The pull path of [`broadcast_`], once the ranks entered: the root's buffer read (on another
-/// host, by one rank of each host for its host), copied, then a barrier.
+/// The pull path of [`broadcast_`], once the ranks entered. A root on this host (or every
+/// rank on one host): every rank copies the root's buffer through its mapping. A root on
+/// another host: one rank of each host (its leader) reads the root's buffer straight into its
+/// own tensor, and after a barrier among the host's ranks the others copy it from there (the
+/// leader's tensor, mapped). Then a barrier, so no root's or leader's buffer changes while
+/// read. Reading into the host's mirror of the root and copying from it into every rank's
+/// tensor cost a copy more per rank (2 ranks on 2 played hosts over tcp, 4 MiB: see
+/// `docs/symm-mem-algorithms.md`).
 fn pulled(input: &Tensor, root: usize, h: &SymmHandle) -> Result<()> {
-    fetch_shared(h, |r| if r == root { (0, input.nbytes()) } else { (0, 0) })?;
-    if h.rank() != root {
-        // SAFETY: root's buffer is not written between the barriers; ours is written only here.
-        unsafe { std::ptr::copy_nonoverlapping(peers(h, 0)[root], input.data_ptr(), input.nbytes()) };
+    let (me, n) = (h.rank(), input.nbytes());
+    if h.is_local(root) {
+        if me != root {
+            // SAFETY: root's buffer is not written between the barriers; ours is written only here.
+            unsafe { std::ptr::copy_nonoverlapping(peers(h, 0)[root], input.data_ptr(), n) };
+        }
+        return barrier(h);
+    }
+    let locals = h.local_ranks();
+    let leader = locals[0];
+    let fetched = if me == leader {
+        h.fetch_into(input, &|r| if r == root { (h.offset(), n, 0) } else { (0, 0, 0) }, timeout(), || {})
+    } else {
+        Ok(())
+    };
+    // The host's barrier happens even after a failure, so that no rank of the host waits in vain.
+    let synced = if locals.len() > 1 { h.local_barrier(0, timeout()) } else { Ok(()) };
+    fetched.and(synced)?;
+    if me != leader {
+        // SAFETY: the leader's tensor holds the root's n bytes (read before the host's barrier,
+        // which orders them before this copy) and is not written before the barrier below;
+        // ours, this rank's own, is written only here.
+        unsafe { std::ptr::copy_nonoverlapping(peers(h, 0)[leader], input.data_ptr(), n) };
     }
     barrier(h)
 }
@@ -107,6 +154,22 @@ fn pulled(input: &Tensor, root: usize, h: &SymmHandle) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn host_push_stops_at_its_own_limit_or_the_all_gathers() {
+        let k = 1 << 10;
+        assert_eq!(select(8, 1, 1, None), Algo::Pull, "one host always pulls");
+        for link in [Some("tcp"), Some("ucx"), None] {
+            // Hosts of one rank: the all-gather pushes up to 1 MiB, the broadcast up to 512 KiB.
+            assert_eq!(select(512 * k, 1, 2, link), Algo::HostPush, "{link:?}");
+            assert_eq!(select(512 * k + 16, 1, 2, link), Algo::Pull, "{link:?}");
+            assert_eq!(select(1 << 20, 1, 2, link), Algo::Pull, "{link:?}");
+        }
+        // Hosts of two ranks: the all-gather's limits, which count both ranks' inputs.
+        assert_eq!(select(512 * k, 2, 2, Some("tcp")), Algo::HostPush);
+        assert_eq!(select(256 * k, 2, 2, Some("ucx")), Algo::HostPush);
+        assert_eq!(select(256 * k + 16, 2, 2, Some("ucx")), Algo::Pull);
+    }
 
     #[test]
     fn the_root_changes_the_signature_but_not_its_count() {

@@ -541,8 +541,8 @@ fn operators(j: &Job) {
     }
     // Broadcasts across hosts by every way: host push with the root's leader gathering (777
     // f64), the root's own message (5000), straight from the input for a root alone on its
-    // host (20 000), and pulled (100 000 past the broadcast's own limit, where hosts of one
-    // rank would push an all-gather; 200 000 past every limit), the root's buffer read into
+    // host (20 000), and pulled (100 000 past the broadcast's own limit over tcp, where hosts of
+    // one rank would push an all-gather; 200 000 past every limit), the root's buffer read into
     // one tensor per host, which that host's other ranks copy; from the first rank, a rank
     // that leads no host when hosts have two, and the last. Each rank rewrites its tensor once
     // the call returns.

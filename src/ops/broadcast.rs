@@ -19,11 +19,11 @@ const KIND: &str = "broadcast";
 /// `ranks_per_host` ranks on a host, `hosts` hosts (1 or more), and the links between hosts
 /// (`link`, [`crate::symm::SymmHandle::link_backend`]): the all-gather's of the same input
 /// ([`crate::ops::all_gather::select`]: host push across hosts within its limits, the workspace
-/// holding a slot per rank, as the all-gather's) up to [`PUSH_MAX`] bytes, pull otherwise and
-/// on one host.
+/// holding a slot per rank, as the all-gather's), over links other than ucx up to
+/// [`PUSH_MAX`] bytes; pull otherwise and on one host.
 pub fn select(bytes: usize, ranks_per_host: usize, hosts: usize, link: Option<&str>) -> Algo {
     match crate::ops::all_gather::select(bytes, ranks_per_host, hosts, link) {
-        Algo::HostPush if bytes <= PUSH_MAX => Algo::HostPush,
+        Algo::HostPush if bytes <= PUSH_MAX || link == Some("ucx") => Algo::HostPush,
         _ => Algo::Pull,
     }
 }
@@ -34,13 +34,16 @@ pub fn select_for(input: &Tensor, h: &SymmHandle) -> Algo {
     select(input.nbytes(), h.max_ranks_per_host(), hosts, h.link_backend())
 }
 
-/// Across hosts, broadcasts of more bytes than this are pulled, even where the all-gather's
-/// limits would push them (hosts of one rank, up to 1 MiB): the pull path reads the root's
-/// buffer straight into one tensor per host, where host push lands it in the leader's
-/// workspace and copies it out. 2 ranks on 2 played hosts, `bench/ab_builds.py 6`, host push
-/// against pull: over tcp 0.52x the time at 512 KiB, 1.35x at 1 MiB, 1.45x at 2 MiB; over ucx
-/// 0.73x at 512 KiB (no difference shown), 1.60x at 1 MiB. (With 2 ranks a host, the
-/// all-gather's limits stop host push at 512 KiB over tcp and 256 KiB over ucx already.)
+/// Across hosts over links other than ucx, broadcasts of more bytes than this are pulled,
+/// even where the all-gather's limits would push them (hosts of one rank, up to 1 MiB): the
+/// pull path reads the root's buffer straight into one tensor per host, where host push lands
+/// it in the leader's workspace and copies it out. 2 ranks on 2 played hosts over tcp,
+/// `bench/ab_builds.py 6`, host push against pull: 0.52x the time at 512 KiB, 1.35x at 1 MiB,
+/// 1.45x at 2 MiB. (With 2 ranks a host, the all-gather's limits stop host push at 512 KiB
+/// already.) Over ucx the two came out either way at 1 MiB (host push 1.60x [1.10, 1.97] the
+/// time in one set of 6 paired runs, 0.82x [0.55, 1.46] in another of 12: UCX's reads over
+/// its tcp transport took 170-180 us in some runs and 400-430 in others), so the all-gather's
+/// limits stand there.
 pub const PUSH_MAX: usize = 512 << 10;
 
 /// Broadcast in place: every rank's `input` becomes `root`'s.
@@ -159,12 +162,15 @@ mod tests {
     fn host_push_stops_at_its_own_limit_or_the_all_gathers() {
         let k = 1 << 10;
         assert_eq!(select(8, 1, 1, None), Algo::Pull, "one host always pulls");
-        for link in [Some("tcp"), Some("ucx"), None] {
+        for link in [Some("tcp"), None] {
             // Hosts of one rank: the all-gather pushes up to 1 MiB, the broadcast up to 512 KiB.
             assert_eq!(select(512 * k, 1, 2, link), Algo::HostPush, "{link:?}");
             assert_eq!(select(512 * k + 16, 1, 2, link), Algo::Pull, "{link:?}");
             assert_eq!(select(1 << 20, 1, 2, link), Algo::Pull, "{link:?}");
         }
+        // Over ucx, the all-gather's limits.
+        assert_eq!(select(1 << 20, 1, 2, Some("ucx")), Algo::HostPush);
+        assert_eq!(select((1 << 20) + 16, 1, 2, Some("ucx")), Algo::Pull);
         // Hosts of two ranks: the all-gather's limits, which count both ranks' inputs.
         assert_eq!(select(512 * k, 2, 2, Some("tcp")), Algo::HostPush);
         assert_eq!(select(256 * k, 2, 2, Some("ucx")), Algo::HostPush);

@@ -1541,6 +1541,24 @@ fn rank_out_of_step() {
         assert!(got.iter().all(|&f| f == want), "one_shot, call {i}: {n} floats");
     }
 
+    // So does the broadcast, whose pull across hosts reads the root's tensor into one tensor per
+    // host: rank 1 past host push's limit (pulled) while the others are below it, then agreeing
+    // calls switching between the ways, from every root in turn (a root on this host or not),
+    // each rank's tensor rewritten by the next call.
+    let t = std::time::Instant::now();
+    let b = x.narrow(0, 0, if me == 1 { 300_000 } else { 64 }).unwrap();
+    let e = ops::broadcast_(&b, 0, &g).unwrap_err().to_string();
+    assert!(e.contains("disagree") && e.contains("rank 1 pass"), "broadcast, straddling: {e}");
+    assert!(t.elapsed() < Duration::from_secs(2), "broadcast, straddling: after {:?}: {e}", t.elapsed());
+    for i in 0..16 {
+        let (n, root) = ([64, 8192, 200_000, 300_000][i % 4], i % ws);
+        let b = x.narrow(0, 0, n).unwrap();
+        b.fill((me * 1000 + i) as f32).unwrap();
+        ops::broadcast_(&b, root, &g).unwrap();
+        let want = (root * 1000 + i) as f32;
+        assert!(b.to_vec::<f32>().unwrap().iter().all(|&f| f == want), "broadcast, call {i}: {n} floats from {root}");
+    }
+
     // A rank that comes to a call after the others gave up on it (their timeout is the job's
     // SYMMEM_OP_TIMEOUT): they time out, their calls ended at different points. So does the
     // late one, its peers gone; only alone with one peer (1+1) does it still find that peer's

@@ -476,14 +476,17 @@ fn all_reduces(j: &Job) {
         x.fill(-1.0f32).unwrap();
         j.report(&format!("all_gather/{n}"), &out);
     }
-    // Reduce-scatters the same ways (host push's exchange, each rank reducing its slice; pulled
-    // above its limit, over ucx from 64 KiB), split along the first or the last dimension.
+    // Reduce-scatters the same ways (host push's exchange, each rank sending each other host
+    // its ranks' slices alone and reducing its own slice; pulled above its limits, 2 MiB of a
+    // host's inputs over tcp, 512 KiB a rank over ucx), split along the first or the last
+    // dimension.
     let ws = g.world_size();
     for (dtype, per, last) in [
         (DType::F32, 800, false),
         (DType::F32, 4096, false),
         (DType::F32, 20_000, false),
         (DType::F32, 100_000, false),
+        (DType::F32, 300_000, false),
         (DType::BF16, 8192, false),
         (DType::F32, 800, true),
         (DType::F32, 4096, true),

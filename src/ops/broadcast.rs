@@ -87,7 +87,7 @@ pub fn broadcast_(input: &Tensor, root: usize, group: &Group) -> Result<()> {
                 &h,
                 KIND,
                 sig,
-                Some(root),
+                crate::ops::all_gather::Travels::Root(root),
                 timeout(),
                 || {},
                 |inputs| {

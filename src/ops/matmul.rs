@@ -424,8 +424,11 @@ pub fn fused_matmul_reduce_scatter(
         // leader (host push, within the all-gather's limits; `inputs[r]` is rank r's partial
         // for the length of the call), or the blocks are read (pull).
         let partial = ws_tensor.narrow(0, 0, m * n * es)?;
-        // Pull reads only this rank's blocks: the reduce-scatter's limits (over ucx, 64 KiB).
-        let push = super::reduce_scatter::select_for(&partial, &h) == super::all_gather::Algo::HostPush;
+        // Pull reads only this rank's blocks, host push sends whole partials: the limits of a
+        // reduce-scatter of whole inputs (over ucx, 64 KiB).
+        let select = super::reduce_scatter::select_whole;
+        let push =
+            select(partial.nbytes(), h.max_ranks_per_host(), 2, h.link_backend()) == super::all_gather::Algo::HostPush;
         super::all_gather::whole_inputs(&[&partial], group, &h, OP, Some(op), &args, Some(push), reduce_mine, pulled)?;
     }
     Ok(out)

@@ -5,7 +5,7 @@
 
 use crate::error::Result;
 use crate::group::Group;
-use crate::ops::all_gather::Algo;
+use crate::ops::all_gather::{Algo, Travels};
 use crate::ops::common::*;
 use crate::ops::hostpush;
 use crate::ops::reduce::{self, ReduceOp};
@@ -15,20 +15,41 @@ use crate::tensor::Tensor;
 /// The kind of the reduce-scatter's host-push workspace.
 const KIND: &str = "reduce_scatter";
 
-/// Over ucx links, host push takes reduce-scatter inputs up to this many bytes per rank: it
-/// sends every rank's whole input to each other host where pull fetches only the slices, and
-/// UCX's larger messages go by rendezvous (2 played hosts, `UCX_TLS=tcp`, 4 alternated runs of
-/// each: host push 0.46x pull's time at 32 KiB and 0.70x at 64 KiB with 4 ranks, 0.82x at 64
-/// KiB with 2; 1.27-1.31x at 128 KiB, 1.27x and 2.07x at 256 KiB). Over tcp the all-gather's
-/// limit holds (4 ranks: 0.55x at 256 KiB, a tie at 512 KiB, 1.56x at 1 MiB; 2 ranks: 0.42x
-/// at 256 KiB, 0.95x at 1 MiB, 1.35x at 2 MiB).
-pub const UCX_REDUCE_SCATTER_PUSH_MAX: usize = 64 << 10;
+/// Across hosts, host push takes a reduce-scatter while its host's inputs (`ranks per host x
+/// bytes per rank`) are at most this many bytes over tcp links ([`UCX_HOST_MAX`] over ucx):
+/// each rank sends another host only the slices of that host's ranks, as pull fetches only
+/// the slices. Paired runs of the two ways (`bench/ab_builds.py 6`, 2 played hosts, tcp), host
+/// push against pull: 2 ranks 0.35x the time at 512 KiB per rank, 0.51x at 1 MiB, 0.66x at 2
+/// MiB, a tie at 4 MiB; 4 ranks 0.54x at 512 KiB, 0.77x at 1 MiB, 1.19x at 2 MiB.
+pub const HOST_MAX: usize = 2 << 20;
+
+/// [`HOST_MAX`] over ucx links, where host push also stops at [`UCX_PUSH_MAX`] bytes per rank
+/// (`UCX_TLS=tcp`, host push against pull: 2 ranks 0.51x the time at 64 KiB, 0.59x at 128 KiB,
+/// 0.54x at 256 KiB, 0.61x at 512 KiB, 1.20x [0.61, 1.34] at 1 MiB; 4 ranks 0.40x at 64 KiB,
+/// 0.75x at 128 KiB, 0.72x at 256 and 512 KiB). When every rank sent its whole input, host
+/// push lost from 128 KiB.
+pub const UCX_HOST_MAX: usize = 1 << 20;
+
+/// See [`UCX_HOST_MAX`].
+pub const UCX_PUSH_MAX: usize = 512 << 10;
 
 /// The one selection: across hosts host push while a host's inputs (`bytes` per rank, at most
-/// `ranks_per_host` ranks on a host) fit the all-gather's limit (the same exchange), and over
-/// ucx links (`link`) up to [`UCX_REDUCE_SCATTER_PUSH_MAX`]; pull otherwise and on one host.
+/// `ranks_per_host` ranks on a host) fit [`HOST_MAX`] (over ucx links, `link`, [`UCX_HOST_MAX`]
+/// and [`UCX_PUSH_MAX`]); pull otherwise and on one host.
 pub fn select(bytes: usize, ranks_per_host: usize, hosts: usize, link: Option<&str>) -> Algo {
-    if link == Some("ucx") && bytes > UCX_REDUCE_SCATTER_PUSH_MAX {
+    let (host_max, max) = if link == Some("ucx") { (UCX_HOST_MAX, UCX_PUSH_MAX) } else { (HOST_MAX, usize::MAX) };
+    let fits = bytes > 0 && bytes <= max && bytes.next_multiple_of(16).saturating_mul(ranks_per_host) <= host_max;
+    if hosts > 1 && fits { Algo::HostPush } else { Algo::Pull }
+}
+
+/// The selection of an operator that reduce-scatters whole inputs, each rank sending all of
+/// its input to every other host (the fused matmul-reduce-scatter): host push while a host's
+/// inputs fit the all-gather's limits ([`crate::ops::all_gather::select`]), over ucx links
+/// up to 64 KiB per rank (2 played hosts, `UCX_TLS=tcp`, 4 alternated runs of each, whole
+/// inputs pushed against the slices pulled: 0.46x the time at 32 KiB and 0.70x at 64 KiB with
+/// 4 ranks, 0.82x at 64 KiB with 2; 1.27-1.31x at 128 KiB, 1.27x and 2.07x at 256 KiB).
+pub(crate) fn select_whole(bytes: usize, ranks_per_host: usize, hosts: usize, link: Option<&str>) -> Algo {
+    if link == Some("ucx") && bytes > 64 << 10 {
         return Algo::Pull;
     }
     crate::ops::all_gather::select(bytes, ranks_per_host, hosts, link)
@@ -119,17 +140,29 @@ pub fn reduce_scatter_out(
         if select_for(input, &h) == Algo::HostPush {
             // Host push checks the ranks' arguments itself, in its one exchange.
             let sig = host_sig(input, op, split_last_dim, h.offset());
+            // Split along the first dimension, the ranks of a host read the slices of their
+            // ranks only: from the lowest's to the highest's, the rest stays home (split along
+            // the last, every row holds a block of each rank's, and whole inputs travel).
+            let slice = input.nbytes() / group.world_size();
+            let theirs = |ranks: &[usize]| {
+                let lo = ranks.iter().copied().min().unwrap_or(0);
+                let hi = ranks.iter().copied().max().map_or(0, |r| r + 1);
+                (lo * slice, hi.saturating_sub(lo) * slice)
+            };
+            let travels = if split_last_dim { Travels::All } else { Travels::Range(&theirs) };
             return crate::ops::all_gather::exchange_inputs(
                 &[input],
                 group,
                 &h,
                 KIND,
                 sig,
-                None,
+                travels,
                 timeout(),
                 || {},
                 |inputs| {
-                    // SAFETY: `inputs[r]` holds rank r's whole input for the length of the call.
+                    // SAFETY: `inputs[r]` holds, for the length of the call, rank r's input: whole
+                    // on this host, and on another at least this rank's slice (`theirs`), where it
+                    // lies in the whole input; `reduce_own` reads no more of it.
                     unsafe { reduce_own(input, op, split_last_dim, out, inputs, h.rank()) }
                 },
             );
@@ -143,8 +176,9 @@ pub fn reduce_scatter_out(
 ///
 /// # Safety
 ///
-/// `inputs[r]` must point to rank r's whole input (`input`'s shape), readable and unchanged
-/// for the length of the call; `out` must be contiguous, of `input`'s dtype, shaped as
+/// `inputs[r]` must point to rank r's input (`input`'s shape), of which this rank's slice
+/// (split along the last dimension: the whole input) must be readable and unchanged for the
+/// length of the call; `out` must be contiguous, of `input`'s dtype, shaped as
 /// [`reduce_scatter_out`] checked.
 unsafe fn reduce_own(
     input: &Tensor,
@@ -350,11 +384,19 @@ mod tests {
 
     #[test]
     fn host_push_stops_sooner_over_ucx_links() {
+        let m = 1 << 20;
         assert_eq!(select(8, 2, 1, None), Algo::Pull, "one host always pulls");
-        assert_eq!(select(512 << 10, 2, 2, Some("tcp")), Algo::HostPush);
-        assert_eq!(select(1 << 20, 2, 2, Some("tcp")), Algo::Pull);
-        assert_eq!(select(1 << 20, 1, 2, Some("tcp")), Algo::HostPush);
-        assert_eq!(select(64 << 10, 2, 2, Some("ucx")), Algo::HostPush);
-        assert_eq!(select((64 << 10) + 1, 1, 2, Some("ucx")), Algo::Pull);
+        assert_eq!(select(0, 1, 2, Some("tcp")), Algo::Pull, "nothing to push");
+        for link in [Some("tcp"), None] {
+            assert_eq!(select(m, 2, 2, link), Algo::HostPush);
+            assert_eq!(select(m + 16, 2, 2, link), Algo::Pull);
+            assert_eq!(select(2 * m, 1, 2, link), Algo::HostPush);
+            assert_eq!(select(2 * m + 16, 1, 2, link), Algo::Pull);
+        }
+        assert_eq!(select(m / 2, 2, 2, Some("ucx")), Algo::HostPush);
+        assert_eq!(select(m / 2 + 16, 2, 2, Some("ucx")), Algo::Pull);
+        assert_eq!(select(m / 2, 1, 2, Some("ucx")), Algo::HostPush);
+        assert_eq!(select(m / 2 + 16, 1, 2, Some("ucx")), Algo::Pull, "past ucx's own limit");
+        assert_eq!(select(m / 4 + 16, 4, 2, Some("ucx")), Algo::Pull, "past ucx's host limit");
     }
 }

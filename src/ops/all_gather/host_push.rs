@@ -84,7 +84,7 @@ pub(crate) fn whole_inputs(
             let n = n & !crate::ops::check::COUNT_BITS | all as u64 & crate::ops::check::COUNT_BITS;
             let sig = [n ^ stamp >> 40 << 40, code];
             let timeout = crate::ops::common::timeout();
-            return exchange_inputs(parts, group, h, kind, sig, None, timeout, || {}, finish);
+            return exchange_inputs(parts, group, h, kind, sig, Travels::All, timeout, || {}, finish);
         }
         meet(input, group, h, kind, op, args)?;
         pulled()
@@ -102,7 +102,7 @@ pub(crate) fn all_gather(input: &Tensor, out: &Tensor, group: &Group, h: &SymmHa
     // SAFETY: the input is contiguous, n bytes, sharing no byte with `out` (checked), which
     // holds world blocks of n bytes.
     let own = || unsafe { std::ptr::copy_nonoverlapping(input.data_ptr().cast_const(), out.data_ptr().add(me * n), n) };
-    exchange_inputs(&[input], group, h, KIND, sig, None, timeout, own, |inputs| {
+    exchange_inputs(&[input], group, h, KIND, sig, Travels::All, timeout, own, |inputs| {
         for k in 1..inputs.len() {
             let r = (group.rank() + k) % inputs.len();
             // SAFETY: `inputs[r]` holds rank r's n input bytes for the length of this call (see
@@ -112,6 +112,18 @@ pub(crate) fn all_gather(input: &Tensor, out: &Tensor, group: &Group, h: &SymmHa
         }
         Ok(())
     })
+}
+
+/// What of the ranks' inputs an exchange ([`exchange_inputs`]) sends to other hosts.
+#[derive(Clone, Copy)]
+pub(crate) enum Travels<'a> {
+    /// Every rank's whole input.
+    All,
+    /// Rank `root`'s input alone (the broadcast).
+    Root(usize),
+    /// Of every rank's packed input, the bytes `range(ranks of a host)` = (start, length) to
+    /// that host: what they read of it. Whole inputs where a leader gathers its host's.
+    Range(&'a dyn Fn(&[usize]) -> (usize, usize)),
 }
 
 /// The host-push exchange of every rank's `input` (`h`: its handle) on a group that spans
@@ -132,8 +144,12 @@ pub(crate) fn all_gather(input: &Tensor, out: &Tensor, group: &Group, h: &SymmHa
 /// raise their COPIED words once `finish` returned and wait for each other's before returning
 /// (the inputs are the callers' again after): one copy fewer per rank and call.
 ///
-/// `travels: Some(root)` (the broadcast): only rank `root`'s input travels; every other rank
-/// sends its signature and FROM word alone, and `finish` may read only `root`'s input.
+/// `travels` says what of the inputs goes to other hosts ([`Travels`]): every rank's whole
+/// input; the root's alone (the broadcast: every other rank sends its signature and FROM word
+/// alone, and `finish` may read only `root`'s input); or, when each rank sends its own message
+/// (above [`GATHERED_MAX`]), only the bytes of its input that the ranks of the host it goes to
+/// read (the reduce-scatter's slices), written where they lie in the whole input: `finish` may
+/// read of another host's rank's input only what the range gives this rank's host.
 ///
 /// The input is `parts` (`h`: the handle of the first), which travel one after another, each
 /// packed row by row: a contiguous tensor whole, a 2-D view with contiguous rows (a tile) as its
@@ -146,7 +162,7 @@ pub(crate) fn exchange_inputs(
     h: &SymmHandle,
     kind: &'static str,
     sig: [u64; 2],
-    travels: Option<usize>,
+    travels: Travels<'_>,
     timeout: Duration,
     meanwhile: impl FnOnce(),
     finish: impl FnOnce(&[*const u8]) -> Result<()>,
@@ -187,7 +203,21 @@ pub(crate) fn exchange_inputs(
     // Ranks that disagree on it disagree on the signature: a rank never reads another's input
     // in the layout of a slot, nor a slot left unwritten.
     let sig = [sig[0], sig[1] ^ u64::from(direct) << 63];
-    let mine_travels = travels.is_none_or(|r| r == me);
+    let root = match travels {
+        Travels::Root(r) => Some(r),
+        _ => None,
+    };
+    let mine_travels = root.is_none_or(|r| r == me);
+    // The bytes of this rank's packed input that go to the host of leader `l`: what its ranks
+    // read, or all of it (bounded by the input, whatever the range says).
+    let part = |l: usize| match travels {
+        Travels::Range(range) => {
+            let (at, len) = range(hw.ranks_on(hw.host_of(l)));
+            let at = at.min(n);
+            (at, len.min(n - at))
+        }
+        _ => (0, n),
+    };
 
     // The sends of call e-2 read this call's slots: they must have landed; those of call e-1
     // may still be in flight.
@@ -215,12 +245,17 @@ pub(crate) fn exchange_inputs(
             hw.batch(l, || -> Result<()> {
                 if !mine_travels {
                     // Nothing of this rank's travels: its signature and FROM word alone.
+                } else if part(l).1 == 0 {
+                    // Nothing of this rank's input is read there.
                 } else if direct {
-                    let push =
-                        |at: usize, len: usize| hw.start_push_from(h, l, h.offset() + at, len, slot(me) + at, timeout);
-                    from_input.extend(send_pieces_before_signal(&hw, l, n, push)?);
+                    let (from, len) = part(l);
+                    let push = |at: usize, len: usize| {
+                        hw.start_push_from(h, l, h.offset() + from + at, len, slot(me) + from + at, timeout)
+                    };
+                    from_input.extend(send_pieces_before_signal(&hw, l, len, push)?);
                 } else {
-                    for work in send_before_signal(&hw, l, slot(me), slot(me), n, timeout)? {
+                    let (from, len) = part(l);
+                    for work in send_before_signal(&hw, l, slot(me) + from, slot(me) + from, len, timeout)? {
                         w.sent.push((l, e, work));
                     }
                 }
@@ -238,7 +273,7 @@ pub(crate) fn exchange_inputs(
     let senders: Vec<usize> =
         if gathered { other_leaders.clone() } else { (0..world).filter(|&r| !hw.is_local(r)).collect() };
     let gather = |w: &mut Workspace| -> Result<()> {
-        if gathered { send_gathered(w, e, &sigs, slot, stride, n, travels, timeout) } else { Ok(()) }
+        if gathered { send_gathered(w, e, &sigs, slot, stride, n, root, timeout) } else { Ok(()) }
     };
     let judged = exchange_and_judge(w, e, &sigs, senders.into_iter(), gather, timeout);
     let written = landed(from_input);

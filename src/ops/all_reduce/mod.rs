@@ -149,7 +149,7 @@ pub fn one_shot_all_reduce_out(input: &Tensor, op: ReduceOp, group: &Group, out:
                 &h,
                 OP,
                 sig,
-                None,
+                crate::ops::all_gather::Travels::All,
                 timeout(),
                 || {},
                 |inputs| {

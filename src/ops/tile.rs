@@ -116,7 +116,11 @@ pub fn tile_reduce(in_tile: &Tensor, out_tile: &Tensor, root: usize, group: &Gro
     };
     let finish =
         |inputs: &[*const u8]| if me == root { reduce_packed(inputs, 0, in_tile, out_tile, op) } else { Ok(()) };
-    crate::ops::all_gather::whole_inputs(&[in_tile], group, &h, OP, Some(op), &args, None, finish, pulled)
+    // Only the root reads the tiles: they go to its host alone (where leaders gather their
+    // hosts' tiles, to every host, whole).
+    let to_root = |ranks: &[usize]| if ranks.contains(&root) { (0, usize::MAX) } else { (0, 0) };
+    let travels = crate::ops::all_gather::Travels::Range(&to_root);
+    crate::ops::all_gather::inputs_to_hosts(&[in_tile], group, &h, OP, Some(op), &args, None, travels, finish, pulled)
 }
 
 /// Several tile reductions at once: tile i is reduced into the `out_tile` of rank `roots[i]`;

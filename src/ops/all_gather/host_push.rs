@@ -65,6 +65,23 @@ pub(crate) fn whole_inputs(
     finish: impl FnOnce(&[*const u8]) -> Result<()>,
     pulled: impl FnOnce() -> Result<()>,
 ) -> Result<()> {
+    inputs_to_hosts(parts, group, h, kind, op, args, push, Travels::All, finish, pulled)
+}
+
+/// [`whole_inputs`], sending other hosts what `travels` says of the inputs ([`Travels`]).
+#[allow(clippy::too_many_arguments, reason = "the operator's call and its two ways")]
+pub(crate) fn inputs_to_hosts(
+    parts: &[&Tensor],
+    group: &Group,
+    h: &SymmHandle,
+    kind: &'static str,
+    op: Option<crate::ops::reduce::ReduceOp>,
+    args: &[u64],
+    push: Option<bool>,
+    travels: Travels<'_>,
+    finish: impl FnOnce(&[*const u8]) -> Result<()>,
+    pulled: impl FnOnce() -> Result<()>,
+) -> Result<()> {
     let Some(&input) = parts.first() else { return Ok(()) };
     let bytes = parts.iter().map(|t| t.nbytes()).fold(0usize, usize::saturating_add);
     if h.all_local() || bytes == 0 {
@@ -84,7 +101,7 @@ pub(crate) fn whole_inputs(
             let n = n & !crate::ops::check::COUNT_BITS | all as u64 & crate::ops::check::COUNT_BITS;
             let sig = [n ^ stamp >> 40 << 40, code];
             let timeout = crate::ops::common::timeout();
-            return exchange_inputs(parts, group, h, kind, sig, Travels::All, timeout, || {}, finish);
+            return exchange_inputs(parts, group, h, kind, sig, travels, timeout, || {}, finish);
         }
         meet(input, group, h, kind, op, args)?;
         pulled()

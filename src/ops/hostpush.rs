@@ -624,7 +624,13 @@ pub(crate) const SHARED_DIRECT_MIN: usize = 128 << 10;
 /// Whether a message of `bytes` with at most `ranks_per_host` ranks on a host, over links of
 /// `backend`, takes this path.
 pub(crate) fn fits_size(bytes: usize, ranks_per_host: usize, backend: Option<&str>) -> bool {
-    bytes > 0 && bytes.next_multiple_of(16).saturating_mul(ranks_per_host) <= host_block_max(backend, ranks_per_host)
+    fits_host(bytes, ranks_per_host, host_block_max(backend, ranks_per_host))
+}
+
+/// Whether a message of `bytes` (each rank's input in a slot of 16-byte multiples) with at
+/// most `ranks_per_host` ranks on a host keeps a host's inputs within `host_max` bytes.
+pub(crate) fn fits_host(bytes: usize, ranks_per_host: usize, host_max: usize) -> bool {
+    bytes > 0 && bytes.next_multiple_of(16).saturating_mul(ranks_per_host) <= host_max
 }
 
 /// Up to this many bytes per rank, a host's leader aggregates its host's sends (one message per

@@ -38,7 +38,7 @@ pub const UCX_PUSH_MAX: usize = 512 << 10;
 /// and [`UCX_PUSH_MAX`]); pull otherwise and on one host.
 pub fn select(bytes: usize, ranks_per_host: usize, hosts: usize, link: Option<&str>) -> Algo {
     let (host_max, max) = if link == Some("ucx") { (UCX_HOST_MAX, UCX_PUSH_MAX) } else { (HOST_MAX, usize::MAX) };
-    let fits = bytes > 0 && bytes <= max && bytes.next_multiple_of(16).saturating_mul(ranks_per_host) <= host_max;
+    let fits = bytes <= max && hostpush::fits_host(bytes, ranks_per_host, host_max);
     if hosts > 1 && fits { Algo::HostPush } else { Algo::Pull }
 }
 

@@ -260,18 +260,16 @@ pub(crate) fn exchange_inputs(
         for &l in &other_leaders {
             // The input, its signature and the FROM word leave together.
             hw.batch(l, || -> Result<()> {
-                if !mine_travels {
-                    // Nothing of this rank's travels: its signature and FROM word alone.
-                } else if part(l).1 == 0 {
-                    // Nothing of this rank's input is read there.
+                let (from, len) = if mine_travels { part(l) } else { (0, 0) };
+                if len == 0 {
+                    // Nothing of this rank's input travels, or is read there: its signature and
+                    // FROM word alone.
                 } else if direct {
-                    let (from, len) = part(l);
                     let push = |at: usize, len: usize| {
                         hw.start_push_from(h, l, h.offset() + from + at, len, slot(me) + from + at, timeout)
                     };
                     from_input.extend(send_pieces_before_signal(&hw, l, len, push)?);
                 } else {
-                    let (from, len) = part(l);
                     for work in send_before_signal(&hw, l, slot(me) + from, slot(me) + from, len, timeout)? {
                         w.sent.push((l, e, work));
                     }

@@ -1509,8 +1509,10 @@ pub fn collective_rank(
             ("all_gather", _) => symmem::ops::all_gather::select_for(&input, &h).name(),
             ("reduce_scatter", _) => symmem::ops::reduce_scatter::select_for(&input, &h).name(),
             ("broadcast", _) => symmem::ops::broadcast::select_for(&input, &h).name(),
-            ("matmul_reduce_scatter", _) => symmem::ops::reduce_scatter::select_for(&input, &h).name(),
-            ("reduce_scatter_offset" | "all_to_all_nd" | "all_gather_matmul", _) => {
+            // The product's partials are `bytes` a rank, scattered along rows.
+            ("matmul_reduce_scatter", _) => symmem::ops::matmul::select_mrs(bytes, 0, &h).name(),
+            ("all_to_all_nd", _) => symmem::ops::all_to_all::select_nd_for(&input, 0, &h).name(),
+            ("reduce_scatter_offset" | "all_gather_matmul", _) => {
                 symmem::ops::all_gather::select_for(&input, &h).name()
             }
             ("tile_reduce", _) => {

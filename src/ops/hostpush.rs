@@ -23,7 +23,8 @@
 //!   exchange without the leader's reduction (inputs through the slots, except contiguous
 //!   ones from 64 KiB, 128 KiB on hosts of several ranks), every rank copying (or reducing)
 //!   its host's ranks' slots (or inputs, then returning once they copied from its own) and
-//!   its leader's inbox (the reduce-scatter's sends each other host only its ranks' slices,
+//!   its leader's inbox (the reduce-scatter's, the n-d all-to-all's and the fused
+//!   matmul-reduce-scatter's along rows send each other host only its ranks' slices,
 //!   `Travels::Range`); the broadcast's moves the root's input alone (and every rank's
 //!   signature)
 //!   tiny messages (up to 16 KiB per rank): the leader gathers its host's data first and sends

@@ -382,7 +382,8 @@ pub fn fused_matmul_reduce_scatter(
     let me = h.rank();
     let out = if scatter_dim == 0 { Tensor::zeros(&[m / ws, n], dtype)? } else { Tensor::zeros(&[m, n / ws], dtype)? };
     // Reduces this rank's block of every rank's partial (`partials[r]`: rank r's m·n product,
-    // readable and unchanged for the call) into `out`, in rank order.
+    // of which this rank's block is readable and unchanged for the call) into `out`, in rank
+    // order.
     let reduce_mine = |partials: &[*const u8]| -> Result<()> {
         if scatter_dim == 0 {
             let rows = m / ws;
@@ -420,16 +421,41 @@ pub fn fused_matmul_reduce_scatter(
         barrier(&h)?;
         pulled()?;
     } else {
-        // Across hosts, as the all-gather: every partial travels once to each other host's
-        // leader (host push, within the all-gather's limits; `inputs[r]` is rank r's partial
-        // for the length of the call), or the blocks are read (pull).
+        // Across hosts, as the reduce-scatter ([`select_mrs`]): along rows, each rank's partial
+        // travels to each other host's leader as the row blocks of that host's ranks (host
+        // push; `inputs[r]` holds, for the length of the call, at least this rank's row block
+        // of rank r's partial, where it lies in the whole); along columns, every row holds a
+        // block of each rank's and whole partials travel; or the blocks are read (pull).
         let partial = ws_tensor.narrow(0, 0, m * n * es)?;
-        // Pull reads only this rank's blocks, host push sends whole partials: the limits of a
-        // reduce-scatter of whole inputs (over ucx, 64 KiB).
-        let select = super::reduce_scatter::select_whole;
-        let push =
-            select(partial.nbytes(), h.max_ranks_per_host(), 2, h.link_backend()) == super::all_gather::Algo::HostPush;
-        super::all_gather::whole_inputs(&[&partial], group, &h, OP, Some(op), &args, Some(push), reduce_mine, pulled)?;
+        let push = select_mrs(partial.nbytes(), scatter_dim, &h) == super::all_gather::Algo::HostPush;
+        let theirs = super::all_gather::slices_of((m / ws) * n * es);
+        let travels =
+            if scatter_dim == 0 { super::all_gather::Travels::Range(&theirs) } else { super::all_gather::Travels::All };
+        let parts = [&partial];
+        super::all_gather::inputs_to_hosts(
+            &parts,
+            group,
+            &h,
+            OP,
+            Some(op),
+            &args,
+            Some(push),
+            travels,
+            reduce_mine,
+            pulled,
+        )?;
     }
     Ok(out)
+}
+
+/// The algorithm [`fused_matmul_reduce_scatter`] takes for partial products of `bytes` bytes
+/// per rank, scattered along `scatter_dim`, on the group of `h` (a symmetric tensor's handle):
+/// along rows each rank reads its row block of every partial, as a reduce-scatter split along
+/// the first dimension, whose limits it takes ([`crate::ops::reduce_scatter::select`]); along
+/// columns every partial travels whole, within a reduce-scatter of whole inputs' limits. Pull
+/// on one host.
+pub fn select_mrs(bytes: usize, scatter_dim: usize, h: &SymmHandle) -> super::all_gather::Algo {
+    let hosts = if h.all_local() { 1 } else { 2 };
+    let select = if scatter_dim == 0 { super::reduce_scatter::select } else { super::reduce_scatter::select_whole };
+    select(bytes, h.max_ranks_per_host(), hosts, h.link_backend())
 }

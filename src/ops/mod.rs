@@ -37,7 +37,7 @@ pub mod broadcast;
 mod check;
 mod common;
 mod hostpush;
-mod matmul;
+pub mod matmul;
 mod reduce;
 pub mod reduce_scatter;
 mod tile;

@@ -43,7 +43,7 @@ pub fn select(bytes: usize, ranks_per_host: usize, hosts: usize, link: Option<&s
 }
 
 /// The selection of an operator that reduce-scatters whole inputs, each rank sending all of
-/// its input to every other host (the fused matmul-reduce-scatter): host push while a host's
+/// its input to every other host (the fused matmul-reduce-scatter along columns): host push while a host's
 /// inputs fit the all-gather's limits ([`crate::ops::all_gather::select`]), over ucx links
 /// up to 64 KiB per rank (2 played hosts, `UCX_TLS=tcp`, 4 alternated runs of each, whole
 /// inputs pushed against the slices pulled: 0.46x the time at 32 KiB and 0.70x at 64 KiB with
@@ -143,12 +143,7 @@ pub fn reduce_scatter_out(
             // Split along the first dimension, the ranks of a host read the slices of their
             // ranks only: from the lowest's to the highest's, the rest stays home (split along
             // the last, every row holds a block of each rank's, and whole inputs travel).
-            let slice = input.nbytes() / group.world_size();
-            let theirs = |ranks: &[usize]| {
-                let lo = ranks.iter().copied().min().unwrap_or(0);
-                let hi = ranks.iter().copied().max().map_or(0, |r| r + 1);
-                (lo * slice, hi.saturating_sub(lo) * slice)
-            };
+            let theirs = crate::ops::all_gather::slices_of(input.nbytes() / group.world_size());
             let travels = if split_last_dim { Travels::All } else { Travels::Range(&theirs) };
             return crate::ops::all_gather::exchange_inputs(
                 &[input],

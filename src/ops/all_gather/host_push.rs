@@ -143,6 +143,18 @@ pub(crate) enum Travels<'a> {
     Range(&'a dyn Fn(&[usize]) -> (usize, usize)),
 }
 
+/// The [`Travels::Range`] of inputs cut into one slice per rank, in rank order (`slice` bytes
+/// each, rank r's at r·slice), of which each rank reads its own slice of every input (the
+/// reduce-scatter's, the n-d all-to-all's and the fused matmul-reduce-scatter's along rows):
+/// a host gets the slices of its ranks, from its lowest rank's to its highest's.
+pub(crate) fn slices_of(slice: usize) -> impl Fn(&[usize]) -> (usize, usize) {
+    move |ranks| {
+        let lo = ranks.iter().copied().min().unwrap_or(0);
+        let hi = ranks.iter().copied().max().map_or(0, |r| r + 1);
+        (lo.saturating_mul(slice), hi.saturating_sub(lo).saturating_mul(slice))
+    }
+}
+
 /// The host-push exchange of every rank's `input` (`h`: its handle) on a group that spans
 /// hosts, on the workspace of `kind` with the ranks' signatures `sig`, running `meanwhile`
 /// once this rank's sends are on their way; then `finish` gets, per rank, where its input is,

@@ -3,7 +3,7 @@
 
 mod host_push;
 
-pub(crate) use host_push::{Travels, exchange_inputs, inputs_to_hosts, meet, whole_inputs};
+pub(crate) use host_push::{Travels, exchange_inputs, inputs_to_hosts, meet, slices_of, whole_inputs};
 
 use crate::error::Result;
 use crate::group::Group;
@@ -132,6 +132,16 @@ fn pulled(input: &Tensor, group: &Group, out: &Tensor, h: &SymmHandle) -> Result
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_host_gets_the_slices_from_its_lowest_ranks_to_its_highest() {
+        let theirs = slices_of(100);
+        assert_eq!(theirs(&[0]), (0, 100));
+        assert_eq!(theirs(&[2, 3]), (200, 200));
+        assert_eq!(theirs(&[3, 1]), (100, 300), "in any order, every rank between");
+        assert_eq!(theirs(&[]), (0, 0), "no ranks, nothing");
+        assert_eq!(slices_of(usize::MAX / 2)(&[3]).0, usize::MAX, "saturates, never wraps");
+    }
 
     #[test]
     fn host_push_takes_a_hosts_inputs_up_to_the_limit_of_its_links() {

@@ -13,6 +13,7 @@ pub use vdev::{
 
 use crate::error::Result;
 use crate::group::Group;
+use crate::ops::all_gather::Travels;
 use crate::ops::common::*;
 use crate::ops::hostpush;
 use crate::symm::SymmHandle;
@@ -207,7 +208,8 @@ pub fn all_to_all_nd(input: &Tensor, out: &Tensor, scatter_dim: usize, gather_di
         return Ok(());
     }
     let (me, es) = (h.rank(), input.dtype().size());
-    // Copies this rank's block of every rank's input (`inputs[r]`: rank r's) into `out`.
+    // Copies this rank's block of every rank's input (`inputs[r]`: rank r's; of another host's
+    // rank, scattered along rows, only this rank's row block need be there) into `out`.
     let copy_blocks = |inputs: &[*const u8]| -> Result<()> {
         let peer = |r: usize, elem: usize| inputs[r].wrapping_add(elem * es);
         for k in 0..g {
@@ -242,17 +244,45 @@ pub fn all_to_all_nd(input: &Tensor, out: &Tensor, scatter_dim: usize, gather_di
         }
         Ok(())
     };
-    // The pull path, once the ranks entered: every rank's whole input (another host's read by
-    // one rank of each host for its host; inputs are not written between the barriers).
+    // Scattered along rows, rank r reads row block r of every input, which lies whole in one
+    // place (`slice` bytes at r·slice); along columns, every row holds a block of each rank's.
+    let by_rows = scatter_dim == 0;
+    let slice = input.nbytes() / g;
+    // The pull path, once the ranks entered (inputs are not written between the barriers):
+    // along rows, this rank's row block of every input on another host; along columns, every
+    // rank's whole input, read by one rank of each host for its host.
     let pulled = || -> Result<()> {
-        fetch_shared(&h, |_| (0, input.nbytes()))?;
+        if by_rows {
+            fetch(&h, |_| (me * slice, slice))?;
+        } else {
+            fetch_shared(&h, |_| (0, input.nbytes()))?;
+        }
         copy_blocks(&peers(&h, 0))?;
         barrier(&h)
     };
-    // Pulled on one host; across hosts, as the all-gather: every input travels once to each
-    // other host's leader (host push, within the all-gather's limits; `inputs[r]` is rank r's
-    // whole input for the length of the call) or is read (pull).
-    crate::ops::all_gather::whole_inputs(&[input], group, &h, OP, None, &args, None, copy_blocks, pulled)
+    // Pulled on one host; across hosts, as the all-gather, by host push or pull
+    // ([`select_nd_for`]). Along rows, each other host gets only its ranks' row blocks
+    // (`inputs[r]`, for the length of the call, holds at least this rank's row block of rank
+    // r's input, where it lies in the whole input); along columns every input travels whole.
+    let push = Some(select_nd_for(input, scatter_dim, &h) == crate::ops::all_gather::Algo::HostPush);
+    let theirs = crate::ops::all_gather::slices_of(slice);
+    let travels = if by_rows { Travels::Range(&theirs) } else { Travels::All };
+    crate::ops::all_gather::inputs_to_hosts(&[input], group, &h, OP, None, &args, push, travels, copy_blocks, pulled)
+}
+
+/// The algorithm [`all_to_all_nd`] takes across hosts for `input` (`h`: its handle): scattered
+/// along rows (`scatter_dim` 0), each rank reads its row block of every input, the traffic of a
+/// reduce-scatter split along the first dimension, whose limits it takes
+/// ([`crate::ops::reduce_scatter::select`]); along columns every input travels whole, within
+/// the all-gather's ([`crate::ops::all_gather::select`]). Pull on one host.
+pub fn select_nd_for(input: &Tensor, scatter_dim: usize, h: &SymmHandle) -> crate::ops::all_gather::Algo {
+    let hosts = if h.all_local() { 1 } else { 2 };
+    let (bytes, rph, link) = (input.nbytes(), h.max_ranks_per_host(), h.link_backend());
+    if scatter_dim == 0 {
+        crate::ops::reduce_scatter::select(bytes, rph, hosts, link)
+    } else {
+        crate::ops::all_gather::select(bytes, rph, hosts, link)
+    }
 }
 
 #[cfg(test)]

@@ -1188,8 +1188,8 @@ pub fn transport_rank(backend: &str, window: usize, sizes: &[usize]) -> Result<(
 #[derive(Clone, Debug)]
 pub struct OpBenchOptions {
     /// `all_reduce`, `all_gather`, `reduce_scatter`, `reduce_scatter_offset`, `all_to_all`,
-    /// `all_to_all_v`, `all_to_all_nd`, `all_gather_matmul`, `matmul_reduce_scatter` or
-    /// `broadcast`.
+    /// `all_to_all_v`, `all_to_all_nd`, `all_gather_matmul`, `matmul_reduce_scatter`,
+    /// `tile_reduce`, `multi_root_tile_reduce` or `broadcast`.
     pub op: String,
     /// For all-reduce: `one_shot`, `two_shot` or `auto`.
     pub algo: String,
@@ -1394,9 +1394,13 @@ pub fn collective_rank(
         // tile_reduce: the left half of a [rows, 2 x cols] symmetric matrix, numel elements.
         let tile_cols = numel.min(256);
         let tile_rows = numel.div_ceil(tile_cols);
-        let numel = if op == "tile_reduce" { tile_rows * tile_cols } else { numel };
+        // multi_root_tile_reduce: ws tiles side by side, tile i reduced into rank i's out.
+        let tiled = matches!(op, "tile_reduce" | "multi_root_tile_reduce");
+        let numel = if tiled { tile_rows * tile_cols } else { numel };
         let input = if op == "tile_reduce" {
             symm::empty(&[tile_rows, 2 * tile_cols], dtype, Device::Cpu)?
+        } else if op == "multi_root_tile_reduce" {
+            symm::empty(&[tile_rows, ws * tile_cols], dtype, Device::Cpu)?
         } else {
             symm::empty(&[numel], dtype, Device::Cpu)?
         };
@@ -1463,6 +1467,14 @@ pub fn collective_rank(
                     &group,
                     ReduceOp::Sum,
                 ),
+                ("multi_root_tile_reduce", _) => {
+                    let tiles = (0..ws)
+                        .map(|i| input.tile(0..tile_rows, i * tile_cols..(i + 1) * tile_cols))
+                        .collect::<Result<Vec<_>>>()?;
+                    let roots: Vec<usize> = (0..ws).collect();
+                    let out = out.view(&[tile_rows, tile_cols])?;
+                    ops::multi_root_tile_reduce(&tiles, &out, &roots, &group, ReduceOp::Sum)
+                }
                 (other, _) => Err(Error::InvalidArgument(format!("unknown collective {other:?}"))),
             }
         };
@@ -1515,8 +1527,10 @@ pub fn collective_rank(
             ("reduce_scatter_offset" | "all_gather_matmul", _) => {
                 symmem::ops::all_gather::select_for(&input, &h).name()
             }
-            ("tile_reduce", _) => {
-                symmem::ops::all_gather::select(bytes, h.max_ranks_per_host(), hosts.min(2), link).name()
+            ("tile_reduce", _) => symmem::ops::tile::select(bytes, ws, hosts.min(2)).name(),
+            // Every rank's ws tiles travel packed.
+            ("multi_root_tile_reduce", _) => {
+                symmem::ops::tile::select(bytes.saturating_mul(ws), ws, hosts.min(2)).name()
             }
             _ => "pull",
         };

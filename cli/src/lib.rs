@@ -546,6 +546,11 @@ enum BenchCommand {
     /// symmetric matrix (a strided tile of up to 256 columns); sizes are the tile's.
     #[command(after_help = COLLECTIVE_FIELDS)]
     TileReduce(CollectiveArgs),
+    /// Tile reductions to every rank at once (multi_root_tile_reduce): of every rank's [rows,
+    /// ranks x cols] symmetric matrix, tile i (columns i x cols.., up to 256 columns) reduced
+    /// into rank i's out; sizes are a tile's.
+    #[command(after_help = COLLECTIVE_FIELDS)]
+    MultiRootTileReduce(CollectiveArgs),
     /// Equal-split all-to-all.
     #[command(after_help = COLLECTIVE_FIELDS)]
     AllToAll(CollectiveArgs),
@@ -765,6 +770,9 @@ fn dispatch(command: Command) -> Result<u8> {
         }
         Command::Bench { which: BenchCommand::TileReduce(a) } => {
             bench_collective("tile_reduce", &a, AllReduceAlgo::Auto)
+        }
+        Command::Bench { which: BenchCommand::MultiRootTileReduce(a) } => {
+            bench_collective("multi_root_tile_reduce", &a, AllReduceAlgo::Auto)
         }
         Command::Bench { which: BenchCommand::Broadcast(a) } => bench_collective("broadcast", &a, AllReduceAlgo::Auto),
         Command::Bench { which: BenchCommand::Transport { output, backend, sizes, window, plot } } => {

@@ -700,14 +700,16 @@ fn operators(j: &Job) {
     j.report("multi_root_tile_reduce", &mine);
     // Across hosts by every way of the all-gather's exchange, packed row by row: strided tiles
     // gathered by the leader (the two above), each rank's own message (40 x 100 f64 of a
-    // 300-column matrix; bf16), from the tensor for a rank alone on its host (a tile of whole
-    // rows, contiguous, 100 KiB), pulled past the limit (600 x 256 f64); roots the first, a
-    // non-leader and the last rank. Each matrix is rewritten once the call returns.
+    // 300-column matrix; bf16; 600 x 256 f64, 1.2 MB), from the tensor for a rank alone on its
+    // host (a tile of whole rows, contiguous, 100 KiB), pulled past the limit (2100 x 256 f64,
+    // 4.3 MB, past a 32 MiB workspace on 4 ranks); roots the first, a non-leader and the last
+    // rank. Each matrix is rewritten once the call returns.
     for (dtype, rows, cols, width, root) in [
         (DType::F64, 40, 100, 300, 1 % ws),
         (DType::BF16, 40, 100, 300, ws - 1),
         (DType::F64, 100, 128, 128, 0),
         (DType::F64, 600, 256, 300, ws - 1),
+        (DType::F64, 2100, 256, 300, 1 % ws),
     ] {
         let m = sym(&[rows + 3, width], dtype);
         fill(&m, |i| val(me, i));
@@ -718,17 +720,25 @@ fn operators(j: &Job) {
         g.barrier(T).unwrap();
         j.report(&format!("tile_reduce/{dtype}/{rows}x{cols}/{root}"), &out);
     }
-    // Every rank's tiles in one message (ws tiles of 20 x 64 and of 300 x 128 f64, strided,
-    // the second pulled where a host has two ranks), roots reversed.
-    for (rows, cols) in [(20, 64), (300, 128)] {
+    // Every rank's tiles in one message (ws tiles of 20 x 64 and of 300 x 128 f64, strided;
+    // of 1100 x 128, 1.1 MB a tile, pulled), roots reversed; then the even ranks' tiles
+    // first, so that the tiles of a host's roots lie apart from each other among the packed
+    // tiles (what a host gets spans them).
+    let evens_first: Vec<usize> = (0..ws).filter(|r| r % 2 == 0).chain((0..ws).filter(|r| r % 2 == 1)).collect();
+    for (rows, cols, roots, order) in [
+        (20, 64, &roots, "reversed"),
+        (300, 128, &roots, "reversed"),
+        (20, 64, &evens_first, "evens_first"),
+        (1100, 128, &roots, "reversed"),
+    ] {
         let m = sym(&[rows, cols * ws + 5], DType::F64);
         fill(&m, |i| val(me, i));
         let tiles: Vec<Tensor> = (0..ws).map(|i| m.tile(0..rows, 5 + i * cols..5 + (i + 1) * cols).unwrap()).collect();
         let out = Tensor::zeros(&[rows, cols], DType::F64).unwrap();
-        ops::multi_root_tile_reduce(&tiles, &out, &roots, g, ReduceOp::Max).unwrap();
+        ops::multi_root_tile_reduce(&tiles, &out, roots, g, ReduceOp::Max).unwrap();
         fill(&m, |_| -1.0);
         g.barrier(T).unwrap();
-        j.report(&format!("multi_root_tile_reduce/{rows}x{cols}"), &out);
+        j.report(&format!("multi_root_tile_reduce/{rows}x{cols}/{order}"), &out);
     }
     let rows = 4 * ws;
     let xo = sym(&[rows, 6], DType::F32);

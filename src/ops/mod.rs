@@ -40,7 +40,7 @@ mod hostpush;
 pub mod matmul;
 mod reduce;
 pub mod reduce_scatter;
-mod tile;
+pub mod tile;
 
 pub use all_gather::all_gather_into;
 pub use all_reduce::{

@@ -2188,13 +2188,16 @@ mod tests {
         ta.copy_from_slice(&[7u8; 64]).unwrap();
         let (ma, mb) = (a.register_memory(&ta).unwrap(), b.register_memory(&tb).unwrap());
         let (ra, rb) = (ma.to_remote_buffer().unwrap(), mb.to_remote_buffer().unwrap());
-        let writing = AtomicBool::new(true);
+        // The writer posts until the reads end (at most 60 s: a read that waited for the
+        // writer's loop to end would take that long), however slowly a loaded machine runs them.
+        let (writing, reads_done) = (AtomicBool::new(true), AtomicBool::new(false));
         std::thread::scope(|s| {
             s.spawn(|| {
                 let view = ma.to_view(0, Some(8)).unwrap();
                 let to = rb.slice(0, 8).unwrap();
-                let end = Instant::now() + Duration::from_millis(1500);
-                while Instant::now() < end {
+                let end = Instant::now() + Duration::from_secs(60);
+                // Acquire: pairs with the reader's Release store of `reads_done`.
+                while !reads_done.load(Ordering::Acquire) && Instant::now() < end {
                     // Posted: done once sent, never waited for.
                     a.post_write(&view, &to, testkit::LONG).unwrap();
                 }
@@ -2207,10 +2210,13 @@ mod tests {
             for _ in 0..20 {
                 let t = Instant::now();
                 b.read(&sink, &from, testkit::LONG).unwrap();
-                assert!(t.elapsed() < Duration::from_millis(300), "a read took {:?}", t.elapsed());
+                assert!(t.elapsed() < Duration::from_secs(5), "a read took {:?}", t.elapsed());
             }
             // Acquire: pairs with the writer's Release store.
-            assert!(writing.load(Ordering::Acquire), "the writer stopped before the reads ended");
+            let still = writing.load(Ordering::Acquire);
+            // Release: pairs with the writer's Acquire load.
+            reads_done.store(true, Ordering::Release);
+            assert!(still, "the writer stopped before the reads ended");
         });
         assert_eq!(tb.to_vec::<u8>().unwrap()[..16], [7u8; 16]);
     }

@@ -607,6 +607,37 @@ pub(crate) fn send_pieces_before_signal(
     }
 }
 
+/// Writes started straight from a caller's tensor ([`send_from_tensor`]), each with the rank it
+/// goes to: waited for ([`landed`]) before the tensor is the caller's again.
+pub(crate) type Writes = Vec<(usize, Work)>;
+
+/// [`send_pieces_before_signal`] of a message that leaves straight from a caller's tensor: its
+/// writes join `writes`.
+pub(crate) fn send_from_tensor(
+    h: &SymmHandle,
+    leader: usize,
+    len: usize,
+    push: impl Fn(usize, usize) -> Result<Work>,
+    writes: &mut Writes,
+) -> Result<()> {
+    writes.extend(send_pieces_before_signal(h, leader, len, push)?.into_iter().map(|w| (leader, w)));
+    Ok(())
+}
+
+/// Waits for `writes` (emptying it), up to the first failure, which names its peer (the
+/// failures of a lost host's link name no rank themselves).
+pub(crate) fn landed(h: &SymmHandle, writes: &mut Writes, timeout: Duration) -> Result<()> {
+    for (peer, w) in writes.drain(..) {
+        if let Err(e) = w.wait(Some(timeout)) {
+            return Err(match h.remote(peer) {
+                Some(r) => r.link.error("writing to", &e),
+                None => e,
+            });
+        }
+    }
+    Ok(())
+}
+
 /// Data for another host leaves straight from a symmetric input rather than through the
 /// workspace from this many bytes (below, one copy into the workspace costs less than a second
 /// message); the call then waits for those writes before returning, the input being the

@@ -14,7 +14,6 @@ use crate::ops::hostpush::*;
 use crate::symm::SymmHandle;
 use crate::symm::hostsync::settle;
 use crate::tensor::Tensor;
-use crate::transport::Work;
 
 /// The kind of the all-gather's workspace.
 const KIND: &str = "all_gather";
@@ -264,7 +263,7 @@ pub(crate) fn exchange_inputs(
         word(&hw, me, sigs.slot(me) + 8 * i).store(v, Ordering::Relaxed);
     }
     // Writes straight from the input: waited for before returning, even after a failure.
-    let mut from_input: Vec<Work> = Vec::new();
+    let mut from_input = Writes::new();
     let sent = (|| -> Result<()> {
         if gathered {
             return Ok(());
@@ -280,7 +279,7 @@ pub(crate) fn exchange_inputs(
                     let push = |at: usize, len: usize| {
                         hw.start_push_from(h, l, h.offset() + from + at, len, slot(me) + from + at, timeout)
                     };
-                    from_input.extend(send_pieces_before_signal(&hw, l, len, push)?);
+                    send_from_tensor(&hw, l, len, push, &mut from_input)?;
                 } else {
                     for work in send_before_signal(&hw, l, slot(me) + from, slot(me) + from, len, timeout)? {
                         w.sent.push((l, e, work));
@@ -291,9 +290,8 @@ pub(crate) fn exchange_inputs(
         }
         Ok(())
     })();
-    let landed = |works: Vec<Work>| works.into_iter().try_for_each(|w| w.wait(Some(timeout)));
     if let Err(e) = sent {
-        let _ = landed(from_input);
+        let _ = landed(&hw, &mut from_input, timeout);
         return Err(e);
     }
     meanwhile();
@@ -303,7 +301,7 @@ pub(crate) fn exchange_inputs(
         if gathered { send_gathered(w, e, &sigs, slot, stride, n, root, timeout) } else { Ok(()) }
     };
     let judged = exchange_and_judge(w, e, &sigs, senders.into_iter(), gather, timeout);
-    let written = landed(from_input);
+    let written = landed(&hw, &mut from_input, timeout);
     let verdict = judged?;
     if verdict != 0 {
         written?;

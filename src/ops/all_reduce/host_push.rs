@@ -10,7 +10,6 @@ use crate::ops::reduce::{self, ReduceOp};
 use crate::symm::SymmHandle;
 use crate::symm::hostsync::settle;
 use crate::tensor::Tensor;
-use crate::transport::Work;
 
 /// The bytes of the all-reduce workspace of `world` ranks after its words, for messages of
 /// `cap` bytes: two parities of an inbox slot per rank, and two of the host's result.
@@ -87,8 +86,8 @@ pub(crate) fn all_reduce(
         word(&hw, me, sigs.slot(me) + 8 * i).store(v, Ordering::Relaxed);
     }
     // Writes from the tensor: waited for before it is written, and before returning.
-    let mut from_tensor: Vec<Work> = Vec::new();
-    let written = |works: &mut Vec<Work>| -> Result<()> { works.drain(..).try_for_each(|w| w.wait(Some(timeout))) };
+    let mut from_tensor = Writes::new();
+    let written = |works: &mut Writes| landed(&hw, works, timeout);
     let outcome = (|| -> Result<()> {
         if !gathered {
             for &l in &other_leaders {
@@ -98,7 +97,7 @@ pub(crate) fn all_reduce(
                         let push = |at: usize, len: usize| {
                             hw.start_push_from(h, l, h.offset() + at, len, inbox(me) + at, timeout)
                         };
-                        from_tensor.extend(send_pieces_before_signal(&hw, l, n, push)?);
+                        send_from_tensor(&hw, l, n, push, &mut from_tensor)?;
                     } else {
                         for work in send_before_signal(&hw, l, inbox(me), inbox(me), n, timeout)? {
                             w.sent.push((l, e, work));

@@ -114,7 +114,7 @@ pub(crate) fn all_to_all(input: &Tensor, out: &Tensor, group: &Group, h: &SymmHa
         word(&hw, me, sigs.slot(me) + 8 * i).store(v, Ordering::Relaxed);
     }
     // Writes from the input, to wait for before returning.
-    let mut from_input = Vec::new();
+    let mut from_input = Writes::new();
     let outcome = (|| -> Result<()> {
         if !gathered {
             for &host in &other_hosts {
@@ -129,7 +129,7 @@ pub(crate) fn all_to_all(input: &Tensor, out: &Tensor, group: &Group, h: &SymmHa
                         if direct {
                             let src = h.offset() + theirs[a] * b;
                             let push = |at: usize, n: usize| hw.start_push_from(h, l, src + at, n, dst + at, timeout);
-                            from_input.extend(send_pieces_before_signal(&hw, l, (end - a) * b, push)?);
+                            send_from_tensor(&hw, l, (end - a) * b, push, &mut from_input)?;
                             continue;
                         }
                         let len = (end - a - 1) * bs + b;
@@ -209,6 +209,6 @@ pub(crate) fn all_to_all(input: &Tensor, out: &Tensor, group: &Group, h: &SymmHa
         Ok(())
     })();
     // Then the input is the caller's again.
-    let sent = from_input.into_iter().try_for_each(|work| work.wait(Some(timeout)));
+    let sent = landed(&hw, &mut from_input, timeout);
     outcome.and(sent)
 }

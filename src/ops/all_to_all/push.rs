@@ -34,7 +34,6 @@ use crate::ops::hostpush::*;
 use crate::symm::SymmHandle;
 use crate::symm::hostsync::{Words, settle};
 use crate::tensor::Tensor;
-use crate::transport::Work;
 
 /// Bytes of a slot's header, five i64: major_align, the row size, and `out`'s rows, byte
 /// offset in its allocation and allocation's identity in the group (what a writer into it
@@ -234,7 +233,7 @@ pub(crate) fn all_to_all_v(
         word(&hw, me, sigs.slot(me) + 8 * i).store(v, Ordering::Relaxed);
     }
     // Writes from the input, to wait for before returning.
-    let mut from_input = Vec::new();
+    let mut from_input = Writes::new();
     let exchanged = (|| -> Result<()> {
         for &(host, span) in &hosts {
             let l = hw.ranks_on(host)[0];
@@ -258,7 +257,7 @@ pub(crate) fn all_to_all_v(
                 if let Some((a, b)) = direct(span) {
                     let (src, dst) = (h.offset() + a, inbox(me) + rows_at + a);
                     let push = |at: usize, n: usize| hw.start_push_from(h, l, src + at, n, dst + at, timeout);
-                    from_input.extend(send_pieces_before_signal(&hw, l, b - a, push)?);
+                    send_from_tensor(&hw, l, b - a, push, &mut from_input)?;
                 }
                 send_own_sig(w, l, e, &sigs, timeout)
             })?;
@@ -337,7 +336,7 @@ pub(crate) fn all_to_all_v(
         out_splits_offsets.copy_from_slice(&splits_offsets)
     });
     // Then the input is the caller's again.
-    let sent = from_input.into_iter().try_for_each(|work| work.wait(Some(timeout)));
+    let sent = landed(&hw, &mut from_input, timeout);
     outcome.and(sent)
 }
 
@@ -368,7 +367,7 @@ impl Write<'_> {
         w: &mut Workspace,
         metas: &[Vec<i64>],
         outs: &dyn Fn(usize) -> (i64, i64),
-        from_input: &mut Vec<Work>,
+        from_input: &mut Writes,
         out: &Tensor,
         out_splits_offsets: &Tensor,
     ) -> Result<()> {
@@ -422,7 +421,7 @@ impl Write<'_> {
                 for &(first, into, rows) in &chunks {
                     let (src, dst) = (h.offset() + first as usize * row, at + into as usize * row);
                     let push = |k: usize, n: usize| oh.start_push_from(h, d, src + k, n, dst + k, timeout);
-                    from_input.extend(send_pieces_before_signal(&hw, d, rows as usize * row, push)?);
+                    send_from_tensor(&hw, d, rows as usize * row, push, from_input)?;
                 }
                 w.sent.push((d, e, self.done.start_remote(d, me, e, timeout)?));
                 Ok(())

@@ -1524,9 +1524,13 @@ pub fn collective_rank(
             // The product's partials are `bytes` a rank, scattered along rows.
             ("matmul_reduce_scatter", _) => symmem::ops::matmul::select_mrs(bytes, 0, &h).name(),
             ("all_to_all_nd", _) => symmem::ops::all_to_all::select_nd_for(&input, 0, &h).name(),
-            ("reduce_scatter_offset" | "all_gather_matmul", _) => {
-                symmem::ops::all_gather::select_for(&input, &h).name()
+            // The input as [ws, numel / ws], a row per rank: PyTorch's default blocks.
+            ("reduce_scatter_offset", _) => {
+                let view = input.view(&[ws, numel / ws])?;
+                let (offsets, dst): (Vec<usize>, Vec<usize>) = ((1..=ws).collect(), (0..ws).collect());
+                symmem::ops::reduce_scatter::select_offset(&view, 0, &offsets, &dst, &h).name()
             }
+            ("all_gather_matmul", _) => symmem::ops::all_gather::select_for(&input, &h).name(),
             ("tile_reduce", _) => symmem::ops::tile::select(bytes, ws, hosts.min(2)).name(),
             // Every rank's ws tiles travel packed.
             ("multi_root_tile_reduce", _) => {

@@ -746,6 +746,16 @@ fn operators(j: &Job) {
     let o = Tensor::zeros(&[4, 6], DType::F32).unwrap();
     ops::reduce_scatter_offset(&xo, std::slice::from_ref(&o), g, 0, None, None, ReduceOp::Sum).unwrap();
     j.report("reduce_scatter_offset", &o);
+    // PyTorch's default blocks (a reduce-scatter's: each host gets its ranks' rows alone), 800 KB
+    // a rank: host push past the all-gather's limits over tcp, within the reduce-scatter's.
+    let cols = 200_000 / ws;
+    let xr = sym(&[ws, cols], DType::F32);
+    fill(&xr, |i| val(me, i));
+    let or = Tensor::zeros(&[1, cols], DType::F32).unwrap();
+    ops::reduce_scatter_offset(&xr, std::slice::from_ref(&or), g, 0, None, None, ReduceOp::Sum).unwrap();
+    fill(&xr, |_| -1.0);
+    g.barrier(T).unwrap();
+    j.report("reduce_scatter_offset/default/800k", &or);
     // Across hosts by every way of the all-gather's exchange (gathered by the leader: 12 rows
     // of 100; each rank's own message: of 1000; from the input for a rank alone on its host:
     // of 4000; pulled past the limit: of 80 000 columns), uneven blocks dealt to the ranks in

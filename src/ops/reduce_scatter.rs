@@ -336,8 +336,8 @@ pub fn reduce_scatter_offset(
     }
     let es = input.dtype().size();
     let cols = shape[1];
-    // Reduces the blocks this rank owns of every rank's input (`inputs[r]`: rank r's) into
-    // `out`, in rank order.
+    // Reduces the blocks this rank owns of every rank's input (`inputs[r]`: rank r's, of which
+    // those blocks are there) into `out`, in rank order.
     let reduce_owned = |inputs: &[*const u8]| -> Result<()> {
         let at = |elem: usize| inputs.iter().map(|&p| p.wrapping_add(elem * es)).collect::<Vec<_>>();
         for (j, &i) in owned[me].iter().enumerate() {
@@ -359,23 +359,94 @@ pub fn reduce_scatter_offset(
         }
         Ok(())
     };
-    // The pull path, once the ranks entered: every rank's whole input (the blocks this rank
-    // owns may be anywhere in it; another host's read by one rank of each host for its host),
-    // reduced, then a barrier.
+    let span = |ranks: &[usize]| offset_span(input, dim, offsets, dst, ranks);
+    // The pull path, once the ranks entered: of every rank's input on another host, the span
+    // of this host's ranks' blocks, read by one rank of this host for all of them; reduced,
+    // then a barrier.
     let pulled = || -> Result<()> {
-        let outcome = fetch_shared(&h, |_| (0, input.nbytes())).and_then(|()| reduce_owned(&peers(&h, 0)));
+        let outcome = fetch_shared(&h, |_| span(h.local_ranks())).and_then(|()| reduce_owned(&peers(&h, 0)));
         let b = barrier(&h);
         outcome.and(b)
     };
-    // Pulled on one host; across hosts, as the all-gather: every input travels once to each
-    // other host's leader (host push, within the all-gather's limits; `inputs[r]` is rank r's
-    // whole input for the length of the call) or is read (pull).
-    crate::ops::all_gather::whole_inputs(&[input], group, &h, OP, Some(op), &args, None, reduce_owned, pulled)
+    // Pulled on one host; across hosts, as the all-gather ([`select_offset`]): each rank's
+    // input travels once to each other host's leader, the span of that host's ranks' blocks of
+    // it (host push; `inputs[r]` holds, for the length of the call, at least this host's span
+    // of rank r's input, where it lies in the whole), or is read (pull).
+    let push = Some(select_offset(input, dim, offsets, dst, &h) == Algo::HostPush);
+    let travels = crate::ops::all_gather::Travels::Range(&span);
+    crate::ops::all_gather::inputs_to_hosts(
+        &[input],
+        group,
+        &h,
+        OP,
+        Some(op),
+        &args,
+        push,
+        travels,
+        reduce_owned,
+        pulled,
+    )
+}
+
+/// Where the blocks of [`reduce_scatter_offset`] (`offsets`, `dst`: given or defaulted) that the
+/// ranks `ranks` own lie in a rank's `input`, in bytes (start, length): along rows (`dim` 0),
+/// from the start of the first to the end of the last (blocks follow each other in index
+/// order), nothing if they own none; along columns, every row holds a part of each block: the
+/// whole input.
+fn offset_span(input: &Tensor, dim: usize, offsets: &[usize], dst: &[usize], ranks: &[usize]) -> (usize, usize) {
+    if dim != 0 {
+        return (0, input.nbytes());
+    }
+    let row = input.shape().get(1).copied().unwrap_or(0) * input.dtype().size();
+    let theirs = || (0..offsets.len().min(dst.len())).filter(|&i| ranks.contains(&dst[i]));
+    match (theirs().next(), theirs().next_back()) {
+        (Some(lo), Some(hi)) => {
+            let start = if lo == 0 { 0 } else { offsets[lo - 1] };
+            (start.saturating_mul(row), offsets[hi].saturating_sub(start).saturating_mul(row))
+        }
+        _ => (0, 0),
+    }
+}
+
+/// The algorithm [`reduce_scatter_offset`] takes for `input` with blocks at `offsets` owned by
+/// `dst` (both given in full: PyTorch's defaults are `offsets` `[k · extent / ranks]` for k in
+/// 1..=ranks and `dst` round-robin) along `dim`, on the group of `h` (its handle): across
+/// hosts, where no host's ranks' blocks span more of an input than their share (`ranks / world`
+/// of it, along rows: the equal blocks a reduce-scatter takes, dealt in rank order), the
+/// traffic of a reduce-scatter and its limits ([`select`]); otherwise the all-gather's, whose
+/// inputs travel whole ([`crate::ops::all_gather::select`]). Pull on one host.
+pub fn select_offset(input: &Tensor, dim: usize, offsets: &[usize], dst: &[usize], h: &SymmHandle) -> Algo {
+    let hosts = if h.all_local() { 1 } else { 2 };
+    let (bytes, rph, link, world) = (input.nbytes(), h.max_ranks_per_host(), h.link_backend(), h.world_size());
+    let share = |ranks: &[usize]| bytes / world.max(1) * ranks.len();
+    let spans_a_share =
+        (0..h.hosts()).all(|k| offset_span(input, dim, offsets, dst, h.ranks_on(k)).1 <= share(h.ranks_on(k)));
+    if spans_a_share {
+        select(bytes, rph, hosts, link)
+    } else {
+        crate::ops::all_gather::select(bytes, rph, hosts, link)
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_hosts_span_runs_from_its_first_block_to_its_last() {
+        // 12 rows of 40 bytes; blocks of 1, 1, 1, 1, 2, 2, 2, 2 rows, owners reversed.
+        let input = Tensor::zeros(&[12, 10], crate::tensor::DType::F32).unwrap();
+        let offsets = [1, 2, 3, 4, 6, 8, 10, 12];
+        let dst = [3, 2, 1, 0, 3, 2, 1, 0];
+        assert_eq!(offset_span(&input, 0, &offsets, &dst, &[0, 1]), (80, 400), "blocks 2, 3, 6, 7: rows 2..12");
+        assert_eq!(offset_span(&input, 0, &offsets, &dst, &[2, 3]), (0, 320), "blocks 0, 1, 4, 5: rows 0..8");
+        assert_eq!(offset_span(&input, 0, &offsets, &dst, &[3]), (0, 240), "blocks 0 and 4: rows 0..6");
+        assert_eq!(offset_span(&input, 0, &offsets, &dst, &[]), (0, 0), "no ranks, nothing");
+        assert_eq!(offset_span(&input, 1, &offsets, &dst, &[0]), (0, 480), "along columns, the whole input");
+        // PyTorch's defaults: one equal block per rank, in rank order.
+        let (offsets, dst) = ([3, 6, 9, 12], [0, 1, 2, 3]);
+        assert_eq!(offset_span(&input, 0, &offsets, &dst, &[2, 3]), (240, 240), "its ranks' share");
+    }
 
     #[test]
     fn host_push_stops_sooner_over_ucx_links() {

@@ -1530,6 +1530,32 @@ fn rank_out_of_step() {
         assert!(got.iter().all(|&f| f == want), "reduce_scatter, call {i}: {n} floats, last {last}");
     }
 
+    // So does the n-d all-to-all scattered along rows, on a workspace of its own (each rank
+    // sending each other host only its ranks' row blocks, within the reduce-scatter's limits):
+    // rank 1's 2.4 MB input pulled on every layout while the others push theirs is refused at
+    // once, and agreeing calls switching between the ways each get their own call's blocks
+    // (row k of rank r's input holds 100 r + k + 1000 i in call i).
+    let nd = |n: usize, i: usize| {
+        let cols = n / ws;
+        let input = x.narrow(0, 0, n).unwrap().view(&[ws, cols]).unwrap();
+        let rows: Vec<f32> = (0..n).map(|e| (100 * me + e / cols + 1000 * i) as f32).collect();
+        input.copy_from_slice(&rows).unwrap();
+        let out = Tensor::zeros(&[1, n], DType::F32).unwrap();
+        ops::all_to_all_nd(&input, &out, 0, 1, &g).map(|()| out.to_vec::<f32>().unwrap())
+    };
+    let big = ws * (600_000 / ws);
+    let t = std::time::Instant::now();
+    let e = nd(if me == 1 { big } else { 4096 * ws }, 0).unwrap_err().to_string();
+    assert!(e.contains("disagree") && e.contains("rank 1 pass"), "all_to_all_nd, straddling: {e}");
+    assert!(t.elapsed() < Duration::from_secs(2), "all_to_all_nd, straddling: after {:?}: {e}", t.elapsed());
+    for i in 0..15 {
+        let n = [64 * ws, 4096 * ws, big][i % 3];
+        let got = nd(n, i).unwrap();
+        let cols = n / ws;
+        let right = |j: usize| got[j * cols..(j + 1) * cols].iter().all(|&f| f == (100 * j + me + 1000 * i) as f32);
+        assert!((0..ws).all(right), "all_to_all_nd, call {i}: {n} floats");
+    }
+
     // So does the one-shot all-reduce, each rank reducing every input.
     for (what, n) in [("growing", 8192), ("straddling", 300_000)] {
         let t = std::time::Instant::now();

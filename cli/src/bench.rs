@@ -1530,7 +1530,9 @@ pub fn collective_rank(
                 let (offsets, dst): (Vec<usize>, Vec<usize>) = ((1..=ws).collect(), (0..ws).collect());
                 symmem::ops::reduce_scatter::select_offset(&view, 0, &offsets, &dst, &h).name()
             }
-            ("all_gather_matmul", _) => symmem::ops::all_gather::select_for(&input, &h).name(),
+            ("all_gather_matmul", _) => {
+                symmem::ops::all_gather::select(input.nbytes(), h.max_ranks_per_host(), hosts.min(2), link).name()
+            }
             ("tile_reduce", _) => symmem::ops::tile::select(bytes, ws, hosts.min(2)).name(),
             // Every rank's ws tiles travel packed.
             ("multi_root_tile_reduce", _) => {

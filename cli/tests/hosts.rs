@@ -531,9 +531,10 @@ fn operators(j: &Job) {
     ops::all_gather_into(&x, g, &ag).unwrap();
     j.report("all_gather", &ag);
     // Across hosts the 4 KiB inputs above are host-pushed with each host's leader gathering its
-    // host's; 32 KiB inputs go as each rank's own message, and 1.2 MB ones are pulled (past host
-    // push's limit). Each input is rewritten once the call returns.
-    for (name, per) in [("all_gather_own", 8192), ("all_gather_pulled", 300_000)] {
+    // host's; 32 KiB inputs go as each rank's own message, 1.2 MB ones too over ucx (pulled
+    // over tcp), and 2.4 MB ones are pulled (past host push's limits). Each input is rewritten
+    // once the call returns.
+    for (name, per) in [("all_gather_own", 8192), ("all_gather_1.2MB", 300_000), ("all_gather_pulled", 600_000)] {
         let x = sym(&[per], DType::F32);
         fill(&x, |i| val(me, i));
         let out = Tensor::zeros(&[per * ws], DType::F32).unwrap();

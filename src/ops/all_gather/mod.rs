@@ -41,14 +41,37 @@ impl Algo {
 /// 0.71x at 1 MiB, 0.93x at 2 MiB, 1.19x at 4 MiB; 2 ranks 0.67x at 1 MiB, 0.82x at 2 MiB,
 /// 1.14x at 4 MiB; over ucx, 4 ranks 0.61x at 256 KiB, 0.88x at 1 MiB, a tie from 2 MiB; 2
 /// ranks 0.56x at 1 MiB, 0.84x at 2 MiB, 1.42x at 4 MiB.
+/// Operators whose every rank needs every rank's whole input (the one-shot all-reduce, the fused
+/// all-gather-matmul, ...) take it too; the all-gather itself takes [`select_all_gather`].
 pub fn select(bytes: usize, ranks_per_host: usize, hosts: usize, link: Option<&str>) -> Algo {
     if hosts > 1 && hostpush::fits_size(bytes, ranks_per_host, link) { Algo::HostPush } else { Algo::Pull }
+}
+
+/// Over ucx links, [`all_gather_into`] takes host push while a host's inputs are at most this
+/// many bytes ([`UCX_LONE_MAX`] on hosts of one rank), past [`select`]'s limits there: host push
+/// against pull (2 played hosts, `UCX_TLS=tcp`, 6 alternated rounds, gathered sizes), 4 ranks
+/// 0.79x the time at 2 MiB, 0.78x at 4 MiB, 0.81x at 8 MiB (a host's inputs of 1, 2 and 4
+/// MiB); 2 ranks 0.87x at 4 MiB, 1.41x [0.92, 1.45] at 8 MiB (no difference shown).
+pub const UCX_HOST_MAX: usize = 4 << 20;
+
+/// See [`UCX_HOST_MAX`].
+pub const UCX_LONE_MAX: usize = 2 << 20;
+
+/// The all-gather's own selection: over ucx links host push while a host's inputs (`bytes` per
+/// rank, at most `ranks_per_host` ranks on a host) fit [`UCX_HOST_MAX`] ([`UCX_LONE_MAX`] on
+/// hosts of one rank); over other links [`select`]'s. Pull on one host.
+pub fn select_all_gather(bytes: usize, ranks_per_host: usize, hosts: usize, link: Option<&str>) -> Algo {
+    if link != Some("ucx") {
+        return select(bytes, ranks_per_host, hosts, link);
+    }
+    let max = if ranks_per_host == 1 { UCX_LONE_MAX } else { UCX_HOST_MAX };
+    if hosts > 1 && hostpush::fits_host(bytes, ranks_per_host, max) { Algo::HostPush } else { Algo::Pull }
 }
 
 /// The algorithm [`all_gather_into`] takes for `input` on the group of `h` (its handle).
 pub fn select_for(input: &Tensor, h: &SymmHandle) -> Algo {
     let hosts = if h.all_local() { 1 } else { 2 };
-    select(input.nbytes(), h.max_ranks_per_host(), hosts, h.link_backend())
+    select_all_gather(input.nbytes(), h.max_ranks_per_host(), hosts, h.link_backend())
 }
 
 /// All-gather: `out` (shape `[ws · d0, ...]`) receives every rank's `input` in rank order.
@@ -132,6 +155,26 @@ fn pulled(input: &Tensor, group: &Group, out: &Tensor, h: &SymmHandle) -> Result
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_all_gather_pushes_further_over_ucx() {
+        let m = 1 << 20;
+        assert_eq!(select_all_gather(m, 2, 1, Some("ucx")), Algo::Pull, "one host always pulls");
+        assert_eq!(select_all_gather(2 * m, 2, 2, Some("ucx")), Algo::HostPush, "4 MiB of a host's inputs");
+        assert_eq!(select_all_gather(2 * m + 16, 2, 2, Some("ucx")), Algo::Pull);
+        assert_eq!(select_all_gather(2 * m, 1, 2, Some("ucx")), Algo::HostPush, "2 MiB alone on a host");
+        assert_eq!(select_all_gather(2 * m + 16, 1, 2, Some("ucx")), Algo::Pull);
+        assert_eq!(select(2 * m, 2, 2, Some("ucx")), Algo::Pull, "whole inputs elsewhere keep their limits");
+        for (bytes, rph) in [(m / 2, 2), (m / 2 + 16, 2), (m, 1), (m + 16, 1), (4 * m, 1)] {
+            for link in [Some("tcp"), None] {
+                assert_eq!(
+                    select_all_gather(bytes, rph, 2, link),
+                    select(bytes, rph, 2, link),
+                    "{bytes} {rph} {link:?}"
+                );
+            }
+        }
+    }
 
     #[test]
     fn a_host_gets_the_slices_from_its_lowest_ranks_to_its_highest() {

@@ -140,7 +140,8 @@ pub fn one_shot_all_reduce_out(input: &Tensor, op: ReduceOp, group: &Group, out:
     // Ranks that took different ways, or left a call at different points, are out of step:
     // refused from then on.
     hostpush::guarded(group, OP, || {
-        if crate::ops::all_gather::select_for(input, &h) == crate::ops::all_gather::Algo::HostPush {
+        let (bytes, rph) = (input.nbytes(), h.max_ranks_per_host());
+        if crate::ops::all_gather::select(bytes, rph, 2, h.link_backend()) == crate::ops::all_gather::Algo::HostPush {
             let sig = crate::ops::check::counts_at(input, Some(op), h.offset());
             let ws = h.world_size();
             return crate::ops::all_gather::exchange_inputs(

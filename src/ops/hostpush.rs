@@ -506,23 +506,30 @@ pub(crate) fn land_own_raises(w: &mut Workspace, timeout: Duration) -> Result<()
     let Some(e) = w.raised else { return Ok(()) };
     let hw = w.words.h.clone();
     let (me, leader) = (hw.rank(), hw.local_ranks()[0]);
-    let mut landed = Vec::new();
+    let mut raises = Named::new();
     for l in hw.leaders().filter(|&l| l != leader) {
-        landed.push((l, w.words.start_remote_landed(l, hw.world_size() + 1 + me, e, timeout)?));
+        raises.push((l, w.words.start_remote_landed(l, hw.world_size() + 1 + me, e, timeout)?));
     }
-    wait_landed(&hw, landed, timeout)?;
+    wait_named(&hw, &mut raises, "signalling", timeout)?;
     w.raised = None;
     Ok(())
 }
 
-/// Waits for answered signals, each to a leader `l`; a failure names the rank it was sent to.
-fn wait_landed(hw: &SymmHandle, landed: Vec<(usize, Work)>, timeout: Duration) -> Result<()> {
-    landed.into_iter().try_for_each(|(l, work)| {
-        work.wait(Some(timeout)).map_err(|e| match hw.remote(l) {
-            Some(r) => r.link.error("signalling", &e),
-            None => e,
-        })
-    })
+/// Waits for `works` (emptying it), each a transfer `what` (`"writing to"`, `"signalling"`)
+/// the rank it names: every one, even after a failure, so that none still reads a caller's
+/// buffer once this returns, all within `timeout`; the first failure names its rank.
+pub(crate) fn wait_named(hw: &SymmHandle, works: &mut Named, what: &str, timeout: Duration) -> Result<()> {
+    let deadline = std::time::Instant::now() + timeout;
+    let mut first = None;
+    for (rank, work) in works.drain(..) {
+        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        if let Err(e) = work.wait(Some(left))
+            && first.is_none()
+        {
+            first = Some(hw.failed(what, rank, e));
+        }
+    }
+    first.map_or(Ok(()), Err)
 }
 
 /// Whether the signatures of this leader's host differ among themselves (a leader's look once
@@ -563,17 +570,17 @@ pub(crate) fn raise_for_gathered(w: &mut Workspace, e: u32, sigs: &Sigs, timeout
         return Ok(());
     }
     gather_sigs(&hw, sigs);
-    let mut landed = Vec::new();
+    let mut raises = Named::new();
     for l in hw.leaders().filter(|&l| l != locals[0]) {
         hw.batch(l, || -> Result<()> {
             for &r in &quiet {
                 w.sent.push((l, e, hw.start_push(l, sigs.slot(r), 16, sigs.slot(r), timeout)?));
-                landed.push((l, w.words.start_remote_landed(l, hw.world_size() + 1 + r, e, timeout)?));
+                raises.push((l, w.words.start_remote_landed(l, hw.world_size() + 1 + r, e, timeout)?));
             }
             Ok(())
         })?;
     }
-    wait_landed(&hw, landed, timeout)
+    wait_named(&hw, &mut raises, "signalling", timeout)
 }
 
 /// Writes `len` bytes at `src` of this rank's buffer to `dst` of `leader`'s, so that a remote
@@ -607,35 +614,25 @@ pub(crate) fn send_pieces_before_signal(
     }
 }
 
-/// Writes started straight from a caller's tensor ([`send_from_tensor`]), each with the rank it
-/// goes to: waited for ([`landed`]) before the tensor is the caller's again.
-pub(crate) type Writes = Vec<(usize, Work)>;
+/// Transfers, each with the rank it goes to ([`wait_named`]).
+pub(crate) type Named = Vec<(usize, Work)>;
 
 /// [`send_pieces_before_signal`] of a message that leaves straight from a caller's tensor: its
-/// writes join `writes`.
+/// writes join `writes`, waited for ([`landed`]) before the tensor is the caller's again.
 pub(crate) fn send_from_tensor(
     h: &SymmHandle,
     leader: usize,
     len: usize,
     push: impl Fn(usize, usize) -> Result<Work>,
-    writes: &mut Writes,
+    writes: &mut Named,
 ) -> Result<()> {
     writes.extend(send_pieces_before_signal(h, leader, len, push)?.into_iter().map(|w| (leader, w)));
     Ok(())
 }
 
-/// Waits for `writes` (emptying it), up to the first failure, which names its peer (the
-/// failures of a lost host's link name no rank themselves).
-pub(crate) fn landed(h: &SymmHandle, writes: &mut Writes, timeout: Duration) -> Result<()> {
-    for (peer, w) in writes.drain(..) {
-        if let Err(e) = w.wait(Some(timeout)) {
-            return Err(match h.remote(peer) {
-                Some(r) => r.link.error("writing to", &e),
-                None => e,
-            });
-        }
-    }
-    Ok(())
+/// Waits for the writes of [`send_from_tensor`] ([`wait_named`]).
+pub(crate) fn landed(h: &SymmHandle, writes: &mut Named, timeout: Duration) -> Result<()> {
+    wait_named(h, writes, "writing to", timeout)
 }
 
 /// Data for another host leaves straight from a symmetric input rather than through the

@@ -297,7 +297,8 @@ pub fn fused_all_gather_matmul(
     // other host's leader (host push, within the all-gather's limits; `inputs[r]` is rank r's
     // shard for the length of the call) or is read (pull).
     let finish = |inputs: &[*const u8]| run(&inputs.iter().map(|&p| p as usize).collect::<Vec<_>>());
-    super::all_gather::whole_inputs(&[a_shard], group, &h, OP, None, &args, None, finish, pulled)?;
+    let travels = super::all_gather::Travels::All;
+    super::all_gather::inputs_to_hosts(&[a_shard], group, &h, OP, None, &args, None, travels, finish, pulled)?;
     Ok((return_a.then_some(a), outs))
 }
 

@@ -170,10 +170,7 @@ pub(crate) fn settle(h: &SymmHandle, sent: &mut Sent, must: impl Fn(u32) -> bool
         if let Err(e) = w.wait(Some(timeout))
             && first.is_none()
         {
-            first = Some(match h.remote(*peer) {
-                Some(r) => r.link.error("sending to", &e),
-                None => e,
-            });
+            first = Some(h.failed("sending to", *peer, e));
         }
         false
     });

@@ -711,6 +711,15 @@ impl SymmHandle {
         }
     }
 
+    /// The error `e` of a transfer `what` (`"writing to"`, ...) `rank`, naming the rank and its
+    /// host when it is on another host (the failures of a lost link name no rank themselves).
+    pub(crate) fn failed(&self, what: &str, rank: usize, e: Error) -> Error {
+        match self.remote(rank) {
+            Some(r) => r.link.error(what, &e),
+            None => e,
+        }
+    }
+
     /// The address of `rank`'s data buffer in this process; an error for a rank on another
     /// host. Panics if `rank` is out of range.
     pub fn buffer_ptr(&self, rank: usize) -> Result<usize> {

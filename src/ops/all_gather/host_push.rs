@@ -43,31 +43,16 @@ pub(crate) fn meet(
     crate::ops::hostpush::meet(group, kind, layout(group.world_size()), sig, disagree, timeout)
 }
 
-/// An operator whose ranks each need their part of every rank's whole input
-/// (`reduce_scatter_offset`, `all_to_all_nd`, the fused matmuls, the tile reductions; `h`: the
-/// handle of `parts[0]`; the input is `parts`, one after another, each packed row by row, see
+/// An operator whose ranks each need their part of every rank's input (the fused matmuls,
+/// `reduce_scatter_offset`, `all_to_all_nd`, the tile reductions; `h`: the handle of
+/// `parts[0]`; the input is `parts`, one after another, each packed row by row, see
 /// [`exchange_inputs`]). On one host (or of no bytes), the checked entry with the operator's
 /// arguments (`kind`, the rest `args`), then `pulled`. Across hosts, with host push (`push`:
 /// the operator's own selection, such as the reduce-scatter's where pull reads only the parts;
 /// `None`, the all-gather's for the parts' bytes), the exchange with `finish` given every
-/// rank's packed input, the arguments and reduction `op` folded into the signature; otherwise
-/// its entry meeting host push's calls ([`meet`], on `parts[0]`), then `pulled`.
-#[allow(clippy::too_many_arguments, reason = "the operator's call and its two ways")]
-pub(crate) fn whole_inputs(
-    parts: &[&Tensor],
-    group: &Group,
-    h: &SymmHandle,
-    kind: &'static str,
-    op: Option<crate::ops::reduce::ReduceOp>,
-    args: &[u64],
-    push: Option<bool>,
-    finish: impl FnOnce(&[*const u8]) -> Result<()>,
-    pulled: impl FnOnce() -> Result<()>,
-) -> Result<()> {
-    inputs_to_hosts(parts, group, h, kind, op, args, push, Travels::All, finish, pulled)
-}
-
-/// [`whole_inputs`], sending other hosts what `travels` says of the inputs ([`Travels`]).
+/// rank's packed input (of another host's, what `travels` sends this host: [`Travels`]), the
+/// arguments and reduction `op` folded into the signature; otherwise its entry meeting host
+/// push's calls ([`meet`], on `parts[0]`), then `pulled`.
 #[allow(clippy::too_many_arguments, reason = "the operator's call and its two ways")]
 pub(crate) fn inputs_to_hosts(
     parts: &[&Tensor],
@@ -263,7 +248,7 @@ pub(crate) fn exchange_inputs(
         word(&hw, me, sigs.slot(me) + 8 * i).store(v, Ordering::Relaxed);
     }
     // Writes straight from the input: waited for before returning, even after a failure.
-    let mut from_input = Writes::new();
+    let mut from_input = Named::new();
     let sent = (|| -> Result<()> {
         if gathered {
             return Ok(());

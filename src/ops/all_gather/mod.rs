@@ -3,7 +3,7 @@
 
 mod host_push;
 
-pub(crate) use host_push::{Travels, exchange_inputs, inputs_to_hosts, meet, slices_of, whole_inputs};
+pub(crate) use host_push::{Travels, exchange_inputs, inputs_to_hosts, meet, slices_of};
 
 use crate::error::Result;
 use crate::group::Group;

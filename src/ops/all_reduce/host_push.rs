@@ -86,8 +86,8 @@ pub(crate) fn all_reduce(
         word(&hw, me, sigs.slot(me) + 8 * i).store(v, Ordering::Relaxed);
     }
     // Writes from the tensor: waited for before it is written, and before returning.
-    let mut from_tensor = Writes::new();
-    let written = |works: &mut Writes| landed(&hw, works, timeout);
+    let mut from_tensor = Named::new();
+    let written = |works: &mut Named| landed(&hw, works, timeout);
     let outcome = (|| -> Result<()> {
         if !gathered {
             for &l in &other_leaders {

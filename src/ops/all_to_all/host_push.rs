@@ -114,7 +114,7 @@ pub(crate) fn all_to_all(input: &Tensor, out: &Tensor, group: &Group, h: &SymmHa
         word(&hw, me, sigs.slot(me) + 8 * i).store(v, Ordering::Relaxed);
     }
     // Writes from the input, to wait for before returning.
-    let mut from_input = Writes::new();
+    let mut from_input = Named::new();
     let outcome = (|| -> Result<()> {
         if !gathered {
             for &host in &other_hosts {

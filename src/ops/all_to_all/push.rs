@@ -233,7 +233,7 @@ pub(crate) fn all_to_all_v(
         word(&hw, me, sigs.slot(me) + 8 * i).store(v, Ordering::Relaxed);
     }
     // Writes from the input, to wait for before returning.
-    let mut from_input = Writes::new();
+    let mut from_input = Named::new();
     let exchanged = (|| -> Result<()> {
         for &(host, span) in &hosts {
             let l = hw.ranks_on(host)[0];
@@ -367,7 +367,7 @@ impl Write<'_> {
         w: &mut Workspace,
         metas: &[Vec<i64>],
         outs: &dyn Fn(usize) -> (i64, i64),
-        from_input: &mut Writes,
+        from_input: &mut Named,
         out: &Tensor,
         out_splits_offsets: &Tensor,
     ) -> Result<()> {

@@ -97,9 +97,15 @@ for gather_dim in (0, 1, 2):
     want = torch.matmul(want_A, B)
     assert torch.equal(A, want_A), (gather_dim, A.shape, want_A.shape)
     torch.testing.assert_close(outs[0], want)
-    fallback = torch.ops._c10d_functional.wait_tensor(
-        torch.ops._c10d_functional.all_gather_into_tensor(a_shard.contiguous(), ws, world.group_name)
-    )
+    # What PyTorch's fallback gathers (`_c10d_functional.all_gather_into_tensor`: the shards
+    # concatenated along dim 0), built here from the known shards rather than through gloo: a
+    # gloo collective's work keeps its tensors until a later barrier's work is freed, on gloo's
+    # thread, which can happen after the interpreter began to finalize; that thread then takes
+    # the GIL to free a Python tensor and the process aborts ("terminate called without an
+    # active exception", the thread pt_gloo_runloop in ~AsyncBarrierWork ->
+    # ~AsyncAllgatherCoalescedWork -> decref_pyobject -> take_gil -> pthread_exit; PyTorch's,
+    # pytorch/pytorch#179291), about one run in 15 here.
+    fallback = torch.cat([shard_of(r, shape) for r in range(ws)], dim=0)
     assert outs[0].shape == want.shape, (outs[0].shape, want.shape)
     if gather_dim != 2:
         ref = torch.matmul(fallback.view(ws, *shape).movedim(gather_dim + 1, 1).flatten(0, 1), B).movedim(0, gather_dim)

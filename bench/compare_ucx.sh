@@ -9,8 +9,13 @@
 #           ucp_put_bw (bandwidth of back-to-back puts, with no bound on those outstanding:
 #           perftest's -O 0; WINDOW=128 comes closer to that for symmem's small writes, each
 #           of which its owner acknowledges), and ucp_put_bw with at most WINDOW outstanding
-#           (-O WINDOW), the like-for-like rate (last two columns).
-# Needs ucx-utils (ucx_perftest) and libucx0 (installed if missing, as root).
+#           (-O WINDOW). perftest counts a put done once UCX has its bytes (local completion;
+#           one flush at the end), where a symmem write's Work completes once its bytes are in
+#           the peer's memory: for small writes, what it does per transfer is not symmem's.
+#   UCX put+flush: bench/ucp_put_flush.c, ucp_put_nbx and ucp_ep_flush_nbx per transfer (remote
+#           completion, as NIXL's UCX backend waits for it), WINDOW of them in flight, with
+#           peer-failure handling as symmem's endpoints: the like-for-like rate (last columns).
+# Needs ucx-utils (ucx_perftest), libucx0 and libucx-dev (installed if missing, as root).
 #   bench/compare_ucx.sh [SIZES]      e.g. bench/compare_ucx.sh 8,65536,1048576,16777216
 #   WINDOW=128 bench/compare_ucx.sh 8,4096
 set -euo pipefail
@@ -19,8 +24,8 @@ SIZES=${1:-8,65536,1048576,16777216}
 RUNS=${RUNS:-3}
 WINDOW=${WINDOW:-8}
 export WINDOW
-if ! command -v ucx_perftest >/dev/null; then
-    apt-get update -qq && apt-get install -y -qq ucx-utils libucx0 >/dev/null
+if ! command -v ucx_perftest >/dev/null || [ ! -f /usr/include/ucp/api/ucp.h ]; then
+    apt-get update -qq && apt-get install -y -qq ucx-utils libucx0 libucx-dev >/dev/null
 fi
 export UCX_TLS=${UCX_TLS:-tcp}
 cargo build --release -q
@@ -28,6 +33,7 @@ cargo build --release -q
 SIZES_B=$(target/release/symmem __sizes "$SIZES")
 out=target/bench/compare_ucx.txt
 mkdir -p target/bench
+gcc -O2 -o target/bench/ucp_put_flush bench/ucp_put_flush.c -lucp -lucs
 : > "$out"
 port=$((20000 + RANDOM % 20000))
 for run in $(seq "$RUNS"); do
@@ -47,16 +53,21 @@ for run in $(seq "$RUNS"); do
             wait "$srv" 2>/dev/null || true
             echo "UCX $t $s $line" >> "$out"
         done
+        n=$(( s >= 1048576 ? 200 : 20000 ))
+        PEER=1 timeout 120 target/bench/ucp_put_flush "$s" "$WINDOW" "$n" | sed 's/^/FLUSH /' >> "$out" || true
     done
 done
 python3 - "$out" <<'PY'
 import json, statistics, sys
-sym, ucx = {}, {}
+sym, ucx, flush = {}, {}, {}
 for l in open(sys.argv[1]):
     if l.startswith("SYMMEM "):
         r = json.loads(l[7:])
         if r["bench"] in ("write", "read"):
             sym.setdefault((r["bench"], r["size"]), []).append((r["time_us"], r.get("stream_gbps") or 0.0))
+    elif l.startswith("FLUSH "):
+        r = json.loads(l[6:])
+        flush.setdefault(r["size"], []).append((r["latency_us"], r["stream_gbps"]))
     elif l.startswith("UCX "):
         p = l.split()
         if len(p) >= 12:
@@ -67,7 +78,7 @@ sizes = sorted({b for (_, b) in sym} | {b for (_, b) in ucx})
 env = __import__('os').environ
 print(f"ucx transport over UCX_TLS={env.get('UCX_TLS')}, symmem's window {env.get('WINDOW')}, medians of runs")
 print(f"{'bytes':>10} {'write RTT us':>13} {'put_lat x2 us':>14} {'write GB/s':>11} {'put_bw GB/s':>12} {'bw ratio':>9}"
-      f" {'put_bw -O GB/s':>15} {'ratio':>7}")
+      f" {'put_bw -O GB/s':>15} {'ratio':>7} {'put+flush RTT us':>17} {'put+flush GB/s':>15} {'ratio':>7}")
 for b in sizes:
     w = sym.get(("write", b), [])
     lat = ucx.get(("ucp_put_lat", b), [])
@@ -76,5 +87,8 @@ for b in sizes:
     wl, ul = med(w, 0), 2 * med(lat, 0)
     wb, ub, uw = med(w, 1), med(bw, 1), med(bww, 1)
     ratio = lambda u: wb / u if u else float('nan')
-    print(f"{b:>10} {wl:>13.2f} {ul:>14.2f} {wb:>11.4g} {ub:>12.4g} {ratio(ub):>8.2f}x {uw:>15.4g} {ratio(uw):>6.2f}x")
+    fl = flush.get(b, [])
+    fr, fb = med(fl, 0), med(fl, 1)
+    print(f"{b:>10} {wl:>13.2f} {ul:>14.2f} {wb:>11.4g} {ub:>12.4g} {ratio(ub):>8.2f}x {uw:>15.4g} {ratio(uw):>6.2f}x"
+          f" {fr:>17.2f} {fb:>15.4g} {ratio(fb):>6.2f}x")
 PY

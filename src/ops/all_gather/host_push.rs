@@ -49,7 +49,8 @@ pub(crate) fn meet(
 /// [`exchange_inputs`]). On one host (or of no bytes), the checked entry with the operator's
 /// arguments (`kind`, the rest `args`), then `pulled`. Across hosts, with host push (`push`:
 /// the operator's own selection, such as the reduce-scatter's where pull reads only the parts;
-/// `None`, the all-gather's for the parts' bytes), the exchange with `finish` given every
+/// `None`, [`super::select`] for the parts' bytes, the limits of operators that need every rank's
+/// whole input, not the all-gather's own [`super::select_all_gather`]), the exchange with `finish` given every
 /// rank's packed input (of another host's, what `travels` sends this host: [`Travels`]), the
 /// arguments and reduction `op` folded into the signature; otherwise its entry meeting host
 /// push's calls ([`meet`], on `parts[0]`), then `pulled`.

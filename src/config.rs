@@ -83,6 +83,9 @@ knobs! {
         "microseconds a wait spins before yielding and sleeping (when ranks do not outnumber cores), and the threads serving a tcp flow or a ucx endpoint keep looking after they fell idle";
     /// The tcp transport's flows.
     TCP_FLOWS = "SYMMEM_TRANSPORT_TCP_FLOWS", "4", "connections per tcp transport endpoint (large transfers are striped over them)";
+    /// How the tcp transport's frames travel between holders of the job's secret.
+    TCP_FRAMES = "SYMMEM_TRANSPORT_TCP_FRAMES", "sealed",
+        "`sealed`: with the job's secret, every tcp transport frame is encrypted and authenticated (AES-128-GCM, keys per connection); `exposed`: only the handshake is, and whoever is on the network path can read and change the frames (for fabrics the operator trusts; taken only when both ends say so)";
     /// The tcp transport's published address.
     TCP_HOST = "SYMMEM_TRANSPORT_TCP_HOST", "the route to MASTER_ADDR",
         "the address a tcp transport endpoint listens on and publishes to its peers; by default, in a job, the local address of the route to its store (loopback on one host), else 127.0.0.1";
@@ -222,6 +225,19 @@ pub fn tcp_flows() -> Result<Option<usize>> {
 /// `SYMMEM_TRANSPORT_TCP_CHUNK_SIZE`, if set.
 pub fn tcp_chunk_size() -> Result<Option<usize>> {
     parsed(env::TCP_CHUNK_SIZE)
+}
+
+/// `SYMMEM_TRANSPORT_TCP_FRAMES`, if set: whether the tcp transport's frames travel exposed
+/// (`exposed`) rather than sealed (`sealed`).
+pub fn tcp_frames_exposed() -> Result<Option<bool>> {
+    match value(env::TCP_FRAMES).map(str::trim) {
+        None => Ok(None),
+        Some("sealed") => Ok(Some(false)),
+        Some("exposed") => Ok(Some(true)),
+        Some(other) => {
+            Err(Error::Env { var: env::TCP_FRAMES, reason: format!("{other:?} is not `sealed` or `exposed`") })
+        }
+    }
 }
 
 /// `SYMMEM_XHOST_BACKEND`, if set (trimmed, lower case).

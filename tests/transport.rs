@@ -129,13 +129,9 @@ fn views_and_arguments_are_checked(backend: &str) {
     let err = a.write(&md.to_view(0, None).unwrap(), &descriptor(&md), None).unwrap_err().to_string();
     assert!(err.contains("another transport"), "{err}");
     // A descriptor of another backend.
-    let other = RemoteBuffer::deserialize(
-        String::from_utf8(descriptor(&md).serialize())
-            .unwrap()
-            .replace(&format!("\"{backend}\""), "\"other\"")
-            .as_bytes(),
-    )
-    .unwrap();
+    let mut j: serde_json::Value = serde_json::from_slice(&descriptor(&md).serialize()).unwrap();
+    j["backend"] = "other".into();
+    let other = RemoteBuffer::deserialize(j.to_string().as_bytes()).unwrap();
     let err = a.write(&ms.to_view(0, Some(8)).unwrap(), &other, None).unwrap_err().to_string();
     assert!(err.contains("not a"), "{err}");
     // Non-contiguous memory.
@@ -272,7 +268,13 @@ fn accept_handshake(s: &mut std::net::TcpStream) {
     use symmem::wire::tcp::{Auth, CHALLENGE_LEN, Challenge, HELLO_LEN, PROOF_LEN};
     let mut hello = [0u8; HELLO_LEN];
     s.read_exact(&mut hello).unwrap();
-    let c = Challenge { refused: None, auth: Auth::Token, nonce: [3; 32], proof: [0; 32] };
+    let c = Challenge {
+        refused: None,
+        auth: Auth::Token,
+        frames: symmem::wire::tcp::Frames::Sealed,
+        nonce: [3; 32],
+        proof: [0; 32],
+    };
     let bytes: [u8; CHALLENGE_LEN] = c.encode();
     s.write_all(&bytes).unwrap();
     let mut proof = [0u8; PROOF_LEN];
@@ -361,8 +363,26 @@ fn bootstrap_through_a_store(backend: &str) {
     assert!(err.is_timeout() && t0.elapsed() < Duration::from_secs(5), "{err}");
 }
 
+/// The tcp backend between holders of a job's secret (`tcp_sealed`: every frame sealed), and
+/// the same with frames exposed by both ends (`tcp_exposed`), registered once for the suite.
+fn register_secret_backends() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        for (name, frames) in [("tcp_sealed", "sealed"), ("tcp_exposed", "exposed")] {
+            let factory: transport::Factory = Arc::new(move |o: &Options| {
+                let mut o = o.clone();
+                o.insert("frames".into(), frames.into());
+                let secret = symmem::store::Secret::new("the suite's job secret").unwrap();
+                Ok(Box::new(transport::tcp::TcpBackend::with_secret(&o, secret)?) as Box<dyn transport::Backend>)
+            });
+            register_transport(name, factory, false).unwrap();
+        }
+    });
+}
+
 /// Whether `backend` can run here (UCX may be missing); says SKIPPED with the reason if not.
 fn runs_here(backend: &str) -> bool {
+    register_secret_backends();
     match new_transport(backend, None, &Options::new()) {
         Ok(t) => {
             drop(t);
@@ -447,6 +467,8 @@ macro_rules! suite {
 }
 
 suite!(tcp);
+suite!(tcp_sealed);
+suite!(tcp_exposed);
 suite!(shm);
 suite!(auto);
 suite!(ucx);
@@ -532,6 +554,7 @@ fn malformed_frames_close_only_their_connection() {
         flow: 0,
         flows: 1,
         auth: Auth::Token,
+        frames: symmem::wire::tcp::Frames::Sealed,
         nonce: [1; 32],
     };
     let mut s = std::net::TcpStream::connect(&addr).unwrap();
@@ -549,6 +572,18 @@ fn malformed_frames_close_only_their_connection() {
     assert_eq!(v[0], 0, "handshake accepted");
     s.write_all(&[0x77; 64]).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    // Its last word says why (an ERROR for request 0), then it closes.
+    let mut head = [0u8; symmem::wire::tcp::HEADER_LEN];
+    s.read_exact(&mut head).unwrap();
+    let h = symmem::wire::tcp::Header::decode(&head).unwrap();
+    assert_eq!((h.op, h.request), (symmem::wire::tcp::Op::Error, 0));
+    let mut why = vec![0u8; h.length as usize];
+    s.read_exact(&mut why).unwrap();
+    assert!(
+        String::from_utf8_lossy(&why).contains("unknown tcp transport op 119"),
+        "{}",
+        String::from_utf8_lossy(&why)
+    );
     let mut buf = [0u8; 8];
     assert!(matches!(s.read(&mut buf), Ok(0) | Err(_)), "the server closed the connection");
     // The real peer is still served.

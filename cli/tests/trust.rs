@@ -1038,6 +1038,277 @@ fn a_stranger_reaches_neither_the_store_nor_rank_memory() {
     assert!(rank.contains("CHANGED 4096"), "{rank}");
 }
 
+/// A process of this test binary (an ignored program test) in network namespace `ns`, with
+/// `env`, talked to through its stdin and stdout; killed on drop.
+struct Program {
+    child: std::process::Child,
+    stdin: std::process::ChildStdin,
+    lines: std::sync::mpsc::Receiver<String>,
+}
+
+impl Program {
+    fn start(ns: &str, test: &str, env: &[(&str, &str)]) -> Program {
+        use std::io::BufRead;
+        use std::process::Stdio;
+        let mut child = Command::new("ip")
+            .args(["netns", "exec", ns])
+            .arg(std::env::current_exe().unwrap())
+            .args(["--exact", test, "--include-ignored", "--nocapture", "--test-threads=1"])
+            .env_remove("SYMMEM_STORE_SECRET")
+            .env_remove("SYMMEM_JOB_SECRET")
+            .env("SYMMEM_LINK_PROGRAM", "1")
+            .envs(env.iter().copied())
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let (tx, lines) = std::sync::mpsc::channel();
+        let out = std::io::BufReader::new(child.stdout.take().unwrap());
+        std::thread::spawn(move || {
+            for l in out.lines().map_while(Result::ok) {
+                if tx.send(l).is_err() {
+                    break;
+                }
+            }
+        });
+        Program { stdin: child.stdin.take().unwrap(), child, lines }
+    }
+
+    /// Sends one command line.
+    fn send(&mut self, line: &str) {
+        use std::io::Write;
+        writeln!(self.stdin, "{line}").unwrap();
+        self.stdin.flush().unwrap();
+    }
+
+    /// The rest of the next line starting with `tag` (within 30 s).
+    fn expect(&self, tag: &str) -> String {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.lines.recv_timeout(left) {
+                Ok(l) => {
+                    // (The first line follows libtest's "test NAME ... ".)
+                    if let Some((_, rest)) = l.split_once(tag) {
+                        return rest.trim().to_string();
+                    }
+                }
+                Err(e) => panic!("no line {tag:?} from the program: {e}"),
+            }
+        }
+    }
+}
+
+impl Drop for Program {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A rank holding the job's secret: a tcp transport (one flow) with 4096 bytes of 0xAB
+/// registered. Prints `URL`, `DESC`, then answers commands on stdin: `CONNECT <url>`,
+/// `WRITE <descriptor>` (4096 bytes of 0x11 there), `CHECK` (`CHANGED <bytes not 0xAB>`).
+#[test]
+#[ignore = "a rank program; run by a_stranger_can_neither_reflect_nor_relay_a_tcp_link"]
+fn link_rank() {
+    use std::io::BufRead;
+    use symmem::transport::{Options, RemoteBuffer, new_transport};
+    if std::env::var("SYMMEM_LINK_PROGRAM").is_err() {
+        return;
+    }
+    let t = new_transport("tcp", None, &Options::new()).unwrap();
+    let url = t.bind(None).unwrap();
+    let x = Tensor::from_slice(&[4096], &[0xABu8; 4096]).unwrap();
+    let m = t.register_memory(&x).unwrap();
+    let src = Tensor::from_slice(&[4096], &[0x11u8; 4096]).unwrap();
+    let ms = t.register_memory(&src).unwrap();
+    println!("URL {}", String::from_utf8(url).unwrap());
+    println!("DESC {}", String::from_utf8(m.to_remote_buffer().unwrap().serialize()).unwrap());
+    let five = Some(Duration::from_secs(5));
+    for line in std::io::stdin().lock().lines().map_while(Result::ok) {
+        let (cmd, arg) = line.split_once(' ').unwrap_or((&line, ""));
+        match cmd {
+            "CONNECT" => match t.connect(arg.as_bytes(), five) {
+                Ok(()) => println!("CONNECT ok"),
+                Err(e) => println!("CONNECT refused: {e}"),
+            },
+            "WRITE" => {
+                let remote = RemoteBuffer::deserialize(arg.as_bytes()).unwrap();
+                match t.write(&ms.to_view(0, None).unwrap(), &remote, five) {
+                    Ok(()) => println!("WRITE ok"),
+                    Err(e) => println!("WRITE failed: {e}"),
+                }
+            }
+            "CHECK" => println!("CHANGED {}", x.to_vec::<u8>().unwrap().iter().filter(|&&b| b != 0xAB).count()),
+            _ => return,
+        }
+    }
+}
+
+/// The stranger: holds no secret, but a rank connects to it (its URL rewritten in an
+/// unauthenticated store). It connects to `TARGET` and carries the handshake between the two,
+/// then, `MODE=inject`, sends its own WRITE (zeros over `DESC`) on the target's connection and
+/// prints whether it was acknowledged; `MODE=flip`, relays everything, with one bit of the
+/// client's first frame payload flipped.
+#[test]
+#[ignore = "an attacker program; run by a_stranger_can_neither_reflect_nor_relay_a_tcp_link"]
+fn link_attacker() {
+    use std::io::{Read, Write};
+    use symmem::wire::tcp::{CHALLENGE_LEN, Challenge, HEADER_LEN, HELLO_LEN, Header, Op, PROOF_LEN};
+    if std::env::var("SYMMEM_LINK_PROGRAM").is_err() {
+        return;
+    }
+    let var = |k: &str| std::env::var(k).unwrap();
+    let l = std::net::TcpListener::bind("10.213.0.2:0").unwrap();
+    println!("LISTEN {}", l.local_addr().unwrap().port());
+    let (mut rank, _) = l.accept().unwrap();
+    let mut target = std::net::TcpStream::connect(var("TARGET")).unwrap();
+    for s in [&rank, &target] {
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    }
+    let carry = |from: &mut std::net::TcpStream, to: &mut std::net::TcpStream, n: usize| -> Option<Vec<u8>> {
+        let mut b = vec![0u8; n];
+        from.read_exact(&mut b).ok()?;
+        to.write_all(&b).ok()?;
+        Some(b)
+    };
+    let _hello = carry(&mut rank, &mut target, HELLO_LEN).unwrap();
+    let c = carry(&mut target, &mut rank, CHALLENGE_LEN).unwrap();
+    let challenge = Challenge::decode(&c.try_into().unwrap()).unwrap();
+    if let Some(r) = challenge.refused {
+        println!("HANDSHAKE refused: {r}");
+        return;
+    }
+    let verdict = carry(&mut rank, &mut target, PROOF_LEN).and_then(|_| carry(&mut target, &mut rank, 1));
+    if verdict != Some(vec![0]) {
+        println!("HANDSHAKE refused at the proofs");
+        return;
+    }
+    println!("HANDSHAKE accepted");
+    if var("MODE") == "inject" {
+        use symmem::wire::descriptor::{Kind, Value, decode};
+        let schema = [("buffer_id", Kind::Int), ("offset", Kind::Int), ("length", Kind::Int)];
+        let mut schema = schema.to_vec();
+        schema.extend([("access_key", Kind::Bytes), ("writable", Kind::Int), ("endpoint", Kind::Int)]);
+        let d = decode(var("DESC").as_bytes(), "tcp", &schema).unwrap();
+        let (Value::Int(buffer), Value::Bytes(key)) = (&d[0], &d[3]) else { panic!("descriptor {d:?}") };
+        let h = Header {
+            op: Op::Write,
+            status: 0,
+            flags: 0,
+            request: 1,
+            cookie: 0,
+            buffer: *buffer,
+            key: key.as_slice().try_into().unwrap(),
+            remote_offset: 0,
+            length: 4096,
+        };
+        let mut frame = h.encode().to_vec();
+        frame.extend_from_slice(&[0u8; 4096]);
+        let _ = target.write_all(&frame);
+        let mut answer = [0u8; HEADER_LEN];
+        let acked = target.read_exact(&mut answer).is_ok()
+            && Header::decode(&answer).is_ok_and(|a| a.op == Op::Ack && a.request == 1);
+        println!("INJECT {}", if acked { "accepted" } else { "refused" });
+        return;
+    }
+    // Relay both ways; the 100th byte the rank sends after the handshake (in its first frame)
+    // gets a bit flipped.
+    let (mut r2, mut t2) = (rank.try_clone().unwrap(), target.try_clone().unwrap());
+    let back = std::thread::spawn(move || {
+        let mut b = [0u8; 4096];
+        while let Ok(n @ 1..) = t2.read(&mut b) {
+            if r2.write_all(&b[..n]).is_err() {
+                break;
+            }
+        }
+    });
+    let (mut b, mut seen) = ([0u8; 4096], 0usize);
+    while let Ok(n @ 1..) = rank.read(&mut b) {
+        if seen <= 100 && 100 < seen + n {
+            b[100 - seen] ^= 0x04;
+        }
+        seen += n;
+        if target.write_all(&b[..n]).is_err() {
+            break;
+        }
+    }
+    let _ = target.shutdown(std::net::Shutdown::Both);
+    let _ = back.join();
+}
+
+// Issue 51, item 1: with a job secret, a stranger who could make a rank connect to it carried
+// the rank's own hello to the rank's listener, passed the challenge and the proofs back and
+// forth, and was left holding an accepted flow: its own frames then wrote into the rank's
+// memory. The same through a second rank (a relay), and a bit flipped in a relayed frame landed.
+// Now a reflected hello is refused, and every frame is sealed with keys of the connection:
+// what the relay adds or changes ends the connection and touches nothing.
+#[test]
+fn a_stranger_can_neither_reflect_nor_relay_a_tcp_link() {
+    let hosts = match common::Hosts::create() {
+        Ok(h) => h,
+        Err(why) => {
+            eprintln!("SKIPPED: cannot create network namespaces here ({why})");
+            return;
+        }
+    };
+    let secret = [
+        ("SYMMEM_JOB_SECRET", "the job's own secret"),
+        ("SYMMEM_TRANSPORT_TCP_HOST", "10.213.0.1"),
+        ("SYMMEM_TRANSPORT_TCP_FLOWS", "1"),
+    ];
+    let rank = || {
+        let p = Program::start(&hosts.names[0], "link_rank", &secret);
+        let (url, desc) = (p.expect("URL "), p.expect("DESC "));
+        (p, url, desc)
+    };
+    let addr = |url: &str| url.trim_start_matches("tcp://").split('?').next().unwrap().to_string();
+    let token = |url: &str| url.split("token=").nth(1).unwrap().split('#').next().unwrap().to_string();
+    let attacker = |target: &str, desc: &str, mode: &str| {
+        let p = Program::start(&hosts.names[1], "link_attacker", &[("TARGET", target), ("DESC", desc), ("MODE", mode)]);
+        let port = p.expect("LISTEN ");
+        (p, port)
+    };
+
+    // Reflection: rank A is sent to the stranger under its own token, and the stranger carries
+    // A's handshake to A's own listener.
+    let (mut a, url_a, desc_a) = rank();
+    let (evil, port) = attacker(&addr(&url_a), &desc_a, "inject");
+    a.send(&format!("CONNECT tcp://10.213.0.2:{port}?flows=1&token={}", token(&url_a)));
+    let connect = a.expect("CONNECT ");
+    let handshake = evil.expect("HANDSHAKE ");
+    assert!(handshake.starts_with("refused") && handshake.contains("reflected"), "reflection: {handshake}");
+    assert!(connect.starts_with("refused") && connect.contains("reflected"), "reflection, rank A: {connect}");
+    a.send("CHECK");
+    assert_eq!(a.expect("CHANGED "), "0", "a reflected stranger changed rank A's memory");
+
+    // Relay: rank A is sent to the stranger under rank B's token; the stranger carries the
+    // handshake to B (it succeeds: both ranks hold the secret), then injects its own WRITE.
+    let (mut a, _, _) = rank();
+    let (mut b, url_b, desc_b) = rank();
+    let (evil, port) = attacker(&addr(&url_b), &desc_b, "inject");
+    a.send(&format!("CONNECT tcp://10.213.0.2:{port}?flows=1&token={}", token(&url_b)));
+    assert_eq!(evil.expect("HANDSHAKE "), "accepted");
+    assert_eq!(a.expect("CONNECT "), "ok");
+    assert_eq!(evil.expect("INJECT "), "refused", "a relaying stranger's own frame was served");
+    b.send("CHECK");
+    assert_eq!(b.expect("CHANGED "), "0", "a relaying stranger changed rank B's memory");
+
+    // A relay that flips one bit of a frame: the write fails, saying why, and lands nothing.
+    let (mut a, _, _) = rank();
+    let (mut b, url_b, desc_b) = rank();
+    let (evil, port) = attacker(&addr(&url_b), &desc_b, "flip");
+    a.send(&format!("CONNECT tcp://10.213.0.2:{port}?flows=1&token={}", token(&url_b)));
+    assert_eq!(evil.expect("HANDSHAKE "), "accepted");
+    assert_eq!(a.expect("CONNECT "), "ok");
+    a.send(&format!("WRITE {desc_b}"));
+    let wrote = a.expect("WRITE ");
+    b.send("CHECK");
+    assert_eq!(b.expect("CHANGED "), "0", "a write with a flipped bit landed ({wrote})");
+    assert!(wrote.starts_with("failed") && wrote.contains("authentication"), "the writer was told: {wrote}");
+}
+
 // Item 15 (and the build's item 6): operators on views of different sizes (or other
 // arguments) on different ranks returned silently inconsistent results. Now every rank gets
 // the same error, and the group stays usable.

@@ -160,6 +160,17 @@ impl Secret {
         mac.verify_slice(proof).is_ok()
     }
 
+    /// The sealed-record keys of one connection whose handshake was `transcript`, for `side`
+    /// ([`crate::wire::seal::derive`]; `label` names the protocol).
+    pub(crate) fn link_keys(
+        &self,
+        label: &[u8],
+        transcript: &[u8],
+        side: crate::wire::seal::Side,
+    ) -> crate::wire::seal::Keys {
+        crate::wire::seal::derive(&self.0, label, transcript, side)
+    }
+
     fn mac(&self) -> Hmac<Sha256> {
         // HMAC takes keys of any length, so this cannot fail.
         <Hmac<Sha256> as KeyInit>::new_from_slice(&self.0).expect("hmac accepts any key length")

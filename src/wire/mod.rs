@@ -1,4 +1,5 @@
-//! Every byte that crosses a process boundary: today the store protocol.
+//! Every byte that crosses a process boundary: the store protocol, the tcp transport's frames,
+//! descriptors, symmetric memory's records, and the sealed records that protect links.
 //!
 //! Layer: the bottom of the safe layers. Pure encoding and decoding, no I/O, no unsafe code;
 //! decoding never panics on any input.
@@ -6,6 +7,7 @@
 #![forbid(unsafe_code)]
 
 pub mod descriptor;
+pub mod seal;
 pub mod store;
 pub mod symm;
 pub mod tcp;

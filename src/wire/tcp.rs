@@ -2,10 +2,10 @@
 //! little-endian, followed by the payload the header announces.
 //!
 //! ```text
-//!   hello      client → server   magic "SYMTCP03" | server token (16) | client token (16)
-//!                                | flow index u32 | flow count u32 | auth u8 | 0 (7)
+//!   hello      client → server   magic "SYMTCP04" | server token (16) | client token (16)
+//!                                | flow index u32 | flow count u32 | auth u8 | frames u8 | 0 (6)
 //!                                | client nonce (32)                          (88 bytes)
-//!   challenge  server → client   status u8 | auth u8 | 0 (6) | server nonce (32)
+//!   challenge  server → client   status u8 | auth u8 | frames u8 | 0 (5) | server nonce (32)
 //!                                | server proof (32)                          (72 bytes)
 //!   proof      client → server   client proof (32)                            (32 bytes)
 //!   verdict    server → client   status u8: 0 accepted, else refused         (1 byte)
@@ -13,6 +13,16 @@
 //!   header     op u8 | status u8 | flags u8 | 0 (5) | request u64 | cookie u64 | buffer u64
 //!              | key (16) | remote offset u64 | length u64                    (64 bytes)
 //! ```
+//!
+//! With the job's secret ([`Auth::JobSecret`]) both ends prove they hold it, each with its own
+//! label over the whole [`transcript`] (the hello as sent, the server's answer and nonce), so a
+//! server's proof is never a client's; a hello that names the server's own token as the
+//! client's (a connection reflected back to the endpoint that made it) is refused. Then, unless
+//! both ends asked for [`Frames::Exposed`], every frame travels sealed ([`super::seal`], keys
+//! from the secret and the transcript): its header as one record (64 + 16 bytes), its payload
+//! as records of at most [`super::seal::RECORD_MAX`] bytes each. A relay that carried the
+//! handshake through can then neither read nor change nor add a byte: the first record that
+//! fails to open ends the connection, before anything it says is done.
 //!
 //! Requests (client → server): WRITE carries `length` bytes for `[remote offset, +length)` of
 //! registration `buffer`, READ asks for them. Replies (server → client) echo `request` and
@@ -36,7 +46,7 @@
 //! closes, so its posted requests land before the connection ends.
 
 /// The handshake's magic.
-pub const MAGIC: [u8; 8] = *b"SYMTCP03";
+pub const MAGIC: [u8; 8] = *b"SYMTCP04";
 /// Hello length.
 pub const HELLO_LEN: usize = 88;
 /// Challenge length.
@@ -209,9 +219,32 @@ impl Header {
 pub enum Auth {
     /// The URL's token alone: whoever holds the URL may connect.
     Token = 0,
-    /// The token and a proof of the job's secret, both ways (HMAC-SHA256 over both tokens,
-    /// the flow and both nonces): the URL alone is worthless.
+    /// The token and a proof of the job's secret, both ways (HMAC-SHA256 over the
+    /// handshake's transcript): the URL alone is worthless; frames are then sealed unless both
+    /// ends ask for [`Frames::Exposed`].
     JobSecret = 1,
+}
+
+/// How an end wants its frames to travel once the handshake proved the job's secret (with
+/// [`Auth::Token`] they always travel exposed: there is no key).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u8)]
+pub enum Frames {
+    /// In sealed records: encrypted and authenticated, bound to the connection.
+    Sealed = 0,
+    /// In the clear and unauthenticated: whoever is on the path can read and change them.
+    /// Taken only when both ends ask for it.
+    Exposed = 1,
+}
+
+impl Frames {
+    fn from_byte(b: u8) -> Option<Frames> {
+        match b {
+            0 => Some(Frames::Sealed),
+            1 => Some(Frames::Exposed),
+            _ => None,
+        }
+    }
 }
 
 impl Auth {
@@ -237,6 +270,8 @@ pub struct Hello {
     pub flows: u32,
     /// How the client authenticates.
     pub auth: Auth,
+    /// How the client wants its frames to travel.
+    pub frames: Frames,
     /// The client's fresh nonce.
     pub nonce: [u8; 32],
 }
@@ -251,6 +286,7 @@ impl Hello {
         b[40..44].copy_from_slice(&self.flow.to_le_bytes());
         b[44..48].copy_from_slice(&self.flows.to_le_bytes());
         b[48] = self.auth as u8;
+        b[49] = self.frames as u8;
         b[56..88].copy_from_slice(&self.nonce);
         b
     }
@@ -260,10 +296,11 @@ impl Hello {
         if b[..8] != MAGIC {
             return Err(FrameError::BadMagic);
         }
-        if b[49..56].iter().any(|&x| x != 0) {
+        if b[50..56].iter().any(|&x| x != 0) {
             return Err(FrameError::Reserved);
         }
         let auth = Auth::from_byte(b[48]).ok_or(FrameError::Reserved)?;
+        let frames = Frames::from_byte(b[49]).ok_or(FrameError::Reserved)?;
         let u = |r: std::ops::Range<usize>| {
             let mut a = [0u8; 4];
             a.copy_from_slice(&b[r]);
@@ -275,6 +312,7 @@ impl Hello {
             flow: u(40..44),
             flows: u(44..48),
             auth,
+            frames,
             nonce: array(&b[56..88]),
         })
     }
@@ -300,6 +338,9 @@ pub enum Refused {
     BadProof = 4,
     /// This endpoint serves as many connections as it will.
     Busy = 5,
+    /// The hello names this endpoint's own token as the client's: this endpoint's own
+    /// connection, reflected back to it.
+    Reflected = 6,
 }
 
 impl Refused {
@@ -310,6 +351,7 @@ impl Refused {
             2 => Refused::SecretRequired,
             3 => Refused::ForeignUser,
             4 => Refused::BadProof,
+            6 => Refused::Reflected,
             _ if b != 0 => Refused::Busy,
             _ => return None,
         })
@@ -326,6 +368,10 @@ impl std::fmt::Display for Refused {
             Refused::ForeignUser => "this process belongs to another user on its host",
             Refused::BadProof => "this process's job secret is not its job's",
             Refused::Busy => "it serves as many connections as it will",
+            Refused::Reflected => {
+                "the connection came back to the endpoint that made it (reflected by whoever gave \
+                 this process the URL)"
+            }
         })
     }
 }
@@ -337,6 +383,8 @@ pub struct Challenge {
     pub refused: Option<Refused>,
     /// How the server authenticates.
     pub auth: Auth,
+    /// How the server wants its frames to travel.
+    pub frames: Frames,
     /// The server's fresh nonce.
     pub nonce: [u8; 32],
     /// The server's proof of the job's secret (zeros with [`Auth::Token`]).
@@ -349,6 +397,7 @@ impl Challenge {
         let mut b = [0u8; CHALLENGE_LEN];
         b[0] = self.refused.map_or(0, |r| r as u8);
         b[1] = self.auth as u8;
+        b[2] = self.frames as u8;
         b[8..40].copy_from_slice(&self.nonce);
         b[40..72].copy_from_slice(&self.proof);
         b
@@ -356,29 +405,47 @@ impl Challenge {
 
     /// Parses the wire bytes.
     pub fn decode(b: &[u8; CHALLENGE_LEN]) -> Result<Challenge, FrameError> {
-        if b[2] & !POSTED != 0 || b[3..8].iter().any(|&x| x != 0) {
+        if b[3..8].iter().any(|&x| x != 0) {
             return Err(FrameError::Reserved);
         }
         Ok(Challenge {
             refused: Refused::from_byte(b[0]),
             auth: Auth::from_byte(b[1]).ok_or(FrameError::Reserved)?,
+            frames: Frames::from_byte(b[2]).ok_or(FrameError::Reserved)?,
             nonce: array(&b[8..40]),
             proof: array(&b[40..72]),
         })
     }
 }
 
-/// What the proofs of a flow's handshake cover: both tokens, the flow, both nonces, so a proof
-/// is good for one flow of one connection to one endpoint only.
-pub fn transcript(hello: &Hello, server_nonce: &[u8; 32]) -> Vec<u8> {
-    let mut t = Vec::with_capacity(104);
-    t.extend_from_slice(&hello.server_token);
-    t.extend_from_slice(&hello.client_token);
-    t.extend_from_slice(&hello.flow.to_le_bytes());
-    t.extend_from_slice(&hello.flows.to_le_bytes());
-    t.extend_from_slice(&hello.nonce);
-    t.extend_from_slice(server_nonce);
+/// What the proofs and the keys of a flow's handshake cover: the hello as sent (both tokens,
+/// the flow, the client's modes and nonce), the server's modes and its nonce. A proof is then
+/// good for one flow of one connection to one endpoint only, and a change of any of it by
+/// someone between the ends fails both proofs.
+pub fn transcript(hello: &Hello, challenge: &Challenge) -> Vec<u8> {
+    let mut t = Vec::with_capacity(HELLO_LEN + 2 + 32);
+    t.extend_from_slice(&hello.encode());
+    t.push(challenge.auth as u8);
+    t.push(challenge.frames as u8);
+    t.extend_from_slice(&challenge.nonce);
     t
+}
+
+/// Whether the frames after this handshake travel sealed: both ends proved the job's secret,
+/// and not both asked for [`Frames::Exposed`].
+pub fn sealed(hello: &Hello, challenge: &Challenge) -> bool {
+    hello.auth == Auth::JobSecret
+        && challenge.auth == Auth::JobSecret
+        && !(hello.frames == Frames::Exposed && challenge.frames == Frames::Exposed)
+}
+
+/// The bytes a frame whose header is `h` carries after it (a WRITE's, DATA's or ERROR's
+/// payload; nothing for the others).
+pub fn payload_len(h: &Header) -> u64 {
+    match h.op {
+        Op::Write | Op::Data | Op::Error => h.length,
+        Op::Read | Op::Ack | Op::Atomic | Op::Fence => 0,
+    }
 }
 
 #[cfg(test)]
@@ -412,14 +479,35 @@ mod tests {
             flow: 3,
             flows: 4,
             auth: Auth::JobSecret,
+            frames: Frames::Exposed,
             nonce: [5; 32],
         };
         assert_eq!(Hello::decode(&hello.encode()), Ok(hello));
-        let c = Challenge { refused: Some(Refused::ForeignUser), auth: Auth::Token, nonce: [6; 32], proof: [7; 32] };
+        let c = Challenge {
+            refused: Some(Refused::ForeignUser),
+            auth: Auth::Token,
+            frames: Frames::Sealed,
+            nonce: [6; 32],
+            proof: [7; 32],
+        };
         assert_eq!(Challenge::decode(&c.encode()), Ok(c));
         let ok = Challenge { refused: None, ..c };
         assert_eq!(Challenge::decode(&ok.encode()), Ok(ok));
-        assert_ne!(transcript(&hello, &[1; 32]), transcript(&Hello { flow: 2, ..hello }, &[1; 32]));
+        let r = Challenge { refused: Some(Refused::Reflected), ..c };
+        assert_eq!(Challenge::decode(&r.encode()), Ok(r));
+        // Every part of the handshake is in the transcript.
+        let t = transcript(&hello, &ok);
+        assert_ne!(t, transcript(&Hello { flow: 2, ..hello }, &ok));
+        assert_ne!(t, transcript(&Hello { client_token: [9; 16], ..hello }, &ok));
+        assert_ne!(t, transcript(&Hello { frames: Frames::Sealed, ..hello }, &ok));
+        assert_ne!(t, transcript(&hello, &Challenge { nonce: [1; 32], ..ok }));
+        assert_ne!(t, transcript(&hello, &Challenge { frames: Frames::Exposed, ..ok }));
+        // Sealed unless both ends ask otherwise, and only with the secret.
+        let secret = Challenge { auth: Auth::JobSecret, ..ok };
+        assert!(!sealed(&hello, &Challenge { frames: Frames::Exposed, ..secret }));
+        assert!(sealed(&hello, &secret));
+        assert!(sealed(&Hello { frames: Frames::Sealed, ..hello }, &Challenge { frames: Frames::Exposed, ..secret }));
+        assert!(!sealed(&Hello { auth: Auth::Token, frames: Frames::Sealed, ..hello }, &secret));
     }
 
     proptest! {

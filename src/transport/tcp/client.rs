@@ -31,12 +31,14 @@ use std::time::Duration;
 use rustc_hash::FxHashMap;
 use rustix::event::{EventfdFlags, PollFd, PollFlags, poll};
 
-use super::{CLIENT_PROOF, INLINE, Looks, ReadAhead, SERVER_PROOF, STRIPE_MIN, TcpOptions, Url, lock, tune};
+use super::listen::GOODBYE;
+use super::{CLIENT_PROOF, INLINE, LINK_KEYS, Looks, ReadAhead, SERVER_PROOF, STRIPE_MIN, TcpOptions, Url, lock, tune};
 use crate::error::{Error, Failed, Result, TransferKind};
 use crate::transport::work::Progress;
 use crate::transport::{Direction, Request};
+use crate::wire::seal::{Keys, Opener, RECORD_MAX, Sealer, Side, TAG_LEN};
 use crate::wire::tcp::{
-    ATOMIC_BUSY, Auth, CHALLENGE_LEN, Challenge, HEADER_LEN, Header, Hello, MAX_ERROR_LEN, Op, POSTED, Refused,
+    ATOMIC_BUSY, Auth, CHALLENGE_LEN, Challenge, HEADER_LEN, Header, Hello, MAX_ERROR_LEN, Op, POSTED, Refused, sealed,
     transcript,
 };
 
@@ -90,15 +92,41 @@ struct Queue {
     /// The sender thread is to write the frames (set with every notify; cleared when it has
     /// written them all): frames held for a release wait without it.
     kicked: bool,
+    /// The flow's sealed records, unless its frames travel exposed.
+    seal: Option<SealOut>,
 }
 
 /// The most frames one vectored write takes.
 const GATHER: usize = 16;
 
+/// Sealed bytes made ready ahead of the socket: frames are sealed (in the queue's order, so
+/// their records' numbers are the wire's) until this much waits to be written.
+const SEAL_AHEAD: usize = 128 * 1024;
+
+/// A flow's outgoing records: frames are sealed as they are about to leave, in the queue's
+/// order, by whoever writes the queue (the caller for small requests, the flow's sender
+/// thread for the stripes of large ones, each flow's on its own core).
+struct SealOut {
+    sealer: Sealer,
+    /// Sealed bytes, written from `at`.
+    wire: Vec<u8>,
+    at: usize,
+    /// Frames sealed whole whose last byte is not yet written: where it ends in `wire`.
+    sealed: VecDeque<(usize, Frame)>,
+}
+
 impl Queue {
+    /// Nothing waits to be written.
+    fn idle(&self) -> bool {
+        self.frames.is_empty() && self.seal.as_ref().is_none_or(|o| o.at == o.wire.len())
+    }
+
     /// Writes the queued frames, several per system call, as far as the socket takes them
-    /// now, calling `sent` with each frame written whole; true once the queue is empty.
+    /// now, calling `sent` with each frame written whole; true once nothing waits.
     fn write_queued(&mut self, sent: &dyn Fn(&Frame)) -> std::io::Result<bool> {
+        if self.seal.is_some() {
+            return self.write_sealed(sent);
+        }
         let mut s = &self.sock;
         loop {
             if self.frames.is_empty() {
@@ -141,6 +169,75 @@ impl Queue {
             }
         }
     }
+
+    /// [`Queue::write_queued`] for a sealed flow: seals the frames ahead of the socket (a
+    /// frame's `done` counts its bytes sealed), a header as one record and a payload as records
+    /// of at most [`RECORD_MAX`] bytes, and writes the records.
+    fn write_sealed(&mut self, sent: &dyn Fn(&Frame)) -> std::io::Result<bool> {
+        let Queue { sock, frames, seal: Some(o), .. } = self else { return Ok(true) };
+        let sealing = |e| std::io::Error::other(format!("seal a frame: {e}"));
+        loop {
+            while o.wire.len() - o.at < SEAL_AHEAD {
+                let Some(f) = frames.front_mut() else { break };
+                if f.done < HEADER_LEN {
+                    o.sealer.seal_into(&mut o.wire, &f.head).map_err(sealing)?;
+                    f.done = HEADER_LEN;
+                } else {
+                    let at = f.done - HEADER_LEN;
+                    let n = (f.len - at).min(RECORD_MAX);
+                    o.sealer.seal_into(&mut o.wire, &f.payload()[at..at + n]).map_err(sealing)?;
+                    f.done += n;
+                }
+                if f.done == HEADER_LEN + f.len
+                    && let Some(f) = frames.pop_front()
+                {
+                    o.sealed.push_back((o.wire.len(), f));
+                }
+            }
+            if o.at == o.wire.len() {
+                o.wire.clear();
+                o.at = 0;
+                return Ok(frames.is_empty());
+            }
+            match (&*sock).write(&o.wire[o.at..]) {
+                Ok(0) => return Err(std::io::ErrorKind::WriteZero.into()),
+                Ok(n) => {
+                    o.at += n;
+                    while o.sealed.front().is_some_and(|(end, _)| *end <= o.at) {
+                        if let Some((_, f)) = o.sealed.pop_front() {
+                            sent(&f);
+                        }
+                    }
+                    if o.at == o.wire.len() {
+                        o.wire.clear();
+                        o.at = 0;
+                    } else if o.at >= SEAL_AHEAD {
+                        // Keep the buffer small: what is written goes.
+                        o.wire.drain(..o.at);
+                        for (end, _) in &mut o.sealed {
+                            *end -= o.at;
+                        }
+                        o.at = 0;
+                    }
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return Ok(false),
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    /// Every frame not yet written whole (to fail them).
+    fn take_unsent(&mut self) -> Vec<Frame> {
+        let mut unsent: Vec<Frame> = Vec::new();
+        if let Some(o) = &mut self.seal {
+            unsent.extend(o.sealed.drain(..).map(|(_, f)| f));
+            o.wire.clear();
+            o.at = 0;
+        }
+        unsent.extend(self.frames.drain(..));
+        unsent
+    }
 }
 
 struct Flow {
@@ -174,6 +271,15 @@ const READ_AHEAD: usize = 4096;
 struct Reader {
     sock: TcpStream,
     ahead: ReadAhead,
+    /// The flow's sealed records, unless its frames travel exposed.
+    open: Option<SealIn>,
+}
+
+/// A flow's incoming records: each is received whole into `rec`, opened there, and only
+/// then copied to where its bytes go.
+struct SealIn {
+    opener: Opener,
+    rec: Box<[u8]>,
 }
 
 impl Reader {
@@ -183,6 +289,11 @@ impl Reader {
 
     fn fill(&mut self) -> std::io::Result<Option<usize>> {
         self.ahead.fill(&self.sock)
+    }
+
+    /// The bytes of a reply's header on the wire.
+    fn head_len(&self) -> usize {
+        HEADER_LEN + if self.open.is_some() { TAG_LEN } else { 0 }
     }
 
     /// Fills `dst` with the stream's next bytes: those read ahead, then the rest from the
@@ -197,6 +308,51 @@ impl Reader {
             false if n == 0 => Ok(false),
             false => Err(std::io::ErrorKind::UnexpectedEof.into()),
         }
+    }
+
+    /// Reads the next reply's header, waiting for the rest of it (sealed: opens its record);
+    /// `None` at a clean end of the stream.
+    fn header(&mut self, alive: &AtomicBool) -> std::io::Result<Option<[u8; HEADER_LEN]>> {
+        let n = self.head_len();
+        let mut wire = [0u8; HEADER_LEN + TAG_LEN];
+        if !self.read_exact(&mut wire[..n], alive)? {
+            return Ok(None);
+        }
+        let mut hdr = [0u8; HEADER_LEN];
+        match &mut self.open {
+            None => hdr.copy_from_slice(&wire[..HEADER_LEN]),
+            Some(o) => hdr.copy_from_slice(o.opener.open_in_place(&mut wire[..n]).map_err(std::io::Error::other)?),
+        }
+        Ok(Some(hdr))
+    }
+
+    /// Fills `dst` with a reply's payload, waiting for it (sealed: record by record, each
+    /// opened before its bytes are copied to `dst`).
+    fn payload(&mut self, dst: &mut [u8], alive: &AtomicBool) -> std::io::Result<()> {
+        let Some(mut o) = self.open.take() else {
+            return match self.read_exact(dst, alive)? {
+                true => Ok(()),
+                false => Err(std::io::ErrorKind::UnexpectedEof.into()),
+            };
+        };
+        let mut result = Ok(());
+        for part in dst.chunks_mut(RECORD_MAX) {
+            let wire = part.len() + TAG_LEN;
+            result = match self.read_exact(&mut o.rec[..wire], alive) {
+                Ok(true) => o
+                    .opener
+                    .open_in_place(&mut o.rec[..wire])
+                    .map(|p| part.copy_from_slice(p))
+                    .map_err(std::io::Error::other),
+                Ok(false) => Err(std::io::ErrorKind::UnexpectedEof.into()),
+                Err(e) => Err(e),
+            };
+            if result.is_err() {
+                break;
+            }
+        }
+        self.open = Some(o);
+        result
     }
 }
 
@@ -264,8 +420,15 @@ fn read_full(mut s: &TcpStream, buf: &mut [u8], alive: &AtomicBool) -> std::io::
     Ok(true)
 }
 
-/// Runs one flow's handshake on a blocking socket; the error says why the peer refused.
-pub(super) fn handshake(s: &mut TcpStream, url: &Url, opts: &TcpOptions, token: &[u8; 16], flow: usize) -> Result<()> {
+/// Runs one flow's handshake on a blocking socket; the error says why the peer refused. The
+/// keys of the flow's sealed records, unless its frames travel exposed.
+pub(super) fn handshake(
+    s: &mut TcpStream,
+    url: &Url,
+    opts: &TcpOptions,
+    token: &[u8; 16],
+    flow: usize,
+) -> Result<Option<Keys>> {
     let addr = &url.addr;
     let mut nonce = [0u8; 32];
     getrandom::fill(&mut nonce).map_err(|e| Error::io("draw a nonce", std::io::Error::other(e)))?;
@@ -275,6 +438,7 @@ pub(super) fn handshake(s: &mut TcpStream, url: &Url, opts: &TcpOptions, token: 
         flow: flow as u32,
         flows: opts.flows as u32,
         auth: opts.auth(),
+        frames: opts.frames,
         nonce,
     };
     s.write_all(&hello.encode()).map_err(|e| Error::io(format!("send a handshake to {addr}"), e))?;
@@ -288,8 +452,8 @@ pub(super) fn handshake(s: &mut TcpStream, url: &Url, opts: &TcpOptions, token: 
     if let Some(r) = challenge.refused {
         return Err(refused(r.to_string()));
     }
-    let t = transcript(&hello, &challenge.nonce);
-    let proof = match (&opts.secret, challenge.auth) {
+    let t = transcript(&hello, &challenge);
+    let (proof, keys) = match (&opts.secret, challenge.auth) {
         (Some(_), Auth::Token) => {
             return Err(Error::Auth {
                 peer: format!("the tcp transport at {addr}"),
@@ -305,16 +469,17 @@ pub(super) fn handshake(s: &mut TcpStream, url: &Url, opts: &TcpOptions, token: 
                     reason: "its proof of the job's secret is wrong: it is not of this job".into(),
                 });
             }
-            secret.sign(CLIENT_PROOF, &[&t])
+            let keys = sealed(&hello, &challenge).then(|| secret.link_keys(LINK_KEYS, &t, Side::Client));
+            (secret.sign(CLIENT_PROOF, &[&t]), keys)
         }
         // A server requiring the secret refused above; a token-only one needs no proof.
-        (None, _) => [0u8; 32],
+        (None, _) => ([0u8; 32], None),
     };
     s.write_all(&proof).map_err(|e| Error::io(format!("send a proof to {addr}"), e))?;
     let mut verdict = [1u8];
     s.read_exact(&mut verdict).map_err(|e| Error::io(format!("read the handshake's verdict from {addr}"), e))?;
     match Refused::from_byte(verdict[0]) {
-        None => Ok(()),
+        None => Ok(keys),
         Some(r) => Err(refused(r.to_string())),
     }
 }
@@ -352,22 +517,30 @@ impl Client {
             }
             tune(&s, opts.timeout);
             s.set_read_timeout(Some(timeout)).map_err(|e| Error::io("set a socket timeout", e))?;
-            handshake(&mut s, url, opts, token, flow)?;
+            let keys = handshake(&mut s, url, opts, token, flow)?;
             s.set_read_timeout(None).map_err(|e| Error::io("clear a socket timeout", e))?;
             s.set_nonblocking(true).map_err(|e| Error::io("make a socket non-blocking", e))?;
-            socks.push(s);
+            socks.push((s, keys));
         }
         let mut flows = Vec::with_capacity(socks.len());
-        for s in socks {
+        for (s, keys) in socks {
+            let (seal, open) = match keys {
+                Some(k) => (
+                    Some(SealOut { sealer: k.sealer, wire: Vec::new(), at: 0, sealed: VecDeque::new() }),
+                    Some(SealIn { opener: k.opener, rec: vec![0u8; RECORD_MAX + TAG_LEN].into_boxed_slice() }),
+                ),
+                None => (None, None),
+            };
             let poller = s.try_clone().map_err(|e| Error::io("clone a socket", e))?;
             let reader = Mutex::new(Reader {
                 sock: s.try_clone().map_err(|e| Error::io("clone a socket", e))?,
                 ahead: ReadAhead::new(READ_AHEAD),
+                open,
             });
             let kick = rustix::event::eventfd(0, EventfdFlags::CLOEXEC | EventfdFlags::NONBLOCK)
                 .map_err(|e| Error::io("create a tcp transport eventfd", e.into()))?;
             flows.push(Flow {
-                queue: Mutex::new(Queue { sock: s, frames: VecDeque::new(), kicked: false }),
+                queue: Mutex::new(Queue { sock: s, frames: VecDeque::new(), kicked: false, seal }),
                 more: Condvar::new(),
                 poller,
                 reader,
@@ -541,7 +714,7 @@ impl Client {
             fail_posted(frame, &self.lost_reason());
             return;
         }
-        let idle = q.frames.is_empty();
+        let idle = q.idle();
         q.frames.push_back(frame);
         // Read under the queue's lock, which `hold(false)` takes after its decrement: either
         // this frame is queued before that release looks, or this sees the decrement.
@@ -626,7 +799,7 @@ impl Client {
     fn send_held(&self) {
         let f = &self.flows[0];
         let mut q = lock(&f.queue);
-        if q.frames.is_empty() {
+        if q.idle() {
             return;
         }
         match q.write_queued(&|f| self.sent(f)) {
@@ -647,7 +820,7 @@ impl Client {
         let f = &self.flows[flow];
         loop {
             let mut q = lock(&f.queue);
-            while q.frames.is_empty() || !q.kicked {
+            while q.idle() || !q.kicked {
                 if !self.alive() {
                     return;
                 }
@@ -770,7 +943,7 @@ impl Client {
     /// Reads and handles one reply frame if one has begun to arrive (a frame begun is read
     /// whole, waiting for the rest); `Empty` if nothing has.
     fn read_one(&self, r: &mut Reader) -> std::io::Result<Got> {
-        if r.buffered() < HEADER_LEN {
+        if r.buffered() < r.head_len() {
             match r.fill()? {
                 None if r.buffered() == 0 => return Ok(Got::Closed),
                 None => return Err(std::io::ErrorKind::UnexpectedEof.into()),
@@ -778,10 +951,7 @@ impl Client {
                 Some(_) => {}
             }
         }
-        let mut hdr = [0u8; HEADER_LEN];
-        if !r.read_exact(&mut hdr, &self.alive)? {
-            return Ok(Got::Closed);
-        }
+        let Some(hdr) = r.header(&self.alive)? else { return Ok(Got::Closed) };
         self.handle(r, &hdr)?;
         Ok(Got::Frame)
     }
@@ -795,13 +965,22 @@ impl Client {
                 self.fenced.fetch_max(h.request, Ordering::Release);
                 return Ok(());
             }
+            if h.op == Op::Error && h.request == GOODBYE && h.length <= MAX_ERROR_LEN {
+                // The peer's last word before it closes the connection.
+                let mut msg = vec![0u8; h.length as usize];
+                s.payload(&mut msg, &self.alive)?;
+                return Err(std::io::Error::other(format!(
+                    "the peer ended the connection: {}",
+                    String::from_utf8_lossy(&msg)
+                )));
+            }
             let found = lock(&self.pending).get(&h.request).cloned();
             let p = match found {
                 Some(p) => p,
                 None if h.op == Op::Error && h.flags & POSTED != 0 && h.length <= MAX_ERROR_LEN => {
                     // Its Work completed when sent: the connection carries the refusal.
                     let mut msg = vec![0u8; h.length as usize];
-                    s.read_exact(&mut msg, &self.alive)?;
+                    s.payload(&mut msg, &self.alive)?;
                     return Err(std::io::Error::other(format!(
                         "the peer refused a posted request: {}",
                         String::from_utf8_lossy(&msg)
@@ -823,9 +1002,7 @@ impl Client {
                     // inside the registration the pending request keeps alive; the caller
                     // promised not to touch a read's destination until it completes.
                     let dst = unsafe { std::slice::from_raw_parts_mut(p.req.local_ptr().add(at), n) };
-                    if !s.read_exact(dst, &self.alive)? {
-                        return Err(std::io::ErrorKind::UnexpectedEof.into());
-                    }
+                    s.payload(dst, &self.alive)?;
                     None
                 }
                 Op::Error => {
@@ -833,9 +1010,7 @@ impl Client {
                         return Err(std::io::Error::other("oversized error message"));
                     }
                     let mut msg = vec![0u8; h.length as usize];
-                    if !s.read_exact(&mut msg, &self.alive)? {
-                        return Err(std::io::ErrorKind::UnexpectedEof.into());
-                    }
+                    s.payload(&mut msg, &self.alive)?;
                     Some(Failed::new(
                         TransferKind::Refused,
                         format!("the peer refused it: {}", String::from_utf8_lossy(&msg)),
@@ -871,7 +1046,7 @@ impl Client {
         let why = self.lost_reason();
         for f in &self.flows {
             let mut q = lock(&f.queue);
-            let unsent: Vec<Frame> = q.frames.drain(..).collect();
+            let unsent = q.take_unsent();
             let _ = q.sock.shutdown(std::net::Shutdown::Both);
             f.more.notify_all();
             drop(q);

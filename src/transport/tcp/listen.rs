@@ -15,10 +15,11 @@ use std::time::{Duration, Instant};
 
 use rustix::event::{PollFd, PollFlags, poll};
 
-use super::{CLIENT_PROOF, Inner, MAX_CHUNK, MAX_FLOWS, ReadAhead, SERVER_PROOF, lock, tune};
+use super::{CLIENT_PROOF, Inner, LINK_KEYS, MAX_CHUNK, MAX_FLOWS, ReadAhead, SERVER_PROOF, lock, tune};
+use crate::wire::seal::{Keys, Opener, RECORD_MAX, Sealer, Side, TAG_LEN};
 use crate::wire::tcp::{
     ATOMIC_BUSY, Atomic, Auth, Challenge, HEADER_LEN, HELLO_LEN, Header, Hello, MAX_ERROR_LEN, Op, POSTED, PROOF_LEN,
-    Refused, transcript,
+    Refused, sealed, transcript,
 };
 
 /// The most connections in their handshake at once.
@@ -35,15 +36,16 @@ struct Pending {
     deadline: Instant,
     /// Bytes of the message being received.
     got: Vec<u8>,
-    /// Once the hello is in: it, and the nonce this side answered with.
-    hello: Option<(Hello, [u8; 32])>,
+    /// Once the hello is in: it, and this side's answer.
+    hello: Option<(Hello, Challenge)>,
 }
 
 /// What to do with a pending connection after reading from it.
 enum Next {
     Wait,
     Drop(String),
-    Serve,
+    /// Serve it, with the keys of its sealed records unless its frames travel exposed.
+    Serve(Option<Box<Keys>>),
 }
 
 /// Accepts flows until the transport shuts down.
@@ -91,9 +93,9 @@ pub(super) fn accept_loop(inner: Arc<Inner>, listener: TcpListener) {
             match step(&inner, &mut p) {
                 Next::Wait => keep.push_back(p),
                 Next::Drop(why) => tracing::debug!(peer = %p.peer, "tcp transport: refused a connection: {why}"),
-                Next::Serve => {
+                Next::Serve(keys) => {
                     let flow = p.hello.map_or(0, |(h, _)| h.flow);
-                    start_serving(&inner, p.stream, flow)
+                    start_serving(&inner, p.stream, p.peer, flow, keys)
                 }
             }
         }
@@ -160,19 +162,23 @@ fn step(inner: &Inner, p: &mut Pending) -> Next {
             if let Some(r) = refused {
                 return Next::Drop(format!("refused: {r}"));
             }
-            p.hello = Some((hello, challenge.nonce));
+            p.hello = Some((hello, challenge));
             Next::Wait
         }
-        Some((hello, server_nonce)) => {
-            let good = match &inner.opts.secret {
-                Some(secret) => secret.check(CLIENT_PROOF, &[&transcript(&hello, &server_nonce)], &got),
-                None => true,
+        Some((hello, challenge)) => {
+            let t = transcript(&hello, &challenge);
+            let (good, keys) = match &inner.opts.secret {
+                Some(secret) => (
+                    secret.check(CLIENT_PROOF, &[&t], &got),
+                    sealed(&hello, &challenge).then(|| Box::new(secret.link_keys(LINK_KEYS, &t, Side::Server))),
+                ),
+                None => (true, None),
             };
             let verdict = if good { 0 } else { Refused::BadProof as u8 };
             if !send(&p.stream, &[verdict]) || !good {
                 return Next::Drop("a wrong proof of the job's secret".into());
             }
-            Next::Serve
+            Next::Serve(keys)
         }
     }
 }
@@ -185,6 +191,8 @@ fn challenge(inner: &Inner, p: &Pending, hello: &Hello) -> (Challenge, Option<Re
         Some(Refused::Busy)
     } else if p.stream.local_addr().is_ok_and(|l| crate::sys::peercred::same_user_or_remote(l, p.peer).is_err()) {
         Some(Refused::ForeignUser)
+    } else if hello.client_token == inner.token {
+        Some(Refused::Reflected)
     } else if hello.server_token != inner.token
         || hello.flows == 0
         || hello.flows > MAX_FLOWS
@@ -200,11 +208,11 @@ fn challenge(inner: &Inner, p: &Pending, hello: &Hello) -> (Challenge, Option<Re
     };
     // A client with a secret talking to an endpoint without one refuses it itself (the
     // endpoint answers Token and no proof).
-    let proof = match (&inner.opts.secret, hello.auth, refused) {
-        (Some(secret), Auth::JobSecret, None) => secret.sign(SERVER_PROOF, &[&transcript(hello, &nonce)]),
-        _ => [0u8; 32],
-    };
-    (Challenge { refused, auth, nonce, proof }, refused)
+    let mut c = Challenge { refused, auth, frames: inner.opts.frames, nonce, proof: [0u8; 32] };
+    if let (Some(secret), Auth::JobSecret, None) = (&inner.opts.secret, hello.auth, refused) {
+        c.proof = secret.sign(SERVER_PROOF, &[&transcript(hello, &c)]);
+    }
+    (c, refused)
 }
 
 /// Writes a handshake message whole: a fresh socket's buffer takes it at once, or the peer is
@@ -214,7 +222,7 @@ fn send(s: &TcpStream, bytes: &[u8]) -> bool {
     s.write(bytes).is_ok_and(|n| n == bytes.len())
 }
 
-fn start_serving(inner: &Arc<Inner>, stream: TcpStream, flow: u32) {
+fn start_serving(inner: &Arc<Inner>, stream: TcpStream, peer: SocketAddr, flow: u32, keys: Option<Box<Keys>>) {
     tune(&stream, inner.opts.timeout);
     let Ok(poller) = stream.try_clone() else { return };
     let Ok(kick) =
@@ -228,7 +236,7 @@ fn start_serving(inner: &Arc<Inner>, stream: TcpStream, flow: u32) {
         kick,
         kicked: AtomicBool::new(false),
         asleep: AtomicBool::new(false),
-        conn: Mutex::new(Conn::new(stream)),
+        conn: Mutex::new(Conn::new(stream, peer, keys)),
         #[cfg(test)]
         tid: std::sync::atomic::AtomicI32::new(0),
     });
@@ -323,6 +331,8 @@ enum Who {
 /// every wait for more, so the peer never waits for an answer this side holds.
 struct Conn {
     s: TcpStream,
+    /// Who is at the other end (for what is logged of it).
+    peer: SocketAddr,
     ahead: ReadAhead,
     out: Vec<u8>,
     /// Who is serving it now.
@@ -333,9 +343,27 @@ struct Conn {
     quota: usize,
     /// Payload bytes the one serving it now may still receive.
     budget: usize,
+    /// A request whose header was read, left by a caller for the flow's thread (a large read).
+    peeked: Option<Header>,
     /// The write whose payload is arriving, when a caller left it part-received (it received
     /// what had arrived and never waits for the rest): whoever serves the flow next goes on.
     landing: Option<Landing>,
+    /// The flow's sealed records, unless its frames travel exposed.
+    seal: Option<ConnSeal>,
+}
+
+/// A served flow's record protection: what opens the requests, what seals the replies, and
+/// the record being received (a payload is opened a record at a time, and only then copied
+/// to its destination).
+struct ConnSeal {
+    opener: Opener,
+    sealer: Sealer,
+    /// The bytes of the record being received ([`RECORD_MAX`] + [`TAG_LEN`] at most).
+    rec: Box<[u8]>,
+    /// How many of them have arrived.
+    staged: usize,
+    /// Records of a large reply, sealed before they are written.
+    stage: Vec<u8>,
 }
 
 /// A write's payload being received: into registered memory, or, refused, read and dropped.
@@ -344,7 +372,7 @@ struct Landing {
     /// Where it goes (the registration, kept alive while its bytes arrive), or `Err(why)`
     /// for a refused write, answered with the reason once its payload is read.
     dst: std::result::Result<Arc<crate::transport::Registration>, String>,
-    /// Payload bytes received so far.
+    /// Payload bytes received (sealed: opened and copied) so far.
     done: usize,
 }
 
@@ -389,18 +417,39 @@ fn write_some(inner: &Inner, mut s: &TcpStream, bytes: &[u8], who: Who) -> std::
     Ok(done)
 }
 
+/// Records of a large reply sealed per system call.
+const STAGE_RECORDS: usize = 4;
+
+/// The request id of an ERROR that ends the connection (requests are numbered from 1): the
+/// server's last word, before it closes, on a peer that broke the protocol.
+pub(super) const GOODBYE: u64 = 0;
+
 impl Conn {
-    fn new(s: TcpStream) -> Conn {
+    fn new(s: TcpStream, peer: SocketAddr, keys: Option<Box<Keys>>) -> Conn {
         Conn {
             s,
+            peer,
             ahead: ReadAhead::new(READ_AHEAD),
             out: Vec::with_capacity(1024),
             who: Who::Thread,
             taken: 0,
             quota: usize::MAX,
             budget: usize::MAX,
+            peeked: None,
             landing: None,
+            seal: keys.map(|k| ConnSeal {
+                opener: k.opener,
+                sealer: k.sealer,
+                rec: vec![0u8; RECORD_MAX + TAG_LEN].into_boxed_slice(),
+                staged: 0,
+                stage: Vec::new(),
+            }),
         }
+    }
+
+    /// The bytes of a request's header on the wire.
+    fn head_len(&self) -> usize {
+        HEADER_LEN + if self.seal.is_some() { TAG_LEN } else { 0 }
     }
 
     /// Writes the gathered replies (a caller: what the socket takes now; the rest stays).
@@ -410,11 +459,66 @@ impl Conn {
         Ok(())
     }
 
+    /// Ends the flow on a peer that broke the protocol (a record that failed to open, a
+    /// malformed frame): tells it why in a last ERROR ([`GOODBYE`], sealed like every reply,
+    /// sent if the socket takes it now), logs it, and returns the error that closes the flow.
+    #[cold]
+    fn violation(&mut self, inner: &Inner, why: String) -> std::io::Error {
+        tracing::warn!(peer = %self.peer, "tcp transport: closing a connection: {why}");
+        let m = why.as_bytes();
+        let bye = Header {
+            op: Op::Error,
+            status: 0,
+            flags: POSTED,
+            request: GOODBYE,
+            cookie: 0,
+            buffer: 0,
+            key: [0; 16],
+            remote_offset: 0,
+            length: m.len().min(MAX_ERROR_LEN as usize) as u64,
+        };
+        let (who, msg) = (self.who, &m[..bye.length as usize]);
+        // Best effort, never waiting: the flow ends either way.
+        self.who = Who::Caller;
+        let _ = self.send(inner, &bye, msg).and_then(|()| self.flush(inner));
+        self.who = who;
+        std::io::Error::other(why)
+    }
+
+    /// Takes the next request's header out of the read-ahead if it is there whole (sealed:
+    /// opens its record).
+    fn take_header(&mut self, inner: &Inner) -> std::io::Result<Option<Header>> {
+        let n = self.head_len();
+        if self.ahead.buffered() < n {
+            return Ok(None);
+        }
+        let mut wire = [0u8; HEADER_LEN + TAG_LEN];
+        self.ahead.take(&mut wire[..n]);
+        let plain = match &mut self.seal {
+            None => Ok(&wire[..HEADER_LEN]),
+            Some(cs) => cs.opener.open_in_place(&mut wire[..n]).map(|p| &*p),
+        };
+        let plain = match plain {
+            Ok(p) => p,
+            Err(e) => return Err(self.violation(inner, e.to_string())),
+        };
+        let mut hdr = [0u8; HEADER_LEN];
+        hdr.copy_from_slice(plain);
+        match Header::decode(&hdr) {
+            Ok(h) if h.length > MAX_CHUNK => {
+                Err(self.violation(inner, format!("a frame of {} bytes exceeds {MAX_CHUNK}", h.length)))
+            }
+            Ok(h) => Ok(Some(h)),
+            Err(e) => Err(self.violation(inner, e.to_string())),
+        }
+    }
+
     /// The next request's header if one has begun to arrive: the thread reads it whole,
     /// waiting for the rest; a caller takes it only if the header arrived whole, and not a
-    /// large read (whose answer may not fit the socket), nor more than its quota, nor while
-    /// its gathered replies are large (a socket that took no more). A write's payload is
-    /// received after (`land`). Otherwise, with the gathered replies written, `Empty` or `End`.
+    /// large read (whose answer may not fit the socket, left read for the thread), nor more
+    /// than its quota, nor while its gathered replies are large (a socket that took no more).
+    /// A write's payload is received after (`land`). Otherwise, with the gathered replies
+    /// written, `Empty` or `End`.
     fn next(&mut self, inner: &Inner) -> std::io::Result<Arrived> {
         let who = self.who;
         if who == Who::Caller && (self.quota == 0 || self.out.len() >= CALLER_OUT_MAX) {
@@ -422,14 +526,11 @@ impl Conn {
             return Ok(Arrived::Empty);
         }
         loop {
-            let buffered = self.ahead.buffered();
-            if buffered >= HEADER_LEN {
-                let mut hdr = [0u8; HEADER_LEN];
-                hdr.copy_from_slice(&self.ahead.peek()[..HEADER_LEN]);
-                let h = Header::decode(&hdr).map_err(std::io::Error::other)?;
-                if h.length > MAX_CHUNK {
-                    return Err(std::io::Error::other(format!("frame of {} bytes exceeds {MAX_CHUNK}", h.length)));
-                }
+            let h = match self.peeked.take() {
+                Some(h) => Some(h),
+                None => self.take_header(inner)?,
+            };
+            if let Some(h) = h {
                 // A caller answers a small read into the gathered replies, as long as they
                 // stay small; a socket that takes no more leaves them to the thread (woken for
                 // them), which then waits for room: a peer that stops reading its answers
@@ -438,10 +539,10 @@ impl Conn {
                     && h.op == Op::Read
                     && (h.length > GATHER_MAX as u64 || self.out.len() + h.length as usize > CALLER_OUT_MAX)
                 {
+                    self.peeked = Some(h);
                     self.flush(inner)?;
                     return Ok(Arrived::Empty);
                 }
-                self.ahead.skip(HEADER_LEN as u64);
                 self.taken += 1;
                 self.quota = self.quota.saturating_sub(1);
                 return Ok(Arrived::Request(h));
@@ -464,14 +565,18 @@ impl Conn {
 
     /// Receives the payload of the write being landed: what was read ahead, then straight
     /// from the socket into its destination (or dropped, for a refused write): what has
-    /// arrived, a caller at most its byte budget. The rest is left to whoever serves the flow
-    /// next, so no one holds the flow while a payload travels and a waiting caller can receive
-    /// it as it arrives. Once whole, the write is answered (unless posted and accepted) and
-    /// `true`; `false` if it is still arriving.
+    /// arrived, a caller at most its byte budget. Sealed, each record is received into the
+    /// flow's record buffer, opened, and only then copied to the destination. The rest is left
+    /// to whoever serves the flow next, so no one holds the flow while a payload travels and a
+    /// waiting caller can receive it as it arrives. Once whole, the write is answered (unless
+    /// posted and accepted) and `true`; `false` if it is still arriving.
     fn land(&mut self, inner: &Inner) -> std::io::Result<bool> {
+        if self.seal.is_some() {
+            return self.land_sealed(inner);
+        }
         let Conn { s, ahead, budget, landing, .. } = self;
         let Some(l) = landing.as_mut() else { return Ok(true) };
-        // MAX_CHUNK (checked in `next`) bounds it; the thread's budget never runs out.
+        // MAX_CHUNK (checked in `take_header`) bounds it; the thread's budget never runs out.
         let len = l.h.length as usize;
         while l.done < len && *budget > 0 {
             let want = (len - l.done).min(*budget);
@@ -511,7 +616,61 @@ impl Conn {
             l.done += got;
             *budget = budget.saturating_sub(got);
         }
-        if l.done < len {
+        self.landed(inner)
+    }
+
+    /// [`Conn::land`] for a sealed flow.
+    fn land_sealed(&mut self, inner: &Inner) -> std::io::Result<bool> {
+        let Conn { s, ahead, budget, landing, seal, .. } = self;
+        let (Some(l), Some(cs)) = (landing.as_mut(), seal.as_mut()) else { return Ok(true) };
+        let len = l.h.length as usize;
+        while l.done < len && *budget > 0 {
+            let plain = (len - l.done).min(RECORD_MAX);
+            let wire = plain + TAG_LEN;
+            let rec = &mut cs.rec[cs.staged..wire];
+            let got = match ahead.take(rec) {
+                0 => match (&*s).read(rec) {
+                    Ok(0) => return Err(std::io::ErrorKind::UnexpectedEof.into()),
+                    Ok(k) => k,
+                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+                    Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                    Err(e) => return Err(e),
+                },
+                k => k,
+            };
+            cs.staged += got;
+            *budget = budget.saturating_sub(got);
+            if cs.staged < wire {
+                continue;
+            }
+            cs.staged = 0;
+            let bytes = match cs.opener.open_in_place(&mut cs.rec[..wire]) {
+                Ok(b) => b,
+                Err(e) => {
+                    let why = e.to_string();
+                    return Err(self.violation(inner, why));
+                }
+            };
+            if let Ok(reg) = &l.dst {
+                // SAFETY: check_access put [offset, offset+length) inside the registration,
+                // whose storage `reg` keeps alive, and done + plain <= length. The owner
+                // promised not to touch memory exposed to peers while transfers run, and the
+                // one serving this flow (holding `conn`) is the only writer of this payload.
+                let dst = unsafe {
+                    std::slice::from_raw_parts_mut(reg.ptr().add(l.h.remote_offset as usize + l.done), plain)
+                };
+                dst.copy_from_slice(bytes);
+            }
+            l.done += plain;
+        }
+        self.landed(inner)
+    }
+
+    /// Answers the write being landed once its payload is whole: `true`; `false` (with the
+    /// gathered replies written) while it still arrives.
+    fn landed(&mut self, inner: &Inner) -> std::io::Result<bool> {
+        let Some(l) = self.landing.as_ref() else { return Ok(true) };
+        if l.done < l.h.length as usize {
             self.flush(inner)?;
             return Ok(false);
         }
@@ -527,17 +686,43 @@ impl Conn {
     /// Answers a request: gathered while more requests are buffered, written before the next
     /// wait (and at once when it carries much: only the thread serves reads that large).
     fn send(&mut self, inner: &Inner, h: &Header, payload: &[u8]) -> std::io::Result<()> {
-        self.out.extend_from_slice(&h.encode());
-        if payload.len() > GATHER_MAX {
-            // Only the thread serves reads this large (see `next`).
-            self.flush(inner)?;
-            write_some(inner, &self.s, payload, Who::Thread)?;
+        let Some(cs) = &mut self.seal else {
+            self.out.extend_from_slice(&h.encode());
+            if payload.len() > GATHER_MAX {
+                // Only the thread serves reads this large (see `next`).
+                self.flush(inner)?;
+                write_some(inner, &self.s, payload, Who::Thread)?;
+                return Ok(());
+            }
+            self.out.extend_from_slice(payload);
+            if self.out.len() >= READ_AHEAD {
+                self.flush(inner)?;
+            }
+            return Ok(());
+        };
+        let sealing = |e| std::io::Error::other(format!("seal a reply: {e}"));
+        cs.sealer.seal_into(&mut self.out, &h.encode()).map_err(sealing)?;
+        if payload.len() <= GATHER_MAX {
+            for part in payload.chunks(RECORD_MAX) {
+                cs.sealer.seal_into(&mut self.out, part).map_err(sealing)?;
+            }
+            if self.out.len() >= READ_AHEAD {
+                self.flush(inner)?;
+            }
             return Ok(());
         }
-        self.out.extend_from_slice(payload);
-        if self.out.len() >= READ_AHEAD {
-            self.flush(inner)?;
+        // Only the thread serves reads this large: their records are sealed a few at a time
+        // and written, waiting for room.
+        self.flush(inner)?;
+        let Some(cs) = &mut self.seal else { return Ok(()) };
+        for parts in payload.chunks(RECORD_MAX * STAGE_RECORDS) {
+            cs.stage.clear();
+            for part in parts.chunks(RECORD_MAX) {
+                cs.sealer.seal_into(&mut cs.stage, part).map_err(sealing)?;
+            }
+            write_some(inner, &self.s, &cs.stage, Who::Thread)?;
         }
+        cs.stage = Vec::new();
         Ok(())
     }
 
@@ -677,7 +862,7 @@ fn serve_some(inner: &Inner, c: &mut Conn, who: Who) -> std::io::Result<bool> {
                 c.send(inner, &answer, &[])?;
                 continue;
             }
-            other => return Err(std::io::Error::other(format!("unexpected {other:?} frame from the initiator"))),
+            other => return Err(c.violation(inner, format!("unexpected {other:?} frame from the initiator"))),
         };
         let reg = inner.table.read().unwrap_or_else(|p| p.into_inner()).get(&h.buffer).cloned();
         let access = match reg {
@@ -754,9 +939,9 @@ mod tests {
         let d = t.register_memory(&dst).unwrap().to_remote_buffer().unwrap();
         let l = TcpListener::bind("127.0.0.1:0").unwrap();
         let mut peer = TcpStream::connect(l.local_addr().unwrap()).unwrap();
-        let (s, _) = l.accept().unwrap();
+        let (s, from) = l.accept().unwrap();
         s.set_nonblocking(true).unwrap();
-        let mut c = Conn::new(s);
+        let mut c = Conn::new(s, from, None);
         let write = |id: u64, at: usize, len: usize, key: [u8; 16]| {
             Header {
                 op: Op::Write,
@@ -859,9 +1044,9 @@ mod tests {
         let d = t.register_memory_read_only(&src).unwrap().to_remote_buffer().unwrap();
         let l = TcpListener::bind("127.0.0.1:0").unwrap();
         let mut peer = TcpStream::connect(l.local_addr().unwrap()).unwrap();
-        let (s, _) = l.accept().unwrap();
+        let (s, from) = l.accept().unwrap();
         s.set_nonblocking(true).unwrap();
-        let mut c = Conn::new(s);
+        let mut c = Conn::new(s, from, None);
         // 2000 reads of 16 KiB: 32 MiB of answers, more than the sockets hold.
         let reads = 2000u64;
         let frames: Vec<u8> = (1..=reads)

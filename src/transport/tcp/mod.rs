@@ -40,8 +40,9 @@
 //!   caller's wait time out (the Work stays pending and completes if the peer resumes), never
 //!   the submission; a peer that reads nothing for longer than the transport's timeout is
 //!   declared lost (`TCP_USER_TIMEOUT`), failing what is pending.
-//! - No staging copies: the target receives writes into registered memory and sends reads
-//!   from it; the initiator sends from and receives into its registered memory.
+//! - No staging copies when frames travel exposed (without a secret, or `frames=exposed`):
+//!   the target receives writes into registered memory and sends reads from it; the initiator
+//!   sends from and receives into its registered memory. Sealed, one copy each way (below).
 //! - A refused request (unknown, stale or read-only descriptor, out of bounds) fails only that
 //!   request, with the reason; a malformed frame closes only its connection.
 //! - A dead peer fails every pending transfer: its sockets close (or TCP keepalive and
@@ -51,10 +52,23 @@
 //! Who may connect (`wire::tcp` has the handshake): a client must name the endpoint's random
 //! token (in its URL), and, when the endpoint has the job's secret (`SYMMEM_JOB_SECRET`, else
 //! `SYMMEM_STORE_SECRET`; option `auth`), prove it holds the secret too, and the endpoint proves
-//! it back: URLs read from a store are then worthless to a stranger. A process of another user
-//! on the same host is refused by its socket's credentials whatever it holds, and a client
-//! refuses such a server. The URL carries an address peers can reach: the `host` option or
+//! it back, each with its own label over the whole handshake: URLs read from a store are then
+//! worthless to a stranger, and a hello naming the endpoint's own token as the client's (its
+//! own connection, reflected back to it) is refused. A process of another user on the same host
+//! is refused by its socket's credentials whatever it holds, and a client refuses such a
+//! server. The URL carries an address peers can reach: the `host` option or
 //! `SYMMEM_TRANSPORT_TCP_HOST` (default 127.0.0.1); wildcards are refused.
+//!
+//! With the secret, every frame after the handshake travels sealed (`wire::seal`: AES-128-GCM
+//! under keys of the connection, a record counter as nonce), so whoever carries the bytes (a
+//! relay the handshake went through, a router) can neither read, change, add, replay, reorder
+//! nor cut one unnoticed: the first record that fails to open ends the connection, and the
+//! server's last word says why. Zero copies become one at each end: a sender seals a frame
+//! into the flow's buffer as it is about to leave (in the queue's order, a record of at most
+//! 64 KiB at a time, on the thread writing the flow), and a receiver opens each record in a
+//! record-sized buffer before its bytes go where they belong, so unauthenticated bytes never
+//! touch registered memory. Option `frames=exposed` (`SYMMEM_TRANSPORT_TCP_FRAMES`), taken
+//! only when both ends ask, leaves frames in the clear for fabrics the operator trusts.
 
 mod client;
 mod listen;
@@ -70,7 +84,7 @@ use super::{Backend, Caps, Options, Reach, Registration, Request};
 use crate::config;
 use crate::error::{Error, Result};
 use crate::store::Secret;
-use crate::wire::tcp::Auth;
+use crate::wire::tcp::{Auth, Frames};
 use client::Client;
 
 /// Requests up to this size go whole on one flow, written by the caller.
@@ -81,16 +95,18 @@ const INLINE: usize = 64 * 1024;
 pub const CAPS: Caps = Caps { remote_atomics: true, in_order_up_to: INLINE, reach: Reach::AnyHost };
 
 /// The options it takes.
-pub const OPTIONS: &[&str] = &["flows", "num_flows", "host", "chunk_size", "timeout", "auth"];
+pub const OPTIONS: &[&str] = &["flows", "num_flows", "host", "chunk_size", "timeout", "auth", "frames"];
 /// Requests up to this size are not striped.
 const STRIPE_MIN: usize = 1 << 20;
 /// The largest chunk a server accepts; larger frames are protocol violations.
 const MAX_CHUNK: u64 = 64 << 20;
 /// The most flows a server accepts from one peer.
 const MAX_FLOWS: u32 = 64;
-/// Labels of the handshake's proofs.
-const SERVER_PROOF: &[u8] = b"symmem-tcp-v1 server";
-const CLIENT_PROOF: &[u8] = b"symmem-tcp-v1 client";
+/// Labels of the handshake's proofs (each side's its own, so neither is ever the other's) and
+/// of the keys derived from it.
+const SERVER_PROOF: &[u8] = b"symmem-tcp-v2 server proof";
+const CLIENT_PROOF: &[u8] = b"symmem-tcp-v2 client proof";
+const LINK_KEYS: &[u8] = b"symmem-tcp-v2 frame keys";
 
 #[derive(Clone, Debug)]
 struct TcpOptions {
@@ -100,6 +116,8 @@ struct TcpOptions {
     timeout: Duration,
     /// The job's secret that peers must prove, when the endpoint has one.
     secret: Option<Secret>,
+    /// How this end wants its frames to travel (with a secret).
+    frames: Frames,
 }
 
 fn parse_opt<T: std::str::FromStr>(name: &str, v: &str) -> Result<T> {
@@ -114,6 +132,7 @@ impl TcpOptions {
             chunk: config::tcp_chunk_size()?.unwrap_or(1 << 20),
             timeout: Duration::from_secs(30),
             secret: Secret::job_from_env(),
+            frames: if config::tcp_frames_exposed()?.unwrap_or(false) { Frames::Exposed } else { Frames::Sealed },
         };
         for (k, v) in o {
             match k.as_str() {
@@ -142,9 +161,20 @@ impl TcpOptions {
                         )));
                     }
                 },
+                "frames" => {
+                    t.frames = match v.as_str() {
+                        "sealed" => Frames::Sealed,
+                        "exposed" => Frames::Exposed,
+                        other => {
+                            return Err(Error::InvalidArgument(format!(
+                                "tcp transport option frames={other:?} is not one of sealed, exposed"
+                            )));
+                        }
+                    }
+                }
                 other => {
                     return Err(Error::InvalidArgument(format!(
-                        "unknown tcp transport option {other:?} (known: flows, host, chunk_size, timeout, auth)"
+                        "unknown tcp transport option {other:?} (known: flows, host, chunk_size, timeout, auth, frames)"
                     )));
                 }
             }
@@ -198,15 +228,29 @@ struct Inner {
 }
 
 impl TcpBackend {
-    /// A backend with `options` (`flows`, `host`, `chunk_size`, `timeout` in seconds, and
-    /// `auth`: `auto` to require the job's secret when the environment has one, `job` to insist
-    /// on it, `token` for the URL's token alone).
+    /// A backend with `options` (`flows`, `host`, `chunk_size`, `timeout` in seconds, `auth`:
+    /// `auto` to require the job's secret when the environment has one, `job` to insist on it,
+    /// `token` for the URL's token alone; and `frames`: `sealed`, the default, or `exposed`,
+    /// see [`config::env::TCP_FRAMES`]).
     pub fn new(options: &Options) -> Result<TcpBackend> {
+        TcpBackend::build(TcpOptions::from(options)?)
+    }
+
+    /// A backend with `options` whose peers must prove `secret` (and which seals its frames
+    /// with keys from it), instead of the environment's: for a program that holds its job's
+    /// secret itself.
+    pub fn with_secret(options: &Options, secret: Secret) -> Result<TcpBackend> {
+        let mut opts = TcpOptions::from(options)?;
+        opts.secret = Some(secret);
+        TcpBackend::build(opts)
+    }
+
+    fn build(opts: TcpOptions) -> Result<TcpBackend> {
         let mut token = [0u8; 16];
         getrandom::fill(&mut token).map_err(|e| Error::io("draw an endpoint token", std::io::Error::other(e)))?;
         Ok(TcpBackend {
             inner: Arc::new(Inner {
-                opts: TcpOptions::from(options)?,
+                opts,
                 token,
                 table: RwLock::new(HashMap::new()),
                 bound: Mutex::new(None),
@@ -348,11 +392,6 @@ impl ReadAhead {
                 Err(e) => return Err(e),
             }
         }
-    }
-
-    /// The buffered bytes, not taken.
-    fn peek(&self) -> &[u8] {
-        &self.buf[self.at..self.end]
     }
 
     /// Moves the first buffered bytes into `dst`, as many as fit; how many.
@@ -898,6 +937,135 @@ mod tests {
     fn a_refused_posted_write_ends_the_connection_with_the_reason() {
         let (a, b) = pair();
         testkit::a_refused_posted_write_ends_the_connection_with_the_reason(&a, &b);
+    }
+
+    /// What a relay between two sealed ends does to the client's frames after the handshake
+    /// (each an 8-byte write: a header record and a payload record, 104 bytes).
+    #[derive(Clone, Copy, Debug, PartialEq)]
+    enum Meddle {
+        /// Sends the first frame again in place of the second.
+        Replay,
+        /// Swaps the second and third frames.
+        Reorder,
+        /// Drops the second frame.
+        Drop,
+        /// Sends 104 bytes of its own before the second frame.
+        Inject,
+        /// Sends half of the second frame, then closes.
+        Cut,
+        /// Flips a bit of the server's answer to the second frame.
+        AlterReply,
+    }
+
+    const FRAME: usize = 80 + 24;
+
+    /// A relay between a client and `server` on loopback that carries the handshake, then
+    /// meddles as told; its address.
+    fn relay(server: SocketAddr, how: Meddle) -> SocketAddr {
+        use crate::wire::tcp::{CHALLENGE_LEN, HELLO_LEN, PROOF_LEN};
+        use std::io::Write;
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap();
+        std::thread::spawn(move || {
+            let (mut c, _) = l.accept().unwrap();
+            let mut s = TcpStream::connect(server).unwrap();
+            let carry = |from: &mut TcpStream, to: &mut TcpStream, n: usize| {
+                let mut b = vec![0u8; n];
+                from.read_exact(&mut b).unwrap();
+                to.write_all(&b).unwrap();
+                b
+            };
+            carry(&mut c, &mut s, HELLO_LEN);
+            carry(&mut s, &mut c, CHALLENGE_LEN);
+            carry(&mut c, &mut s, PROOF_LEN);
+            carry(&mut s, &mut c, 1);
+            let (mut s2, mut c2) = (s.try_clone().unwrap(), c.try_clone().unwrap());
+            std::thread::spawn(move || {
+                // Answers are 80 bytes each (an ACK's header record): the second's 11th byte is
+                // the one altered.
+                let (mut b, mut seen) = ([0u8; 4096], 0usize);
+                while let Ok(n @ 1..) = s2.read(&mut b) {
+                    if how == Meddle::AlterReply && seen <= 90 && 90 < seen + n {
+                        b[90 - seen] ^= 1;
+                    }
+                    seen += n;
+                    if c2.write_all(&b[..n]).is_err() {
+                        break;
+                    }
+                }
+                let _ = c2.shutdown(std::net::Shutdown::Both);
+            });
+            let mut frames: Vec<Vec<u8>> = Vec::new();
+            let mut f = vec![0u8; FRAME];
+            while c.read_exact(&mut f).is_ok() {
+                frames.push(f.clone());
+                let k = frames.len();
+                let out: Vec<u8> = match (how, k) {
+                    (Meddle::Replay, 2) => frames[0].clone(),
+                    (Meddle::Reorder, 2) => continue,
+                    (Meddle::Reorder, 3) => [frames[2].clone(), frames[1].clone()].concat(),
+                    (Meddle::Drop, 2) => continue,
+                    (Meddle::Inject, 2) => [vec![0x5a; FRAME], frames[1].clone()].concat(),
+                    (Meddle::Cut, 2) => {
+                        let _ = s.write_all(&frames[1][..FRAME / 2]);
+                        break;
+                    }
+                    _ => frames[k - 1].clone(),
+                };
+                if s.write_all(&out).is_err() {
+                    break;
+                }
+            }
+            let _ = s.shutdown(std::net::Shutdown::Both);
+        });
+        addr
+    }
+
+    /// Between holders of the job's secret, whatever a relay does to the frames after the
+    /// handshake ends the connection at the first frame it touched, with an error that says
+    /// so, and nothing it touched (nor anything after it) lands.
+    #[test]
+    fn a_relay_that_replays_reorders_drops_injects_cuts_or_alters_frames_lands_nothing() {
+        use crate::tensor::{DType, Tensor};
+        let opts: Options = [("flows".to_string(), "1".to_string())].into_iter().collect();
+        let secret = || Secret::new("a job's secret").unwrap();
+        for how in [Meddle::Replay, Meddle::Reorder, Meddle::Drop, Meddle::Inject, Meddle::Cut, Meddle::AlterReply] {
+            let a = Transport::new(Box::new(TcpBackend::with_secret(&opts, secret()).unwrap()), None);
+            let b = Transport::new(Box::new(TcpBackend::with_secret(&opts, secret()).unwrap()), None);
+            let url = String::from_utf8(b.bind(None).unwrap()).unwrap();
+            let server: SocketAddr = url["tcp://".len()..url.find('?').unwrap()].parse().unwrap();
+            let via = relay(server, how);
+            a.connect(url.replace(&server.to_string(), &via.to_string()).as_bytes(), None).unwrap();
+            let dst = Tensor::zeros(&[32], DType::U8).unwrap();
+            let remote = b.register_memory(&dst).unwrap().to_remote_buffer().unwrap();
+            let srcs: Vec<_> = (1..=3u8).map(|v| Tensor::from_slice(&[8], &[v; 8]).unwrap()).collect();
+            let views: Vec<_> = srcs.iter().map(|t| a.register_memory(t).unwrap().to_view(0, None).unwrap()).collect();
+            // The first frame goes through untouched.
+            a.write(&views[0], &remote.slice(0, 8).unwrap(), LONG).unwrap();
+            dst.fill(0u8).unwrap();
+            // The second and third leave together (a held batch), to be meddled with.
+            let works = a
+                .batch(|| -> crate::error::Result<Vec<_>> {
+                    (1..3).map(|i| a.start_write(&views[i], &remote.slice(8 * i as u64, 8)?, LONG)).collect()
+                })
+                .unwrap();
+            let errors: Vec<String> =
+                works.into_iter().filter_map(|w| w.wait(LONG).err()).map(|e| e.to_string()).collect();
+            assert!(!errors.is_empty(), "{how:?}: every write succeeded");
+            let why = &errors[0];
+            match how {
+                Meddle::Cut => assert!(why.contains("lost") || why.contains("closed"), "{how:?}: {why}"),
+                _ => assert!(why.contains("authentication"), "{how:?}: the writer was told {why}"),
+            }
+            let landed = dst.to_vec::<u8>().unwrap();
+            match how {
+                // The server answers the second frame before the altered reply reaches the
+                // client: it landed, and only the client saw the forgery.
+                Meddle::AlterReply => assert_eq!(landed[8..16], [2u8; 8], "{how:?}"),
+                _ => assert!(landed.iter().all(|&x| x == 0), "{how:?}: {landed:?} landed"),
+            }
+            assert!(!a.connected(), "{how:?}: the connection outlived it");
+        }
     }
 
     #[test]

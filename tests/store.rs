@@ -253,6 +253,81 @@ fn authentication_admits_only_the_secret_holder() {
     assert!(matches!(r, Err(Error::Auth { .. })), "{r:?}");
 }
 
+/// A relay between a client and `server` on loopback that records what the client sends
+/// and, with `flip_at`, flips a bit of the byte at that offset of the client's stream; its
+/// address and the record.
+fn relay(server: std::net::SocketAddr, flip_at: Option<usize>) -> (String, Arc<std::sync::Mutex<Vec<u8>>>) {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = l.local_addr().unwrap().to_string();
+    let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let record = seen.clone();
+    std::thread::spawn(move || {
+        let (mut c, _) = l.accept().unwrap();
+        let mut s = TcpStream::connect(server).unwrap();
+        let (mut c2, mut s2) = (c.try_clone().unwrap(), s.try_clone().unwrap());
+        std::thread::spawn(move || {
+            let mut b = [0u8; 65536];
+            while let Ok(n @ 1..) = s2.read(&mut b) {
+                if c2.write_all(&b[..n]).is_err() {
+                    break;
+                }
+            }
+            let _ = c2.shutdown(std::net::Shutdown::Both);
+        });
+        let mut b = [0u8; 65536];
+        while let Ok(n @ 1..) = c.read(&mut b) {
+            let mut r = record.lock().unwrap();
+            if let Some(at) = flip_at.filter(|&at| r.len() <= at && at < r.len() + n) {
+                b[at - r.len()] ^= 0x10;
+            }
+            r.extend_from_slice(&b[..n]);
+            drop(r);
+            if s.write_all(&b[..n]).is_err() {
+                break;
+            }
+        }
+        let _ = s.shutdown(std::net::Shutdown::Both);
+    });
+    (addr, seen)
+}
+
+// Issue 51, item 1: after a store's handshake, the rest of an authenticated connection was
+// plain TCPStore protocol: whoever carried its bytes could read the values and change them (a
+// flipped bit in a SET was stored). Now it is a sealed stream under keys of the connection.
+#[test]
+fn an_authenticated_store_connection_is_sealed_after_its_handshake() {
+    let s = secret_server("correct horse");
+    let opts = || ClientOptions { secret: Secret::new("correct horse"), ..quick() };
+    // Every operation works over the sealed stream, values larger than a record included.
+    let c = TcpStore::connect(&s.local_addr().to_string(), opts()).unwrap();
+    every_operation(&c);
+    let big: Vec<u8> = (0..300_000u32).map(|i| (i % 253) as u8).collect();
+    c.set("big", &big).unwrap();
+    assert_eq!(c.get("big").unwrap(), big);
+    assert_eq!(c.multi_get(&["big", "big"]).unwrap(), vec![big.clone(), big.clone()]);
+
+    // What a relay sees of a value is not the value.
+    let (via, seen) = relay(s.local_addr(), None);
+    let c = TcpStore::connect(&via, opts()).unwrap();
+    let value = b"a value only the job may read: 0123456789abcdef".repeat(10);
+    c.set("private", &value).unwrap();
+    assert_eq!(c.get("private").unwrap(), value);
+    let seen = seen.lock().unwrap().clone();
+    assert!(seen.len() > value.len(), "the relay carried {} bytes", seen.len());
+    assert!(!seen.windows(32).any(|w| w == &value[..32]), "the value crossed the relay in the clear");
+
+    // A bit flipped by a relay in the middle of a SET: the store closes the connection, the
+    // client is told, and nothing is stored.
+    let (via, _) = relay(s.local_addr(), Some(60_000));
+    let c = TcpStore::connect(&via, opts()).unwrap();
+    // (A SET is not answered: the client learns of the close at its next request.)
+    let _ = c.set("flipped", &big);
+    let next = c.check(&["flipped"]);
+    assert!(next.is_err(), "the connection outlived a SET whose bytes were changed on the way: {next:?}");
+    let check = TcpStore::connect(&s.local_addr().to_string(), opts()).unwrap();
+    assert!(!check.check(&["flipped"]).unwrap(), "a changed SET was stored");
+}
+
 fn raw_client(s: &StoreServer) -> TcpStream {
     let mut c = TcpStream::connect(s.local_addr()).unwrap();
     c.set_read_timeout(Some(Duration::from_secs(10))).unwrap();

@@ -18,6 +18,8 @@ use tokio::net::TcpStream;
 use crate::error::{Error, Result};
 use crate::store::Store;
 use crate::store::auth::{self, Role, Secret};
+use crate::store::state::{STREAM_KEYS, stream_transcript};
+use crate::wire::seal::{Keys, Side};
 use crate::wire::store::{self as wire, DecodeError, Limits, QueryType, Reply, ReplyShape, Request};
 
 /// The default timeout of store operations and of connecting (torch's is also 300 s).
@@ -175,6 +177,24 @@ pub struct StoreClient<C: Conn> {
     timeout: Duration,
     /// Set when a request timed out with its reply still due: the connection is out of step.
     broken: bool,
+    /// The sealed stream, once authenticated with the secret.
+    seal: Option<Sealed>,
+}
+
+/// A store connection's sealed stream (after authentication with the secret): requests
+/// leave sealed, replies are opened before they are decoded.
+struct Sealed {
+    keys: Keys,
+    /// Received bytes not yet opened (a record still arriving).
+    raw: Vec<u8>,
+    /// Sealed requests being written.
+    wire: Vec<u8>,
+}
+
+impl std::fmt::Debug for Sealed {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Sealed(..)")
+    }
 }
 
 impl<C: Conn> StoreClient<C> {
@@ -205,6 +225,7 @@ impl<C: Conn> StoreClient<C> {
             out: Vec::with_capacity(256),
             timeout: options.timeout,
             broken: false,
+            seal: None,
         };
         c.handshake(options.secret.as_ref(), deadline).await?;
         Ok(c)
@@ -253,7 +274,14 @@ impl<C: Conn> StoreClient<C> {
         }
         let mine = secret.proof(Role::Client, &client_nonce, &server_nonce).to_vec();
         match self.call(&Request::AuthProof { proof: mine }, deadline).await {
-            Ok(Reply::U8(0)) => Ok(()),
+            Ok(Reply::U8(0)) => {
+                // Everything after the proof's answer travels sealed.
+                let t = stream_transcript(&client_nonce, &server_nonce);
+                let keys = secret.link_keys(STREAM_KEYS, &t, Side::Client);
+                let raw = std::mem::take(&mut self.buf);
+                self.seal = Some(Sealed { keys, raw, wire: Vec::new() });
+                self.open().map_err(|e| Error::Auth { peer: self.peer.clone(), reason: e })
+            }
             Ok(other) => Err(self.bad_reply("AUTH_PROOF", &other)),
             Err(Error::ConnectionClosed { .. }) => {
                 Err(Error::Auth { peer: self.peer.clone(), reason: "the store rejected our secret".into() })
@@ -475,7 +503,15 @@ impl<C: Conn> StoreClient<C> {
             req.encode(&mut self.out);
         }
         let what = reqs.last().map_or(QueryType::Ping, Request::query_type);
-        match self.stream.write_all(&self.out, deadline).await {
+        let bytes = match &mut self.seal {
+            None => &self.out,
+            Some(s) => {
+                s.wire.clear();
+                s.keys.sealer.seal_stream(&mut s.wire, &self.out).map_err(|e| Error::InvalidArgument(e.to_string()))?;
+                &s.wire
+            }
+        };
+        match self.stream.write_all(bytes, deadline).await {
             Ok(()) => Ok(()),
             Err(e) if e.kind() == io::ErrorKind::TimedOut => {
                 self.broken = true;
@@ -502,12 +538,21 @@ impl<C: Conn> StoreClient<C> {
                     return Err(Error::Protocol { peer: self.peer.clone(), source: Box::new(source) });
                 }
             }
-            match self.stream.read_some(&mut self.buf, deadline).await {
+            let inbox = match &mut self.seal {
+                None => &mut self.buf,
+                Some(s) => &mut s.raw,
+            };
+            match self.stream.read_some(inbox, deadline).await {
                 Ok(0) => {
                     self.broken = true;
                     return Err(Error::ConnectionClosed { peer: self.peer.clone(), during: what.to_string() });
                 }
-                Ok(_) => {}
+                Ok(_) => {
+                    if let Err(why) = self.open() {
+                        self.broken = true;
+                        return Err(Error::Auth { peer: self.peer.clone(), reason: why });
+                    }
+                }
                 Err(e) if e.kind() == io::ErrorKind::TimedOut => {
                     return Err(Error::timeout(
                         format!("the reply to {what} from the store at {}", self.peer),
@@ -520,6 +565,12 @@ impl<C: Conn> StoreClient<C> {
                 }
             }
         }
+    }
+
+    /// Opens the whole sealed records received (when the stream is sealed) into `buf`.
+    fn open(&mut self) -> std::result::Result<(), String> {
+        let Some(s) = &mut self.seal else { return Ok(()) };
+        s.keys.opener.open_stream(&mut s.raw, &mut self.buf).map(|_| ()).map_err(|e| e.to_string())
     }
 
     #[cold]

@@ -38,6 +38,7 @@ use tokio::time::Instant;
 use crate::error::{Error, Result};
 use crate::store::auth::Secret;
 use crate::store::state::{Chunks, ConnId, Outbox, Session, State, reply_len};
+use crate::wire::seal::{Keys, Opener, RECORD_MAX, Sealer};
 use crate::wire::store::{Framer, Limits, Request};
 
 /// How a server is configured.
@@ -281,7 +282,15 @@ async fn serve_conn(
 
     let accepted = Instant::now();
     let session = Session::new(id, trusted);
-    let mut c = Conn { id, session, buf: Vec::new(), framer: Framer::new(), out: Outgoing::default() };
+    let mut c = Conn {
+        id,
+        session,
+        buf: Vec::new(),
+        framer: Framer::new(),
+        out: Outgoing::default(),
+        raw: Vec::new(),
+        opener: None,
+    };
     // When the first byte of the request now partly in `buf` arrived.
     let mut started: Option<Instant> = None;
     // Whether this connection is still on the list of those in the handshake.
@@ -311,19 +320,24 @@ async fn serve_conn(
                     format!("no handshake within {:?}", o.handshake_timeout)
                 });
             }
-            n = read_some(&mut rd, &mut c.buf, room) => n,
+            n = read_some(&mut rd, c.inbox(), room) => n,
         };
         match read {
             Ok(0) | Err(_) => break End::Quiet,
             Ok(_) => {}
         }
         let before = c.buf.len();
+        if let Err(why) = c.open() {
+            break End::Refused(why);
+        }
         let served = loop {
             let served = c.serve(&shared);
             // Replies already earned are sent even when the connection is then refused.
             if c.out.flush(&mut wr).await.is_err() {
                 break Err(None);
             }
+            // The answer to an accepted proof went in the clear; everything after is sealed.
+            let served = served.and_then(|more| c.start_sealing().map(|()| more));
             match served {
                 Ok(true) => continue,
                 Ok(false) => break Ok(()),
@@ -374,9 +388,39 @@ struct Conn {
     buf: Vec<u8>,
     framer: Framer,
     out: Outgoing,
+    /// Sealed bytes received and not yet opened (a record still arriving), once the client
+    /// authenticated with the secret.
+    raw: Vec<u8>,
+    /// Opens the client's sealed stream, once it authenticated with the secret.
+    opener: Option<Opener>,
 }
 
 impl Conn {
+    /// Where bytes read from the socket go: the sealed bytes, once the stream is sealed.
+    fn inbox(&mut self) -> &mut Vec<u8> {
+        if self.opener.is_some() { &mut self.raw } else { &mut self.buf }
+    }
+
+    /// Opens the whole records received, for serving: a record that fails to open closes the
+    /// connection (someone between the client and the store, or not the job's client).
+    fn open(&mut self) -> std::result::Result<(), String> {
+        let Some(o) = &mut self.opener else { return Ok(()) };
+        o.open_stream(&mut self.raw, &mut self.buf).map(|_| ()).map_err(|e| e.to_string())
+    }
+
+    /// Once the client's proof was accepted (and its answer written in the clear), seals
+    /// everything after: replies leave sealed, and the bytes that followed the proof are the
+    /// first of the client's sealed stream.
+    fn start_sealing(&mut self) -> std::result::Result<(), String> {
+        let Some(keys) = self.session.take_keys() else { return Ok(()) };
+        let Keys { sealer, opener } = *keys;
+        self.out.sealer = Some(sealer);
+        self.opener = Some(opener);
+        self.raw = std::mem::take(&mut self.buf);
+        self.framer = Framer::new();
+        self.open()
+    }
+
     /// Serves the whole requests in `buf`. Returns whether it stopped early to let the replies
     /// be written (more whole requests may be waiting), or why the connection must close.
     fn serve(&mut self, shared: &Shared) -> std::result::Result<bool, String> {
@@ -417,7 +461,8 @@ impl Conn {
                     let _ = tx.send(chunks);
                 }
             }
-            if self.out.len >= FLUSH_AT {
+            // The proof was accepted: what follows it is sealed, for `start_sealing`.
+            if self.out.len >= FLUSH_AT || self.session.sealing() {
                 break Ok(true);
             }
         };
@@ -431,7 +476,17 @@ impl Conn {
 struct Outgoing {
     chunks: VecDeque<Bytes>,
     len: usize,
+    /// Seals what leaves, once the client authenticated with the secret: the pieces are
+    /// sealed as they are written, a few records at a time, so a queued reply still shares the
+    /// stored values it carries.
+    sealer: Option<Sealer>,
+    /// Sealed bytes, written from `at`.
+    wire: Vec<u8>,
+    at: usize,
 }
+
+/// Plain bytes sealed per system call.
+const SEAL_AHEAD: usize = 4 * RECORD_MAX;
 
 impl Outgoing {
     fn push(&mut self, c: Chunks) {
@@ -441,6 +496,9 @@ impl Outgoing {
 
     /// Writes everything queued, with as few system calls as the pieces allow.
     async fn flush(&mut self, wr: &mut OwnedWriteHalf) -> std::io::Result<()> {
+        if self.sealer.is_some() {
+            return self.flush_sealed(wr).await;
+        }
         while !self.chunks.is_empty() {
             let slices: Vec<IoSlice<'_>> = self.chunks.iter().take(64).map(|b| IoSlice::new(b)).collect();
             let mut n = wr.write_vectored(&slices).await?;
@@ -458,6 +516,45 @@ impl Outgoing {
                     n = 0;
                 }
             }
+        }
+        self.len = 0;
+        Ok(())
+    }
+
+    /// [`Outgoing::flush`] on a sealed stream: the pieces are gathered into records of at most
+    /// [`RECORD_MAX`] bytes, sealed a few at a time, and written.
+    async fn flush_sealed(&mut self, wr: &mut OwnedWriteHalf) -> std::io::Result<()> {
+        let mut plain = Vec::new();
+        loop {
+            if self.at == self.wire.len() {
+                self.wire.clear();
+                self.at = 0;
+                let Some(sealer) = &mut self.sealer else { break };
+                let mut taken = 0;
+                while taken < SEAL_AHEAD && !self.chunks.is_empty() {
+                    plain.clear();
+                    while plain.len() < RECORD_MAX {
+                        let Some(front) = self.chunks.front_mut() else { break };
+                        let n = front.len().min(RECORD_MAX - plain.len());
+                        plain.extend_from_slice(&front[..n]);
+                        front.advance(n);
+                        if front.is_empty() {
+                            self.chunks.pop_front();
+                        }
+                    }
+                    taken += plain.len();
+                    sealer.seal_stream(&mut self.wire, &plain).map_err(std::io::Error::other)?;
+                }
+                self.len = self.len.saturating_sub(taken);
+                if self.wire.is_empty() {
+                    break;
+                }
+            }
+            let n = wr.write(&self.wire[self.at..]).await?;
+            if n == 0 {
+                return Err(std::io::ErrorKind::WriteZero.into());
+            }
+            self.at += n;
         }
         self.len = 0;
         Ok(())

@@ -18,6 +18,7 @@ use std::collections::{HashMap, VecDeque};
 use bytes::Bytes;
 
 use crate::store::auth::{self, Role, Secret};
+use crate::wire::seal::{Keys, Side};
 use crate::wire::store::{self as wire, Limits, QueryType, Request, reply};
 
 /// Identifies one client connection of a server.
@@ -376,11 +377,38 @@ pub(crate) struct Session {
     /// The peer is a process of this store's user on this host (its peer credentials say so):
     /// it could read the secret from the ranks' memory anyway, so it need not prove it.
     trusted: bool,
+    /// The keys of the connection's sealed stream, from the moment the client's proof was
+    /// accepted until the driver takes them: everything after the proof's answer is sealed.
+    keys: Option<Box<Keys>>,
+}
+
+/// Labels the keys of a store connection's sealed stream.
+pub(crate) const STREAM_KEYS: &[u8] = b"symmem-store-v2 stream keys";
+
+/// What the keys of a store connection's sealed stream cover: both nonces of its handshake.
+pub(crate) fn stream_transcript(client_nonce: &[u8], server_nonce: &[u8]) -> Vec<u8> {
+    let mut t = Vec::with_capacity(16 + client_nonce.len() + server_nonce.len());
+    t.extend_from_slice(&(client_nonce.len() as u64).to_le_bytes());
+    t.extend_from_slice(client_nonce);
+    t.extend_from_slice(&(server_nonce.len() as u64).to_le_bytes());
+    t.extend_from_slice(server_nonce);
+    t
 }
 
 impl Session {
     pub(crate) fn new(conn: ConnId, trusted: bool) -> Session {
-        Session { conn, phase: Phase::New, trusted }
+        Session { conn, phase: Phase::New, trusted, keys: None }
+    }
+
+    /// The keys of the sealed stream that begins after the answer to the client's proof
+    /// (once: the driver seals from then on).
+    pub(crate) fn take_keys(&mut self) -> Option<Box<Keys>> {
+        self.keys.take()
+    }
+
+    /// Whether the client's proof was just accepted: the stream is to be sealed from here.
+    pub(crate) fn sealing(&self) -> bool {
+        self.keys.is_some()
     }
 
     /// The only request this connection may send next while it is in the handshake; `None`
@@ -428,6 +456,8 @@ impl Session {
                 if !secret.verify(Role::Client, client_nonce, server_nonce, &proof) {
                     return Err(Refusal::BadProof);
                 }
+                let t = stream_transcript(client_nonce, server_nonce);
+                self.keys = Some(Box::new(secret.link_keys(STREAM_KEYS, &t, Side::Server)));
                 self.phase = Phase::Ready;
                 out.push((self.conn, small(reply::u8(0))));
                 Ok(())

@@ -7,6 +7,9 @@
 //! own children are stopped with them; and each rank is killed by the kernel if the launcher
 //! itself dies, even by `kill -9`.
 //!
+//! Its files (the ranks' error files, and what says the launch is alive) are in a run folder
+//! of its own (`launch/run_folder.rs`).
+//!
 //! The launcher signals only process groups it still owns. It learns that a rank ended from a
 //! pidfd and reads its status without reaping it (`waitid(P_PIDFD, WNOWAIT)`): until the end of
 //! the job every rank is alive or a zombie, so its pid, which names its process group, cannot
@@ -36,6 +39,10 @@ use crate::config::env;
 use crate::error::{Error, Result};
 use crate::group;
 use crate::store::{AsyncStoreClient, ClientOptions, Secret, ServerOptions, StoreServer};
+
+mod run_folder;
+
+use run_folder::RunFolder;
 
 /// How long ranks get between SIGTERM and SIGKILL once the job is being stopped.
 pub const GRACE: Duration = Duration::from_millis(500);
@@ -256,23 +263,6 @@ pub struct RankError {
     pub json: serde_json::Value,
 }
 
-/// The largest error file read back from a rank.
-const MAX_ERROR_FILE: u64 = 1 << 20;
-
-/// Reads a rank's error file in torchrun's format (`{"message": {"message": ..., "extraInfo":
-/// {"py_callstack": ..., "timestamp": ...}}}`, or a plain string message), if it wrote one.
-fn read_error_file(path: &std::path::Path) -> Option<RankError> {
-    use std::io::Read;
-    let mut text = String::new();
-    std::fs::File::open(path).ok()?.take(MAX_ERROR_FILE).read_to_string(&mut text).ok()?;
-    let json: serde_json::Value = serde_json::from_str(&text).ok()?;
-    let (message, traceback) = match &json["message"] {
-        serde_json::Value::String(m) => (m.clone(), None),
-        m => (m["message"].as_str()?.to_string(), m["extraInfo"]["py_callstack"].as_str().map(str::to_string)),
-    };
-    Some(RankError { message, traceback, json })
-}
-
 /// Records the job's root cause where the launcher's own `TORCHELASTIC_ERROR_FILE` says, as
 /// torchrun's `@record` does: the failed rank's error file with its exit code as `errorCode`,
 /// or, when the rank wrote none, a message of its own.
@@ -298,79 +288,6 @@ fn record_root_cause(outcome: &Outcome) {
     };
     if let Err(e) = std::fs::write(path, json.to_string()) {
         tracing::warn!("could not write the job's error file {path}: {e}");
-    }
-}
-
-/// The per-rank error files of one launch (`<dir>/attempt_0/<rank>/error.json`, torchrun's
-/// layout), removed with it.
-struct ErrorFiles {
-    dir: std::path::PathBuf,
-}
-
-impl ErrorFiles {
-    fn new() -> Result<ErrorFiles> {
-        use std::os::unix::fs::DirBuilderExt;
-        static RUNS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-        let n = RUNS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let tmp = std::env::temp_dir();
-        sweep_dead_runs(&tmp);
-        let dir = tmp.join(format!("symmem-run-{}-{n}", std::process::id()));
-        // This user's only (the ranks' error files hold their tracebacks), and new: a leftover of
-        // an earlier process with this pid, or anything else under the name, goes first (a
-        // symlink is removed, never followed).
-        let create = || std::fs::DirBuilder::new().mode(0o700).create(&dir);
-        match create() {
-            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
-                let _ = std::fs::remove_dir_all(&dir).or_else(|_| std::fs::remove_file(&dir));
-                create()
-            }
-            other => other,
-        }
-        .map_err(|e| Error::io(format!("create {}", dir.display()), e))?;
-        Ok(ErrorFiles { dir })
-    }
-
-    fn path(&self, rank: usize) -> std::path::PathBuf {
-        self.dir.join("attempt_0").join(rank.to_string()).join("error.json")
-    }
-
-    /// Makes the folder of `rank`'s file (the rank writes the file itself, or not at all).
-    fn prepare(&self, rank: usize) -> Result<std::path::PathBuf> {
-        let path = self.path(rank);
-        if let Some(parent) = path.parent() {
-            std::fs::create_dir_all(parent).map_err(|e| Error::io(format!("create {}", parent.display()), e))?;
-        }
-        Ok(path)
-    }
-}
-
-/// Removes the error-file folders of this user's launchers that died without cleaning up
-/// (`kill -9`): `symmem-run-<pid>-<n>` whose pid no longer runs. A pid reused since is left
-/// alone (its folder goes once that process ends too).
-fn sweep_dead_runs(tmp: &std::path::Path) {
-    let Ok(entries) = std::fs::read_dir(tmp) else { return };
-    let me = rustix::process::getuid().as_raw();
-    for e in entries.flatten() {
-        let name = e.file_name();
-        let Some(pid) = name
-            .to_str()
-            .and_then(|n| n.strip_prefix("symmem-run-"))
-            .and_then(|rest| rest.split('-').next())
-            .and_then(|p| p.parse::<u32>().ok())
-        else {
-            continue;
-        };
-        use std::os::unix::fs::MetadataExt;
-        let mine = e.metadata().is_ok_and(|m| m.is_dir() && m.uid() == me);
-        if mine && !std::path::Path::new(&format!("/proc/{pid}")).exists() {
-            let _ = std::fs::remove_dir_all(e.path());
-        }
-    }
-}
-
-impl Drop for ErrorFiles {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.dir);
     }
 }
 
@@ -567,7 +484,7 @@ async fn run_async(o: &LaunchOptions) -> Result<Outcome> {
     };
 
     let out = Arc::new(std::sync::Mutex::new(()));
-    let error_files = ErrorFiles::new()?;
+    let run_folder = RunFolder::new()?;
     // torchrun's defaults for what it does not get: one OpenMP thread per rank when several
     // share the host, said once.
     let omp = if crate::config::value(crate::config::env::OMP_NUM_THREADS).is_none()
@@ -616,7 +533,7 @@ async fn run_async(o: &LaunchOptions) -> Result<Outcome> {
             .env("TORCHELASTIC_RESTART_COUNT", "0")
             .env("TORCHELASTIC_MAX_RESTARTS", "0")
             .env("TORCHELASTIC_RUN_ID", &id)
-            .env(env::ERROR_FILE, error_files.prepare(rank)?)
+            .env(env::ERROR_FILE, run_folder.prepare(rank)?)
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
@@ -701,7 +618,7 @@ async fn run_async(o: &LaunchOptions) -> Result<Outcome> {
                     }
                 };
                 if how != Termination::Exit(0) && outcome.is_none() {
-                    outcome = Some(Outcome::RankFailed { rank, how, error: read_error_file(&error_files.path(rank)) });
+                    outcome = Some(Outcome::RankFailed { rank, how, error: run_folder::read_error_file(&run_folder.error_file(rank)) });
                     stop(&pids, Signal::TERM);
                     kill_at = Some(Instant::now() + GRACE);
                 }

@@ -1927,3 +1927,137 @@ fn ranks_out_of_step_across_hosts_are_refused_not_mixed() {
         Err(why) => eprintln!("SKIPPED over ucx: no ucx here ({why})"),
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// Issue 51 ("Trust, round two"), items 4 and 5: the launcher's files, and the user's key.
+// ---------------------------------------------------------------------------------------------
+
+/// Whether this test may act as another user: root, with setpriv (else it says SKIPPED).
+fn can_be_nobody(test: &str) -> bool {
+    let root = rustix::process::geteuid().is_root();
+    let setpriv = Command::new("setpriv").arg("--version").output().is_ok_and(|o| o.status.success());
+    if !root || !setpriv {
+        eprintln!("SKIPPED {test}: another user's files need root (and setpriv)");
+    }
+    root && setpriv
+}
+
+/// Waits up to `limit` for `child` to end; `None` if it is still running.
+fn wait_at_most(child: &mut std::process::Child, limit: Duration) -> Option<std::process::ExitStatus> {
+    let deadline = Instant::now() + limit;
+    loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            return Some(s);
+        }
+        if Instant::now() > deadline {
+            return None;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// The run folders (`symmem-run-*`) under `tmp`.
+fn run_folders(tmp: &std::path::Path) -> Vec<std::path::PathBuf> {
+    let mut v: Vec<_> = std::fs::read_dir(tmp)
+        .unwrap()
+        .flatten()
+        .filter(|e| e.file_name().to_string_lossy().starts_with("symmem-run-"))
+        .map(|e| e.path())
+        .collect();
+    v.sort();
+    v
+}
+
+// Issue 51 item 4: another user who made `symmem-run-<pid>-0` for the next pids stopped a launch
+// ("File exists"). Now the run folder's name is unpredictable, and squatters are left alone.
+#[test]
+fn another_users_folders_cannot_stop_a_launch() {
+    if !can_be_nobody("another_users_folders_cannot_stop_a_launch") {
+        return;
+    }
+    use std::os::unix::fs::PermissionsExt;
+    let tmp = tempfile::tempdir().unwrap();
+    std::fs::set_permissions(tmp.path(), std::fs::Permissions::from_mode(0o1777)).unwrap();
+    // The launcher runs as nobody; root (another user to it) squats the names of the next
+    // 2,000 pids, in a sticky folder like /tmp, where nobody cannot remove them.
+    let last: u32 = std::fs::read_to_string("/proc/sys/kernel/ns_last_pid").unwrap().trim().parse().unwrap();
+    let max: u32 = std::fs::read_to_string("/proc/sys/kernel/pid_max").unwrap().trim().parse().unwrap();
+    for i in 1..=2000 {
+        let pid = if last + i < max { last + i } else { 300 + (last + i - max) };
+        std::fs::create_dir(tmp.path().join(format!("symmem-run-{pid}-0"))).unwrap();
+    }
+    // And a folder of root's that looks dead (its lock free, past locking), and a symlink named
+    // like a run folder to one: none of nobody's launcher's business.
+    let dead = tmp.path().join("symmem-run-rootsdead");
+    std::fs::create_dir_all(dead.join("attempt_0")).unwrap();
+    std::fs::write(dead.join("lock"), b"").unwrap();
+    std::os::unix::fs::symlink(&dead, tmp.path().join("symmem-run-link")).unwrap();
+    let out = Command::new("setpriv")
+        .args(["--reuid=nobody", "--regid=nogroup", "--clear-groups", "--"])
+        .args([BIN, "run", "-n", "2", "--timeout", "30", "--", "sh", "-c", "echo rank $RANK ran"])
+        .env_clear()
+        .env("HOME", "/tmp")
+        .env("PATH", "/usr/bin:/bin")
+        .env("TMPDIR", tmp.path())
+        .output()
+        .unwrap();
+    let text = format!("{}\n{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "a squatter stopped the launch:\n{text}");
+    assert!(text.contains("[0] rank 0 ran") && text.contains("[1] rank 1 ran"), "{text}");
+    // Nobody's launcher removed its own folder and nothing of root's.
+    assert_eq!(run_folders(tmp.path()).len(), 2002, "the squatter's folders are not the launcher's to remove");
+    assert!(dead.join("lock").exists());
+}
+
+// Issue 51 item 4: a launcher in another pid namespace sharing /tmp deleted a live job's run
+// folder (its launcher's pid is not in that namespace's /proc), and with it the ranks' error
+// files. Now a folder is judged dead by its lock, which its live launcher holds.
+#[test]
+fn a_launcher_in_another_pid_namespace_leaves_a_live_jobs_folder_alone() {
+    let probe = Command::new("unshare").args(["--pid", "--fork", "--mount-proc", "true"]).output();
+    if !probe.is_ok_and(|o| o.status.success()) {
+        eprintln!("SKIPPED: cannot make a pid namespace here (unshare --pid needs root and util-linux)");
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let d = tempfile::tempdir().unwrap();
+    let go = d.path().join("go");
+    // The rank records its root cause once told to, then fails.
+    let script = format!(
+        "while [ ! -e {go} ]; do sleep 0.02; done; \
+         echo '{{\"message\": \"recorded by the live job\"}}' > \"$TORCHELASTIC_ERROR_FILE\"; exit 3",
+        go = go.display()
+    );
+    let mut live = Command::new(BIN)
+        .args(["run", "-n", "1", "--timeout", "60", "--", "sh", "-c", &script])
+        .env("TMPDIR", tmp.path())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !run_folders(tmp.path()).iter().any(|f| f.join("attempt_0").join("0").is_dir()) {
+        assert!(Instant::now() < deadline, "the live job made no run folder");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let other = Command::new("unshare")
+        .args(["--pid", "--fork", "--mount-proc", BIN, "run", "-n", "1", "--", "true"])
+        .env("TMPDIR", tmp.path())
+        .output()
+        .unwrap();
+    assert!(other.status.success(), "{}", String::from_utf8_lossy(&other.stderr));
+    std::fs::write(&go, b"").unwrap();
+    let Some(status) = wait_at_most(&mut live, Duration::from_secs(30)) else {
+        let _ = live.kill();
+        let _ = live.wait();
+        panic!("the live job did not end");
+    };
+    let mut err = String::new();
+    std::io::Read::read_to_string(&mut live.stderr.take().unwrap(), &mut err).unwrap();
+    assert_eq!(status.code(), Some(3), "{err}");
+    assert!(
+        err.contains("root cause (rank 0's error file): recorded by the live job"),
+        "the folder was removed:\n{err}"
+    );
+    assert!(run_folders(tmp.path()).is_empty(), "both launchers clean up their own folders");
+}

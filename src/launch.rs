@@ -618,9 +618,11 @@ async fn run_async(o: &LaunchOptions) -> Result<Outcome> {
                     }
                 };
                 if how != Termination::Exit(0) && outcome.is_none() {
-                    outcome = Some(Outcome::RankFailed { rank, how, error: run_folder::read_error_file(&run_folder.error_file(rank)) });
+                    // The others first: what the rank left in its error file can wait.
                     stop(&pids, Signal::TERM);
                     kill_at = Some(Instant::now() + GRACE);
+                    let error = run_folder::read_error_file(rank, run_folder.error_file(rank)).await;
+                    outcome = Some(Outcome::RankFailed { rank, how, error });
                 }
             }
             _ = sigint.recv() => {

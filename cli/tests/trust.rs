@@ -2061,3 +2061,48 @@ fn a_launcher_in_another_pid_namespace_leaves_a_live_jobs_folder_alone() {
     );
     assert!(run_folders(tmp.path()).is_empty(), "both launchers clean up their own folders");
 }
+
+// Issue 51 item 4: a rank that turned its error file into a FIFO (or a link to one) and failed
+// hung the launcher in open(), so the other ranks were never stopped.
+#[test]
+fn a_rank_cannot_hang_the_launcher_through_its_error_file() {
+    let d = tempfile::tempdir().unwrap();
+    let variants = [
+        ("a FIFO", "mkfifo \"$TORCHELASTIC_ERROR_FILE\"".to_string()),
+        (
+            "a link to a FIFO",
+            format!("mkfifo {d}/fifo; ln -s {d}/fifo \"$TORCHELASTIC_ERROR_FILE\"", d = d.path().display()),
+        ),
+    ];
+    for (i, (what, make)) in variants.iter().enumerate() {
+        let pidfile = d.path().join(format!("pid{i}"));
+        let script = format!(
+            "if [ $RANK = 1 ]; then while [ ! -s {p} ]; do sleep 0.02; done; {make}; exit 3; fi; \
+             echo $$ > {p}; exec sleep 60",
+            p = pidfile.display()
+        );
+        let mut launcher = Command::new(BIN)
+            .args(["run", "-n", "2", "--timeout", "60", "--", "sh", "-c", &script])
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let status = wait_at_most(&mut launcher, Duration::from_secs(15));
+        if status.is_none() {
+            // kill -9: its guards take the ranks down with them.
+            let _ = launcher.kill();
+            let _ = launcher.wait();
+        }
+        let mut err = String::new();
+        std::io::Read::read_to_string(&mut launcher.stderr.take().unwrap(), &mut err).unwrap();
+        let status = status.unwrap_or_else(|| panic!("an error file that is {what} hung the launcher:\n{err}"));
+        assert_eq!(status.code(), Some(3), "{what}: {err}");
+        assert!(err.contains("rank 1 exited with code 3"), "{what}: {err}");
+        let rank0: u32 = std::fs::read_to_string(&pidfile).unwrap().trim().parse().unwrap();
+        let deadline = Instant::now() + Duration::from_secs(2);
+        while exists(rank0) && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        assert!(!exists(rank0), "{what}: rank 0 ({rank0}) was not stopped");
+    }
+}

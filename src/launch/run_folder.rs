@@ -12,6 +12,10 @@
 //! folder; the next launcher of the same user does, once it can take the folder's lock: the
 //! kernel drops a lock with the last descriptor of its holder, so a free lock means a dead
 //! launcher in whatever pid namespace it ran, where a pid in the name would mean nothing.
+//!
+//! What a rank wrote is read as a stranger's input: never through a symlink, never from
+//! anything but a regular file, never blocking, at most [`MAX_ERROR_FILE`] bytes, and off the
+//! launcher's own thread with a deadline.
 
 #![forbid(unsafe_code)]
 
@@ -39,6 +43,8 @@ const ATTEMPT: &str = "attempt_0";
 const LOCKLESS_PATIENCE: Duration = Duration::from_secs(24 * 3600);
 /// The largest error file read back from a rank.
 pub(super) const MAX_ERROR_FILE: u64 = 1 << 20;
+/// How long the launcher waits for a rank's error file to be read.
+const READ_PATIENCE: Duration = Duration::from_secs(2);
 /// How long a new folder's lock may be held by another launcher's sweep (which holds a
 /// folder's lock only while it looks inside).
 const LOCK_PATIENCE: Duration = Duration::from_secs(2);
@@ -155,22 +161,107 @@ fn open_untrusted(path: &Path) -> std::io::Result<File> {
     Ok(File::from(rustix::fs::open(path, flags, rustix::fs::Mode::empty())?))
 }
 
-/// Reads a rank's error file in torchrun's format (`{"message": {"message": ..., "extraInfo":
-/// {"py_callstack": ..., "timestamp": ...}}}`, or a plain string message), if it wrote one.
-pub(super) fn read_error_file(path: &Path) -> Option<RankError> {
-    let mut text = String::new();
-    File::open(path).ok()?.take(MAX_ERROR_FILE).read_to_string(&mut text).ok()?;
-    let json: serde_json::Value = serde_json::from_str(&text).ok()?;
+/// Reads `rank`'s error file in torchrun's format, if it wrote one, without waiting for it
+/// longer than [`READ_PATIENCE`]: what is wrong with it is logged, and the file ignored.
+pub(super) async fn read_error_file(rank: usize, path: PathBuf) -> Option<RankError> {
+    let read = tokio::task::spawn_blocking(move || {
+        let r = read_error_file_now(&path);
+        if let Err(why) = &r {
+            tracing::warn!("ignored rank {rank}'s error file {}: {why}", path.display());
+        }
+        r.ok().flatten()
+    });
+    match tokio::time::timeout(READ_PATIENCE, read).await {
+        Ok(Ok(error)) => error,
+        Ok(Err(e)) => {
+            tracing::warn!("reading rank {rank}'s error file failed: {e}");
+            None
+        }
+        Err(_) => {
+            tracing::warn!("gave up reading rank {rank}'s error file after {READ_PATIENCE:?}");
+            None
+        }
+    }
+}
+
+/// Reads an error file (`{"message": {"message": ..., "extraInfo": {"py_callstack": ...,
+/// "timestamp": ...}}}`, or a plain string message): `Ok(None)` if there is none, or none in
+/// that format; `Err` says why the file was refused.
+fn read_error_file_now(path: &Path) -> std::result::Result<Option<RankError>, String> {
+    let f = match open_untrusted(path) {
+        Ok(f) => f,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) if e.raw_os_error() == Some(libc::ELOOP) => return Err("it is a symbolic link".into()),
+        Err(e) => return Err(e.to_string()),
+    };
+    let meta = f.metadata().map_err(|e| e.to_string())?;
+    if !meta.is_file() {
+        return Err(format!("it is not a regular file but {}", kind(meta.file_type())));
+    }
+    let mut bytes = Vec::new();
+    f.take(MAX_ERROR_FILE + 1).read_to_end(&mut bytes).map_err(|e| e.to_string())?;
+    if bytes.len() as u64 > MAX_ERROR_FILE {
+        return Err(format!("it is larger than {MAX_ERROR_FILE} bytes"));
+    }
+    let Ok(json) = serde_json::from_slice::<serde_json::Value>(&bytes) else { return Ok(None) };
     let (message, traceback) = match &json["message"] {
         serde_json::Value::String(m) => (m.clone(), None),
-        m => (m["message"].as_str()?.to_string(), m["extraInfo"]["py_callstack"].as_str().map(str::to_string)),
+        m => match m["message"].as_str() {
+            Some(s) => (s.to_string(), m["extraInfo"]["py_callstack"].as_str().map(str::to_string)),
+            None => return Ok(None),
+        },
     };
-    Some(RankError { message, traceback, json })
+    Ok(Some(RankError { message, traceback, json }))
+}
+
+/// What kind of file `t` is, for messages.
+fn kind(t: std::fs::FileType) -> &'static str {
+    use std::os::unix::fs::FileTypeExt;
+    match () {
+        _ if t.is_dir() => "a directory",
+        _ if t.is_fifo() => "a FIFO",
+        _ if t.is_socket() => "a socket",
+        _ if t.is_char_device() => "a character device",
+        _ if t.is_block_device() => "a block device",
+        _ => "not a file",
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn error_files_are_read_only_when_they_are_small_regular_files() {
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join("error.json");
+        assert_eq!(read_error_file_now(&p), Ok(None), "no file is no error");
+        std::fs::write(&p, r#"{"message": {"message": "RuntimeError: boom", "extraInfo": {"py_callstack": "tb"}}}"#)
+            .unwrap();
+        let e = read_error_file_now(&p).unwrap().unwrap();
+        assert_eq!((e.message.as_str(), e.traceback.as_deref()), ("RuntimeError: boom", Some("tb")));
+        std::fs::write(&p, r#"{"message": "plain"}"#).unwrap();
+        assert_eq!(read_error_file_now(&p).unwrap().unwrap().message, "plain");
+        std::fs::write(&p, "not json").unwrap();
+        assert_eq!(read_error_file_now(&p), Ok(None));
+        // One byte over the limit is refused, not cut and misread.
+        let big = format!(r#"{{"message": "{}"}}"#, "x".repeat(MAX_ERROR_FILE as usize));
+        std::fs::write(&p, big).unwrap();
+        assert!(read_error_file_now(&p).unwrap_err().contains("larger than"));
+        std::fs::remove_file(&p).unwrap();
+        // A FIFO, a symlink (even to a good file), a folder, a device: refused at once.
+        rustix::fs::mknodat(rustix::fs::CWD, &p, rustix::fs::FileType::Fifo, rustix::fs::Mode::RUSR, 0).unwrap();
+        assert!(read_error_file_now(&p).unwrap_err().contains("not a regular file"));
+        std::fs::remove_file(&p).unwrap();
+        let good = d.path().join("good.json");
+        std::fs::write(&good, r#"{"message": "plain"}"#).unwrap();
+        std::os::unix::fs::symlink(&good, &p).unwrap();
+        assert!(read_error_file_now(&p).unwrap_err().contains("symbolic link"));
+        std::fs::remove_file(&p).unwrap();
+        std::fs::create_dir(&p).unwrap();
+        assert!(read_error_file_now(&p).unwrap_err().contains("not a regular file"));
+        assert!(read_error_file_now(Path::new("/dev/zero")).unwrap_err().contains("not a regular file"));
+    }
 
     #[test]
     fn a_folder_is_swept_only_when_its_lock_is_free() {

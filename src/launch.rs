@@ -5,7 +5,9 @@
 //! and when a rank fails stops the others (SIGTERM, then SIGKILL half a second later) and
 //! reports which rank failed and how. Each rank runs in its own process group, so the ranks'
 //! own children are stopped with them; and each rank is killed by the kernel if the launcher
-//! itself dies, even by `kill -9`.
+//! itself dies, even by `kill -9`. With a [`guard`] in front of each rank (as `symmem run`
+//! puts one), nothing a rank starts outlives it, not even what leaves the group or the session
+//! (`setsid`): see `launch/reap.rs`.
 //!
 //! Its files (the ranks' error files, and what says the launch is alive) are in a run folder
 //! of its own (`launch/run_folder.rs`).
@@ -24,8 +26,7 @@
 use std::ffi::OsString;
 use std::fmt;
 use std::io::Write;
-use std::os::unix::process::ExitStatusExt;
-use std::process::{ExitStatus, Stdio};
+use std::process::Stdio;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -40,8 +41,10 @@ use crate::error::{Error, Result};
 use crate::group;
 use crate::store::{AsyncStoreClient, ClientOptions, Secret, ServerOptions, StoreServer};
 
+mod reap;
 mod run_folder;
 
+pub use reap::Subreaper;
 use run_folder::RunFolder;
 
 /// How long ranks get between SIGTERM and SIGKILL once the job is being stopped.
@@ -99,7 +102,8 @@ pub struct LaunchOptions {
     /// Extra environment variables for every rank.
     pub env: Vec<(OsString, OsString)>,
     /// A command that runs [`guard`] (e.g. `symmem __guard --`), to put in front of the rank
-    /// program. Without it a rank's own children outlive a `kill -9` of the launcher.
+    /// program. Without it a rank's own children outlive a `kill -9` of the launcher, and what
+    /// a rank starts outside its process group (`setsid`) outlives the job.
     pub guard: Option<(OsString, Vec<OsString>)>,
     /// Whether and how the ranks are bound to CPUs.
     pub bind: Bind,
@@ -153,10 +157,6 @@ pub enum Termination {
 }
 
 impl Termination {
-    fn of(status: ExitStatus) -> Termination {
-        Termination::from_parts(status.code(), status.signal())
-    }
-
     fn from_parts(code: Option<i32>, signal: Option<i32>) -> Termination {
         match (code, signal) {
             (Some(c), _) => Termination::Exit(c),
@@ -501,6 +501,7 @@ async fn run_async(o: &LaunchOptions) -> Result<Outcome> {
         None
     };
     let cpus = cpu_shares(o)?;
+    let guarded = o.guard.is_some();
     let id = run_id();
     let mut pids = Vec::new();
     let mut children = Vec::new();
@@ -546,14 +547,14 @@ async fn run_async(o: &LaunchOptions) -> Result<Outcome> {
             Some(secret) => cmd.env(env::STORE_SECRET, secret.expose_os()),
             None => cmd.env_remove(env::STORE_SECRET),
         };
-        crate::sys::die_with_parent(&mut cmd);
+        crate::sys::die_with_parent(cmd.as_std_mut());
         if let Some(set) = cpus.get(local) {
             crate::sys::bind_to(&mut cmd, *set);
         }
         let mut child = match cmd.spawn() {
             Ok(c) => c,
             Err(e) => {
-                stop(&pids, Signal::KILL);
+                abandon(&pids, guarded);
                 return Err(Error::io(format!("start rank {rank}: {:?}", o.program), e));
             }
         };
@@ -563,7 +564,7 @@ async fn run_async(o: &LaunchOptions) -> Result<Outcome> {
         let ended = match crate::sys::ChildExit::watch(pid) {
             Ok(e) => e,
             Err(e) => {
-                stop(&pids, Signal::KILL);
+                abandon(&pids, guarded);
                 let _ = child.start_kill();
                 return Err(Error::io(format!("pidfd_open rank {rank} (pid {pid}); Linux 5.3 or later is needed"), e));
             }
@@ -583,6 +584,7 @@ async fn run_async(o: &LaunchOptions) -> Result<Outcome> {
     let mut sigterm = signal(SignalKind::terminate()).map_err(|e| Error::io("install SIGTERM handler", e))?;
     let job_deadline = o.timeout.map(|t| Instant::now() + t);
     let mut kill_at: Option<Instant> = None;
+    let mut asked_guards = false;
     let mut outcome: Option<Outcome> = None;
     let far = Instant::now() + Duration::from_secs(100 * 365 * 24 * 3600);
 
@@ -613,7 +615,7 @@ async fn run_async(o: &LaunchOptions) -> Result<Outcome> {
                 let how = match status {
                     Ok(how) => how,
                     Err(e) => {
-                        stop(&pids, Signal::KILL);
+                        abandon(&pids, guarded);
                         return Err(Error::io(format!("wait for rank {rank}"), e));
                     }
                 };
@@ -649,8 +651,16 @@ async fn run_async(o: &LaunchOptions) -> Result<Outcome> {
                 kill_at = Some(Instant::now() + GRACE);
             }
             _ = tokio::time::sleep_until(kill_at.unwrap_or(far)), if kill_at.is_some() => {
-                stop(&pids, Signal::KILL);
-                kill_at = None;
+                if guarded && !asked_guards {
+                    // A guard ends its rank and everything that rank started, wherever it went;
+                    // a SIGKILL to the group would end the guard first, and leave the rest.
+                    asked_guards = true;
+                    ask_guards(&pids);
+                    kill_at = Some(Instant::now() + GRACE);
+                } else {
+                    stop(&pids, Signal::KILL);
+                    kill_at = None;
+                }
             }
         }
     }
@@ -702,6 +712,38 @@ fn stop(pids: &[u32], signal: Signal) {
     }
 }
 
+/// Asks every rank's guard to end its rank and all the rank started, now ([`guard`]'s SIGUSR1).
+/// Each pid is still the guard's (alive or a zombie, see the module docs).
+fn ask_guards(pids: &[u32]) {
+    for &pid in pids {
+        if let Some(pid) = i32::try_from(pid).ok().and_then(rustix::process::Pid::from_raw) {
+            let _ = rustix::process::kill_process(pid, Signal::USR1);
+        }
+    }
+}
+
+/// Ends the ranks started so far, when the launcher cannot go on: through their guards, given
+/// [`GRACE`] to end what their ranks started, then SIGKILL to every group. No pid is reaped here.
+fn abandon(pids: &[u32], guarded: bool) {
+    use rustix::process::{WaitId, WaitIdOptions, waitid};
+    if guarded {
+        ask_guards(pids);
+        let running = |&pid: &u32| {
+            i32::try_from(pid).ok().and_then(rustix::process::Pid::from_raw).is_some_and(|p| {
+                matches!(
+                    waitid(WaitId::Pid(p), WaitIdOptions::EXITED | WaitIdOptions::NOHANG | WaitIdOptions::NOWAIT),
+                    Ok(None)
+                )
+            })
+        };
+        let deadline = std::time::Instant::now() + GRACE;
+        while pids.iter().any(running) && std::time::Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+    stop(pids, Signal::KILL);
+}
+
 /// Copies a rank's output line by line, each line prefixed with `[rank] `.
 async fn forward(stream: impl AsyncRead + Unpin, rank: usize, stderr: bool, lock: Arc<std::sync::Mutex<()>>) {
     let mut reader = BufReader::new(stream);
@@ -748,14 +790,23 @@ fn signal_name(s: i32) -> &'static str {
     }
 }
 
-/// Runs `program` as the guard of a rank's process group, and returns the exit code to exit
-/// with. The launcher starts the guard as the leader of a new process group; the guard starts
-/// the rank program in that group and waits for it.
+/// How long ending a rank's leftovers may take before the guard gives up on them.
+const END_PATIENCE: Duration = Duration::from_secs(10);
+
+/// Runs `program` as the guard of a rank, and returns the exit code to exit with. The launcher
+/// starts the guard as the leader of a new process group; the guard starts the rank program in
+/// that group and waits for it.
+///
+/// The guard is a child subreaper (see `launch/reap.rs`): whatever the rank starts stays under
+/// the guard, even when it leaves the group (`setsid`) or its parent. When the rank ends, the
+/// guard kills everything the rank left running, so nothing a rank starts outlives it.
 ///
 /// The guard asks the kernel for SIGTERM when the launcher dies. On SIGTERM or SIGINT it checks
 /// whether the launcher is still its parent: if so, the signal was the launcher stopping the
-/// job, which the rank received too, and the guard keeps waiting; if not, the launcher is gone
-/// and the guard kills its whole process group, rank and descendants, with SIGKILL.
+/// job, which the rank received too (the guard passes it on to a rank that left the group), and
+/// the guard keeps waiting; if not, the launcher is gone, and the guard kills the rank and
+/// everything under it with SIGKILL. SIGUSR1 from the launcher, its last word to a rank that
+/// will not stop, does the same.
 ///
 /// A rank killed by a signal is reported by the guard killing itself with the same signal (or,
 /// for SIGTERM and SIGINT, which it handles, exiting with 128 + the signal).
@@ -767,6 +818,9 @@ pub fn guard(program: &OsString, args: &[OsString]) -> i32 {
     if rustix::process::getppid() != launcher {
         return 1;
     }
+    if let Err(e) = rustix::process::set_child_subreaper(Some(rustix::process::getpid())) {
+        eprintln_guard(&format!("cannot adopt what the rank leaves behind: {e}"));
+    }
     let rt = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
         Ok(rt) => rt,
         Err(e) => {
@@ -777,45 +831,75 @@ pub fn guard(program: &OsString, args: &[OsString]) -> i32 {
     rt.block_on(async {
         // Handlers first: once the rank runs, a SIGTERM with the default action would kill the
         // guard alone and leave the rank's children behind.
-        let (Ok(mut term), Ok(mut int)) = (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) else {
+        let (Ok(mut term), Ok(mut int), Ok(mut end), Ok(mut child)) = (
+            signal(SignalKind::terminate()),
+            signal(SignalKind::interrupt()),
+            signal(SignalKind::user_defined1()),
+            signal(SignalKind::child()),
+        ) else {
             eprintln_guard("cannot install signal handlers");
             return 1;
         };
         if rustix::process::getppid() != launcher {
             return 1;
         }
-        let mut cmd = tokio::process::Command::new(program);
+        let mut cmd = std::process::Command::new(program);
         cmd.args(args);
         crate::sys::die_with_parent(&mut cmd);
-        let mut child = match cmd.spawn() {
-            Ok(c) => c,
+        // The guard reaps its children itself (the rank, and the orphans it adopts).
+        let rank = match cmd.spawn().map(|c| i32::try_from(c.id()).ok().and_then(rustix::process::Pid::from_raw)) {
+            Ok(Some(pid)) => pid,
+            Ok(None) => return 1,
             Err(e) => {
                 eprintln_guard(&format!("cannot start {program:?}: {e}"));
                 return 127;
             }
         };
+        let status = std::cell::Cell::new(None);
+        let mut seen = |pid, s| {
+            if pid == rank {
+                status.set(Some(s));
+            }
+        };
         loop {
             let sig = tokio::select! {
-                status = child.wait() => {
-                    return match status.map(Termination::of) {
-                        Ok(Termination::Exit(c)) => c,
-                        Ok(Termination::Signal(s)) => {
-                            if let Some(sig) = Signal::from_named_raw(s).filter(|&g| g != Signal::TERM && g != Signal::INT) {
-                                let _ = rustix::process::kill_process(rustix::process::getpid(), sig);
-                            }
-                            128 + s
-                        }
-                        Err(_) => 1,
-                    };
-                }
-                _ = term.recv() => Signal::TERM,
-                _ = int.recv() => Signal::INT,
+                _ = child.recv() => None,
+                _ = term.recv() => Some(Signal::TERM),
+                _ = int.recv() => Some(Signal::INT),
+                _ = end.recv() => Some(Signal::USR1),
+                // Signals of one kind merge: a look now and then misses no ended child.
+                _ = tokio::time::sleep(Duration::from_secs(1)) => None,
             };
-            if rustix::process::getppid() != launcher {
-                // The launcher is gone: take the whole group down, this guard included.
-                crate::sys::signal_group(std::process::id(), Signal::KILL);
+            let orphaned = rustix::process::getppid() != launcher;
+            if orphaned || sig == Some(Signal::USR1) {
+                reap::end_descendants(END_PATIENCE, &mut seen);
+                if orphaned {
+                    // The launcher is gone: nobody reads this code.
+                    return 128 + Signal::TERM.as_raw();
+                }
+            } else if let Some(sig) = sig {
+                // The launcher's TERM or INT reached the rank through the group, unless the
+                // rank left it. The rank is not reaped yet, so its pid is still the rank's.
+                if rustix::process::getpgid(Some(rank)).is_ok_and(|g| g != rustix::process::getpgrp()) {
+                    let _ = rustix::process::kill_process(rank, sig);
+                }
+                tracing::trace!("guard: {sig:?} from the launcher; waiting for the rank");
             }
-            tracing::trace!("guard: {sig:?} from the launcher; waiting for the rank");
+            reap::reap(&mut seen);
+            if let Some(s) = status.get() {
+                // Nothing the rank started outlives it.
+                reap::end_descendants(END_PATIENCE, |_, _| {});
+                return match Termination::from_parts(s.exit_status(), s.terminating_signal()) {
+                    Termination::Exit(c) => c,
+                    Termination::Signal(s) => {
+                        if let Some(sig) = Signal::from_named_raw(s).filter(|&g| g != Signal::TERM && g != Signal::INT)
+                        {
+                            let _ = rustix::process::kill_process(rustix::process::getpid(), sig);
+                        }
+                        128 + s
+                    }
+                };
+            }
         }
     })
 }

@@ -815,6 +815,9 @@ fn exit_code(code: i32) -> u8 {
 }
 
 fn launch_and_report(options: &LaunchOptions) -> Result<u8> {
+    // This process is only the launcher: what a rank's guard killed from outside leaves comes
+    // here, and goes with the job.
+    let _reaper = launch::Subreaper::adopt();
     let mut options = options.clone();
     let exe = self_exe()?;
     options.guard = Some((exe.into(), vec!["__guard".into(), "--".into()]));
@@ -865,7 +868,9 @@ fn demo(nproc: usize, hosts: usize) -> Result<u8> {
             exe.display()
         );
         options.guard = Some((exe.into(), vec!["__guard".into(), "--".into()]));
+        let reaper = launch::Subreaper::adopt();
         let outcome = launch::run_hosts(&options, hosts)?;
+        drop(reaper);
         if outcome != launch::Outcome::Success {
             eprintln!("symmem demo: {outcome}");
         }

@@ -1956,6 +1956,32 @@ fn wait_at_most(child: &mut std::process::Child, limit: Duration) -> Option<std:
     }
 }
 
+/// The processes whose command line has the argument `marker`, killed (SIGKILL) so that no test
+/// leaves them behind, even one that fails: the pids, or empty when there were none.
+fn kill_marked(marker: &str) -> Vec<u32> {
+    let mut found = Vec::new();
+    // Some may be forking: a few rounds, until a round finds none.
+    for _ in 0..50 {
+        let mut round = Vec::new();
+        for e in std::fs::read_dir("/proc").unwrap().flatten() {
+            let Some(pid) = e.file_name().to_str().and_then(|n| n.parse::<u32>().ok()) else { continue };
+            let Ok(cmdline) = std::fs::read(e.path().join("cmdline")) else { continue };
+            if cmdline.split(|&b| b == 0).any(|a| a == marker.as_bytes()) {
+                let _ = Command::new("kill").args(["-9", &pid.to_string()]).status();
+                round.push(pid);
+            }
+        }
+        if round.is_empty() {
+            break;
+        }
+        found.extend(round);
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    found.sort_unstable();
+    found.dedup();
+    found
+}
+
 /// The run folders (`symmem-run-*`) under `tmp`.
 fn run_folders(tmp: &std::path::Path) -> Vec<std::path::PathBuf> {
     let mut v: Vec<_> = std::fs::read_dir(tmp)
@@ -2105,4 +2131,116 @@ fn a_rank_cannot_hang_the_launcher_through_its_error_file() {
         }
         assert!(!exists(rank0), "{what}: rank 0 ({rank0}) was not stopped");
     }
+}
+
+/// A rank script that starts `setsid sleep MARKER` (a process in a session of its own) and waits
+/// until it runs, then `then`.
+fn escapee(marker: &str, dir: &std::path::Path, then: &str) -> String {
+    format!(
+        "setsid sh -c 'echo $$ > {d}/escapee$RANK; exec sleep {marker}' & \
+         while [ ! -s {d}/escapee$RANK ]; do sleep 0.02; done; {then}",
+        d = dir.display()
+    )
+}
+
+// Issue 51 item 4: a rank's `setsid` child outlived the job, after a normal end, a failure or
+// `kill -9` of the launcher (torchrun leaves them too). Now nothing a rank starts survives it.
+#[test]
+fn nothing_a_rank_starts_outlives_the_job() {
+    let tag = std::process::id() % 100_000;
+    let run = |args: &[&str]| {
+        Command::new(BIN)
+            .args(["run", "--timeout", "60"])
+            .args(args)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+    // Every case is tried, and what went wrong in each reported at the end.
+    let mut failures = Vec::new();
+    // Waits for the launcher (killing it after 30 s), then for the processes with `marker` to
+    // go (a moment, for a kill -9's aftermath); kills what is left, and says what was.
+    let mut finish = |mut launcher: std::process::Child, marker: &str, what: &str, code: Option<i32>| {
+        let status = wait_at_most(&mut launcher, Duration::from_secs(30));
+        if status.is_none() {
+            let _ = launcher.kill();
+            let _ = launcher.wait();
+            failures.push(format!("{what}: the launcher did not end"));
+        }
+        let deadline = Instant::now() + Duration::from_secs(3);
+        while !marked(marker).is_empty() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let left = kill_marked(marker);
+        if !left.is_empty() {
+            let some = &left[..left.len().min(8)];
+            failures.push(format!("{what}: {} processes outlived the job: {some:?}..", left.len()));
+        }
+        if code.is_some() && status.and_then(|s| s.code()) != code {
+            failures.push(format!("{what}: the launcher ended with {status:?}, not code {code:?}"));
+        }
+    };
+
+    // A normal end.
+    let d = tempfile::tempdir().unwrap();
+    let marker = format!("291.{tag}");
+    let launcher = run(&["-n", "2", "--", "sh", "-c", &escapee(&marker, d.path(), "exit 0")]);
+    finish(launcher, &marker, "after a normal end", Some(0));
+
+    // A failure, with a rank that ignores SIGTERM.
+    let d = tempfile::tempdir().unwrap();
+    let marker = format!("292.{tag}");
+    let script = format!(
+        "if [ $RANK = 1 ]; then while [ ! -s {d}/escapee0 ]; do sleep 0.02; done; exit 3; fi; {}",
+        escapee(&marker, d.path(), "trap '' TERM; sleep 60"),
+        d = d.path().display()
+    );
+    let launcher = run(&["-n", "2", "--", "sh", "-c", &script]);
+    finish(launcher, &marker, "after a failure", Some(3));
+
+    // kill -9 of the launcher, and kill -9 of a rank's guard (the launcher's child).
+    for (k, victim) in ["the launcher", "a guard"].into_iter().enumerate() {
+        let d = tempfile::tempdir().unwrap();
+        let marker = format!("29{}.{tag}", 3 + k);
+        let then = format!("echo $PPID > {}/guard$RANK; sleep 60", d.path().display());
+        let mut launcher = run(&["-n", "2", "--", "sh", "-c", &escapee(&marker, d.path(), &then)]);
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while !(d.path().join("escapee0").exists() && d.path().join("escapee1").exists()) && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        std::thread::sleep(Duration::from_millis(100));
+        match victim {
+            "the launcher" => launcher.kill().unwrap(), // SIGKILL
+            _ => {
+                let guard = std::fs::read_to_string(d.path().join("guard0")).unwrap_or_default();
+                let _ = Command::new("kill").args(["-9", guard.trim()]).status();
+            }
+        }
+        finish(launcher, &marker, &format!("after kill -9 of {victim}"), None);
+    }
+
+    // A rank that leaves a loop starting escapees as fast as it can (a thousand at most) while
+    // the job ends.
+    let marker = format!("295.{tag}");
+    let script = format!(
+        "setsid sh -c 'i=0; while [ $i -lt 1000 ]; do setsid sleep $0 & i=$((i+1)); done; wait' {marker} & \
+         sleep 0.3; exit 0"
+    );
+    let launcher = run(&["-n", "1", "--", "sh", "-c", &script]);
+    finish(launcher, &marker, "after a rank that kept starting escapees", Some(0));
+    assert!(failures.is_empty(), "{} of the cases failed:\n{}", failures.len(), failures.join("\n"));
+}
+
+/// The processes with the argument `marker`.
+fn marked(marker: &str) -> Vec<u32> {
+    let mut v = Vec::new();
+    for e in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Some(pid) = e.file_name().to_str().and_then(|n| n.parse::<u32>().ok()) else { continue };
+        let Ok(cmdline) = std::fs::read(e.path().join("cmdline")) else { continue };
+        if cmdline.split(|&b| b == 0).any(|a| a == marker.as_bytes()) {
+            v.push(pid);
+        }
+    }
+    v
 }

@@ -7,7 +7,8 @@ use rustix::process::{Pid, Signal};
 
 /// Makes the child started by `cmd` receive SIGKILL when this process dies, and exit at once if
 /// this process is already gone by the time it starts.
-pub(crate) fn die_with_parent(cmd: &mut tokio::process::Command) {
+pub(crate) fn die_with_parent(cmd: &mut std::process::Command) {
+    use std::os::unix::process::CommandExt;
     let parent = rustix::process::getpid();
     // SAFETY: `pre_exec` runs this closure in the forked child before exec, where only
     // async-signal-safe calls are allowed. It makes two raw syscalls through rustix (prctl and

@@ -1942,6 +1942,14 @@ fn can_be_nobody(test: &str) -> bool {
     root && setpriv
 }
 
+/// User `nobody`'s uid and gid, from /etc/passwd.
+fn nobody_ids() -> (u32, u32) {
+    let passwd = std::fs::read_to_string("/etc/passwd").unwrap();
+    let line = passwd.lines().find(|l| l.starts_with("nobody:")).expect("a user named nobody");
+    let f: Vec<&str> = line.split(':').collect();
+    (f[2].parse().unwrap(), f[3].parse().unwrap())
+}
+
 /// Waits up to `limit` for `child` to end; `None` if it is still running.
 fn wait_at_most(child: &mut std::process::Child, limit: Duration) -> Option<std::process::ExitStatus> {
     let deadline = Instant::now() + limit;
@@ -2243,4 +2251,169 @@ fn marked(marker: &str) -> Vec<u32> {
         }
     }
     v
+}
+
+/// What `symmem ARGS` (a store or a job) did with the user's key under `home` (`HOME`, no
+/// `XDG_CONFIG_HOME`): `Err` with its stderr if it refused, `Ok(true)` once it serves (or
+/// succeeded); `Ok(false)` if it was still doing neither after 10 s (it hung, and is killed).
+fn with_home(home: &std::path::Path, args: &[&str]) -> Result<bool, String> {
+    use std::io::Read;
+    let out = tempfile::NamedTempFile::new().unwrap();
+    let mut child = Command::new(BIN)
+        .args(args)
+        .env("HOME", home)
+        .env_remove("XDG_CONFIG_HOME")
+        .env_remove("SYMMEM_STORE_SECRET")
+        .stdout(out.reopen().unwrap())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            let mut err = String::new();
+            child.stderr.take().unwrap().read_to_string(&mut err).unwrap();
+            return if s.success() { Ok(true) } else { Err(err) };
+        }
+        if std::fs::read_to_string(out.path()).unwrap().contains("listening on") {
+            let _ = child.kill();
+            let _ = child.wait();
+            return Ok(true);
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            return Ok(false);
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+// Issue 51 item 5: the user's key was accepted when another user owned it (or owned what a
+// symlink at its place named), a new key was made in a directory another user owned, and a
+// FIFO at its place hung `symmem store`. Now, as ssh's StrictModes: refused, saying why.
+#[test]
+fn the_users_key_is_the_users() {
+    if !can_be_nobody("the_users_key_is_the_users") {
+        return;
+    }
+    use std::os::unix::fs::PermissionsExt;
+    let (uid, gid) = nobody_ids();
+    let store = ["store", "--port", "0", "--host", "127.0.0.1"];
+    let private =
+        |p: &std::path::Path, mode: u32| std::fs::set_permissions(p, std::fs::Permissions::from_mode(mode)).unwrap();
+    // A home with its config folder made, as this user's, private.
+    let home = || {
+        let h = tempfile::tempdir().unwrap();
+        std::fs::create_dir_all(h.path().join(".config/symmem")).unwrap();
+        private(&h.path().join(".config/symmem"), 0o700);
+        h
+    };
+    // Every case is tried, and what went wrong in each reported at the end.
+    let failures = std::cell::RefCell::new(Vec::new());
+    let refused = |h: &tempfile::TempDir, args: &[&str], what: &str, says: &[&str]| match with_home(h.path(), args) {
+        Ok(true) => failures.borrow_mut().push(format!("{what}: accepted")),
+        Ok(false) => failures.borrow_mut().push(format!("{what}: hung (killed after 10 s)")),
+        Err(err) => {
+            for s in says.iter().filter(|s| !err.contains(*s)) {
+                failures.borrow_mut().push(format!("{what}: the error should say {s:?}: {err}"));
+            }
+        }
+    };
+
+    // The key file belongs to nobody (mode 0600).
+    let h = home();
+    let key = h.path().join(".config/symmem/secret");
+    std::fs::write(&key, "planted by nobody").unwrap();
+    private(&key, 0o600);
+    std::os::unix::fs::chown(&key, Some(uid), Some(gid)).unwrap();
+    refused(&h, &store, "a key owned by nobody", &[key.to_str().unwrap(), &format!("owned by uid {uid}")]);
+
+    // The key is a symlink to a file of nobody's.
+    let h = home();
+    let key = h.path().join(".config/symmem/secret");
+    let theirs = h.path().join("theirs");
+    std::fs::write(&theirs, "planted by nobody").unwrap();
+    private(&theirs, 0o600);
+    std::os::unix::fs::chown(&theirs, Some(uid), Some(gid)).unwrap();
+    std::os::unix::fs::symlink(&theirs, &key).unwrap();
+    refused(&h, &store, "a symlink to nobody's file", &[key.to_str().unwrap(), "symbolic link"]);
+
+    // The key is a FIFO (this user's, mode 0600): refused at once, no hang.
+    let h = home();
+    let key = h.path().join(".config/symmem/secret");
+    assert!(Command::new("mkfifo").args(["-m", "600"]).arg(&key).status().unwrap().success());
+    refused(&h, &store, "a FIFO", &[key.to_str().unwrap(), "not a regular file"]);
+
+    // The key's folder belongs to nobody: no key is made there.
+    let h = home();
+    let dir = h.path().join(".config/symmem");
+    std::os::unix::fs::chown(&dir, Some(uid), Some(gid)).unwrap();
+    refused(&h, &store, "a folder of nobody's", &[dir.to_str().unwrap(), &format!("owned by uid {uid}")]);
+    if dir.join("secret").exists() {
+        failures.borrow_mut().push("a key was made in nobody's folder".into());
+    }
+
+    // The key's folder is a symlink to a folder of nobody's.
+    let h = home();
+    let dir = h.path().join(".config/symmem");
+    let theirs = h.path().join("theirs");
+    std::fs::create_dir(&theirs).unwrap();
+    std::os::unix::fs::chown(&theirs, Some(uid), Some(gid)).unwrap();
+    std::fs::remove_dir(&dir).unwrap();
+    std::os::unix::fs::symlink(&theirs, &dir).unwrap();
+    refused(&h, &store, "a symlink to a folder of nobody's", &[dir.to_str().unwrap(), &format!("owned by uid {uid}")]);
+    if theirs.join("secret").exists() {
+        failures.borrow_mut().push("a key was made in nobody's folder, through a symlink".into());
+    }
+
+    // The key's folder is writable by others.
+    let h = home();
+    let dir = h.path().join(".config/symmem");
+    private(&dir, 0o777);
+    refused(&h, &store, "a folder others can write", &[dir.to_str().unwrap(), "writable"]);
+    if dir.join("secret").exists() {
+        failures.borrow_mut().push("a key was made in a folder anyone can write".into());
+    }
+
+    // A file named with --secret-file: the same rules, for the store and for a job.
+    let h = home();
+    let named = h.path().join("job-secret");
+    std::fs::write(&named, "planted by nobody").unwrap();
+    private(&named, 0o600);
+    std::os::unix::fs::chown(&named, Some(uid), Some(gid)).unwrap();
+    let n = named.to_str().unwrap();
+    refused(&h, &[&store[..], &["--secret-file", n]].concat(), "--secret-file of nobody's", &[n, "owned by uid"]);
+    refused(
+        &h,
+        &["run", "-n", "1", "--secret-file", n, "--", "true"],
+        "run --secret-file of nobody's",
+        &[n, "owned by uid"],
+    );
+    let mine = h.path().join("mine");
+    std::fs::write(&mine, "mine").unwrap();
+    private(&mine, 0o600);
+    let link = h.path().join("link");
+    std::os::unix::fs::symlink(&mine, &link).unwrap();
+    let l = link.to_str().unwrap();
+    refused(
+        &h,
+        &[&store[..], &["--secret-file", l]].concat(),
+        "--secret-file through a symlink",
+        &[l, "symbolic link"],
+    );
+
+    // A home without a key: the key is made, private, in a private folder, and kept.
+    let failures = failures.into_inner();
+    assert!(failures.is_empty(), "{} of the cases failed:\n{}", failures.len(), failures.join("\n"));
+    let h = tempfile::tempdir().unwrap();
+    assert_eq!(with_home(h.path(), &store), Ok(true));
+    let key = h.path().join(".config/symmem/secret");
+    let mode = |p: &std::path::Path| std::fs::symlink_metadata(p).unwrap().permissions().mode() & 0o777;
+    assert_eq!((mode(&key), mode(key.parent().unwrap())), (0o600, 0o700));
+    let first = std::fs::read(&key).unwrap();
+    assert_eq!(with_home(h.path(), &store), Ok(true));
+    assert_eq!(std::fs::read(&key).unwrap(), first, "the key is made once");
+    let left: Vec<_> = std::fs::read_dir(key.parent().unwrap()).unwrap().map(|e| e.unwrap().file_name()).collect();
+    assert_eq!(left, ["secret"], "no temporary file is left");
 }

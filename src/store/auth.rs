@@ -52,21 +52,18 @@ impl Secret {
         Ok(Secret(bytes.iter().map(|b| format!("{b:02x}")).collect::<String>().into_bytes()))
     }
 
-    /// The secret in a file: its contents without surrounding whitespace. Refused when the file
-    /// is readable or writable by anyone but its owner (as ssh refuses such keys), or empty.
+    /// The secret in a file: its contents without surrounding whitespace. Refused, as ssh's
+    /// StrictModes refuses keys, if the file is not a regular file (a symlink, a FIFO), is
+    /// larger than 64 KiB, is not this user's (the effective uid), may be read or written by
+    /// anyone else, or is empty. Never blocks.
     pub fn from_file(path: &Path) -> Result<Secret> {
-        use std::os::unix::fs::MetadataExt;
-        let meta = std::fs::metadata(path).map_err(|e| Error::io(format!("read secret file {}", path.display()), e))?;
-        if meta.mode() & 0o077 != 0 {
-            return Err(Error::InvalidArgument(format!(
-                "secret file {} has mode {:o}: it must be readable by its owner only (chmod 600)",
-                path.display(),
-                meta.mode() & 0o777
-            )));
+        match Secret::open_private(rustix::fs::CWD, path, path)? {
+            Some(f) => Secret::read_private(f, path),
+            None => Err(Error::io(
+                format!("read secret file {}", path.display()),
+                std::io::Error::from(std::io::ErrorKind::NotFound),
+            )),
         }
-        let text = std::fs::read(path).map_err(|e| Error::io(format!("read secret file {}", path.display()), e))?;
-        Secret::new(text.trim_ascii().to_vec())
-            .ok_or_else(|| Error::InvalidArgument(format!("secret file {} is empty", path.display())))
     }
 
     /// Where this user's key lives: `$XDG_CONFIG_HOME/symmem/secret`, by default
@@ -82,37 +79,141 @@ impl Secret {
     /// This user's key ([`Secret::user_key_path`]), made on first use (mode 0600, in a 0700
     /// directory), like Erlang's cookie: the hosts of a job that share a home directory share
     /// it with no setting at all. Returns the key and where it is.
+    ///
+    /// The key is [`Secret::from_file`]'s kind of file, and its directory must belong to this
+    /// user and be writable by nobody else: another user's directory could hold a key of their
+    /// choosing, or take a new one. The key is read and made through the directory checked,
+    /// never by its path again, so the directory cannot be swapped in between.
     pub fn user_key() -> Result<(Secret, PathBuf)> {
-        use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
+        use rustix::fs::{Mode, OFlags};
+        use std::os::unix::fs::{DirBuilderExt, MetadataExt};
         let path = Secret::user_key_path()?;
-        if !path.exists() {
-            let dir = path.parent().unwrap_or(Path::new("."));
-            std::fs::DirBuilder::new()
-                .recursive(true)
-                .mode(0o700)
-                .create(dir)
-                .map_err(|e| Error::io(format!("create {}", dir.display()), e))?;
-            // Written under a private name, then linked into place: two launchers racing on a
-            // shared home directory both end up reading the one that won.
-            let tmp = dir.join(format!(".secret.{}.{}", std::process::id(), u64::from_le_bytes(nonce_8())));
-            let mut f = std::fs::OpenOptions::new()
-                .write(true)
-                .create_new(true)
-                .mode(0o600)
-                .open(&tmp)
-                .map_err(|e| Error::io(format!("create {}", tmp.display()), e))?;
-            let key = Secret::random()?;
-            std::io::Write::write_all(&mut f, &key.0).map_err(|e| Error::io(format!("write {}", tmp.display()), e))?;
-            drop(f);
-            let linked = std::fs::hard_link(&tmp, &path);
-            let _ = std::fs::remove_file(&tmp);
-            match linked {
-                Ok(()) => tracing::info!("created the user's symmem key at {}", path.display()),
-                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
-                Err(e) => return Err(Error::io(format!("create {}", path.display()), e)),
-            }
+        let (Some(dir_path), Some(name)) = (path.parent(), path.file_name()) else {
+            return Err(Error::InvalidArgument(format!("{} names no file", path.display())));
+        };
+        // Missing directories are made for this user only.
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(dir_path)
+            .map_err(|e| Error::io(format!("create {}", dir_path.display()), e))?;
+        let flags = OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NONBLOCK | OFlags::CLOEXEC;
+        let dir = std::fs::File::from(
+            rustix::fs::open(dir_path, flags, Mode::empty())
+                .map_err(|e| Error::io(format!("open {}", dir_path.display()), e.into()))?,
+        );
+        let meta = dir.metadata().map_err(|e| Error::io(format!("stat {}", dir_path.display()), e))?;
+        let me = rustix::process::geteuid().as_raw();
+        if meta.uid() != me {
+            return Err(Secret::bad(
+                dir_path,
+                format!("it is owned by uid {}, not by this user (uid {me})", meta.uid()),
+            ));
         }
-        Ok((Secret::from_file(&path)?, path))
+        if meta.mode() & 0o022 != 0 {
+            return Err(Secret::bad(
+                dir_path,
+                format!("it has mode {:o}: it is writable by others (chmod go-w)", meta.mode() & 0o777),
+            ));
+        }
+        if let Some(f) = Secret::open_private(&dir, Path::new(name), &path)? {
+            return Ok((Secret::read_private(f, &path)?, path));
+        }
+        // Written under a private name, then linked into place (link never replaces a file):
+        // two launchers racing on a shared home directory both end up reading the one that won.
+        let tmp = format!(".secret.{}.{:016x}", std::process::id(), u64::from_le_bytes(nonce_8()));
+        let create = OFlags::WRONLY | OFlags::CREATE | OFlags::EXCL | OFlags::NOFOLLOW | OFlags::CLOEXEC;
+        let shown = dir_path.join(&tmp);
+        let mut f = std::fs::File::from(
+            rustix::fs::openat(&dir, tmp.as_str(), create, Mode::from_raw_mode(0o600))
+                .map_err(|e| Error::io(format!("create {}", shown.display()), e.into()))?,
+        );
+        let key = Secret::random()?;
+        let written = std::io::Write::write_all(&mut f, &key.0).and_then(|()| f.sync_all());
+        drop(f);
+        let linked = written.and_then(|()| {
+            rustix::fs::linkat(&dir, tmp.as_str(), &dir, name, rustix::fs::AtFlags::empty()).map_err(Into::into)
+        });
+        let _ = rustix::fs::unlinkat(&dir, tmp.as_str(), rustix::fs::AtFlags::empty());
+        match linked {
+            Ok(()) => tracing::info!("created the user's symmem key at {}", path.display()),
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+            Err(e) => return Err(Error::io(format!("create {}", path.display()), e)),
+        }
+        match Secret::open_private(&dir, Path::new(name), &path)? {
+            Some(f) => Ok((Secret::read_private(f, &path)?, path)),
+            None => Err(Error::io(
+                format!("read secret file {}", path.display()),
+                std::io::Error::from(std::io::ErrorKind::NotFound),
+            )),
+        }
+    }
+
+    /// The largest secret file read.
+    const MAX_FILE: u64 = 64 << 10;
+
+    /// Opens secret file `name` in `dir` (`shown` in messages) for reading, if it exists, and
+    /// checks it is one [`Secret::from_file`] accepts: never through a symlink, never blocking
+    /// (a FIFO), and only a regular file of this user's that nobody else may read or write.
+    fn open_private(dir: impl std::os::fd::AsFd, name: &Path, shown: &Path) -> Result<Option<std::fs::File>> {
+        use rustix::fs::{Mode, OFlags};
+        use std::os::unix::fs::MetadataExt;
+        let flags = OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::NONBLOCK | OFlags::NOCTTY | OFlags::CLOEXEC;
+        let f = match rustix::fs::openat(dir, name, flags, Mode::empty()) {
+            Ok(fd) => std::fs::File::from(fd),
+            Err(rustix::io::Errno::NOENT) => return Ok(None),
+            Err(rustix::io::Errno::LOOP) => {
+                return Err(Secret::bad(shown, "it is a symbolic link: name the file itself".into()));
+            }
+            Err(e) => return Err(Error::io(format!("read secret file {}", shown.display()), e.into())),
+        };
+        let meta = f.metadata().map_err(|e| Error::io(format!("stat {}", shown.display()), e))?;
+        let me = rustix::process::geteuid().as_raw();
+        if !meta.is_file() {
+            use std::os::unix::fs::FileTypeExt;
+            let t = meta.file_type();
+            let kind = if t.is_dir() {
+                "a directory"
+            } else if t.is_fifo() {
+                "a FIFO"
+            } else if t.is_socket() {
+                "a socket"
+            } else {
+                "a device"
+            };
+            return Err(Secret::bad(shown, format!("it is not a regular file but {kind}")));
+        }
+        if meta.uid() != me {
+            return Err(Secret::bad(shown, format!("it is owned by uid {}, not by this user (uid {me})", meta.uid())));
+        }
+        if meta.mode() & 0o077 != 0 {
+            return Err(Error::InvalidArgument(format!(
+                "secret file {} has mode {:o}: it must be readable by its owner only (chmod 600)",
+                shown.display(),
+                meta.mode() & 0o777
+            )));
+        }
+        Ok(Some(f))
+    }
+
+    /// Reads a secret file [`Secret::open_private`] opened: at most [`Secret::MAX_FILE`] bytes.
+    fn read_private(f: std::fs::File, shown: &Path) -> Result<Secret> {
+        use std::io::Read;
+        let mut text = Vec::new();
+        f.take(Secret::MAX_FILE + 1)
+            .read_to_end(&mut text)
+            .map_err(|e| Error::io(format!("read secret file {}", shown.display()), e))?;
+        if text.len() as u64 > Secret::MAX_FILE {
+            return Err(Secret::bad(shown, format!("it is larger than {} bytes", Secret::MAX_FILE)));
+        }
+        Secret::new(text.trim_ascii().to_vec())
+            .ok_or_else(|| Error::InvalidArgument(format!("secret file {} is empty", shown.display())))
+    }
+
+    /// A refusal of `path` as a secret file or its directory, saying why (as ssh's "Bad owner or
+    /// permissions on ...").
+    fn bad(path: &Path, why: String) -> Error {
+        Error::InvalidArgument(format!("bad owner or permissions on {}: {why}", path.display()))
     }
 
     /// The secret as an environment-variable value, to hand to a launched rank.
@@ -283,5 +384,26 @@ mod tests {
         assert!(Secret::from_file(&f).unwrap() == Secret::new("hunter2").unwrap());
         assert_ne!(Secret::random().unwrap().0, Secret::random().unwrap().0);
         assert_eq!(Secret::random().unwrap().0.len(), 64);
+        // Never through a symlink, never from anything but a regular file, never blocking,
+        // never more than 64 KiB; each refusal names the file and why.
+        let link = dir.path().join("link");
+        std::os::unix::fs::symlink(&f, &link).unwrap();
+        let e = Secret::from_file(&link).unwrap_err().to_string();
+        assert!(e.contains(link.to_str().unwrap()) && e.contains("symbolic link"), "{e}");
+        let fifo = dir.path().join("fifo");
+        rustix::fs::mknodat(rustix::fs::CWD, &fifo, rustix::fs::FileType::Fifo, rustix::fs::Mode::RUSR, 0).unwrap();
+        let e = Secret::from_file(&fifo).unwrap_err().to_string();
+        assert!(e.contains("fifo") && e.contains("not a regular file"), "{e}");
+        let e = Secret::from_file(dir.path()).unwrap_err().to_string();
+        assert!(e.contains("not a regular file"), "{e}");
+        std::fs::write(&f, vec![b'k'; 64 << 10]).unwrap();
+        assert!(Secret::from_file(&f).is_ok());
+        std::fs::write(&f, vec![b'k'; (64 << 10) + 1]).unwrap();
+        let e = Secret::from_file(&f).unwrap_err().to_string();
+        assert!(e.contains("larger than 65536 bytes"), "{e}");
+        std::fs::write(&f, " \n").unwrap();
+        assert!(Secret::from_file(&f).unwrap_err().to_string().contains("is empty"));
+        let e = Secret::from_file(&dir.path().join("missing")).unwrap_err().to_string();
+        assert!(e.contains("missing"), "{e}");
     }
 }

@@ -582,11 +582,11 @@ async fn run_async(o: &LaunchOptions) -> Result<Outcome> {
 
     let mut sigint = signal(SignalKind::interrupt()).map_err(|e| Error::io("install SIGINT handler", e))?;
     let mut sigterm = signal(SignalKind::terminate()).map_err(|e| Error::io("install SIGTERM handler", e))?;
-    let job_deadline = o.timeout.map(|t| Instant::now() + t);
+    let job_deadline = o.timeout.map(|t| Instant::from_std(crate::sync::deadline(t)));
     let mut kill_at: Option<Instant> = None;
     let mut asked_guards = false;
     let mut outcome: Option<Outcome> = None;
-    let far = Instant::now() + Duration::from_secs(100 * 365 * 24 * 3600);
+    let far = Instant::from_std(crate::sync::deadline(Duration::MAX));
 
     // Across hosts, a failure elsewhere shows up as the abort key.
     let abort_watch = async move {

@@ -519,7 +519,7 @@ pub(crate) fn land_own_raises(w: &mut Workspace, timeout: Duration) -> Result<()
 /// the rank it names: every one, even after a failure, so that none still reads a caller's
 /// buffer once this returns, all within `timeout`; the first failure names its rank.
 pub(crate) fn wait_named(hw: &SymmHandle, works: &mut Named, what: &str, timeout: Duration) -> Result<()> {
-    let deadline = std::time::Instant::now() + timeout;
+    let deadline = crate::sync::deadline(timeout);
     let mut first = None;
     for (rank, work) in works.drain(..) {
         let left = deadline.saturating_duration_since(std::time::Instant::now());

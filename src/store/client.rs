@@ -201,7 +201,7 @@ impl<C: Conn> StoreClient<C> {
     /// Connects to `addr` (`host:port`), retrying while nothing listens yet, and performs the
     /// handshake (VALIDATE, then PING or authentication).
     pub async fn connect(addr: &str, options: &ClientOptions) -> Result<StoreClient<C>> {
-        let deadline = Instant::now() + options.timeout;
+        let deadline = crate::sync::deadline(options.timeout);
         let mut backoff = Duration::from_millis(5);
         let stream = loop {
             match C::connect(addr, deadline).await {
@@ -328,7 +328,7 @@ impl<C: Conn> StoreClient<C> {
     /// Waits up to `timeout` until every key exists.
     pub async fn wait(&mut self, keys: &[&str], timeout: Duration) -> Result<()> {
         let req = Request::Wait { keys: keys.iter().map(|k| wire_key(k)).collect() };
-        let deadline = Instant::now() + timeout;
+        let deadline = crate::sync::deadline(timeout);
         self.send(&req, deadline).await?;
         self.finish_wait(keys, deadline, timeout).await
     }
@@ -342,7 +342,7 @@ impl<C: Conn> StoreClient<C> {
         all: &[&str],
         timeout: Duration,
     ) -> Result<()> {
-        let deadline = Instant::now() + timeout;
+        let deadline = crate::sync::deadline(timeout);
         let mut reqs: Vec<Request> = forget.iter().map(|k| Request::DeleteKey { key: wire_key(k) }).collect();
         reqs.push(Request::Set { key: wire_key(arrive), value: Vec::new() });
         reqs.push(Request::Wait { keys: all.iter().map(|k| wire_key(k)).collect() });
@@ -462,7 +462,7 @@ impl<C: Conn> StoreClient<C> {
     }
 
     fn deadline(&self) -> Instant {
-        Instant::now() + self.timeout
+        crate::sync::deadline(self.timeout)
     }
 
     async fn call_i64(&mut self, req: Request, what: &'static str) -> Result<i64> {

@@ -193,7 +193,7 @@ impl MemoryStore {
     }
 
     fn wait_until<T>(&self, keys: &[&str], timeout: Duration, f: impl FnOnce(&State) -> T) -> Result<T> {
-        let deadline = Instant::now() + timeout;
+        let deadline = crate::sync::deadline(timeout);
         let mut guard = self.lock();
         loop {
             if keys.iter().all(|k| guard.0.present(k.as_bytes())) {

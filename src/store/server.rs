@@ -297,8 +297,12 @@ async fn serve_conn(
     let mut pending = true;
     let end = loop {
         let ready = c.session.expects().is_none();
-        let deadline =
-            if ready { started.map(|t| t + o.request_timeout) } else { Some(accepted + o.handshake_timeout) };
+        let after = |t: Instant, d| Instant::from_std(crate::sync::deadline_from(t.into_std(), d));
+        let deadline = if ready {
+            started.map(|t| after(t, o.request_timeout))
+        } else {
+            Some(after(accepted, o.handshake_timeout))
+        };
         let room = if ready { 64 * 1024 } else { HANDSHAKE_READ };
         let read = tokio::select! {
             _ = stopped.changed() => break End::Quiet,

@@ -1401,7 +1401,7 @@ pub fn put_signal(src: &Tensor, hdl: &SymmHandle, peer: usize) -> Result<()> {
             // the writes it vouches for); the try's answer says whether it landed or found the
             // slot still holding the previous signal, which the retries below then wait out.
             let _g = lock(&hdl.peers.lock);
-            let deadline = Instant::now() + t;
+            let deadline = crate::sync::deadline(t);
             let mut first = None;
             post_bytes("put_signal", src, r, (hdl.offset, len), || {
                 first = Some(r.start_slot_put(hdl.rank(), t));

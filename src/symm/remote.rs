@@ -443,7 +443,7 @@ pub(crate) fn is_busy(e: &Error) -> bool {
 /// Raises signals on remote slots, retrying busy ones (the previous signal not yet consumed)
 /// until `deadline`. `puts` holds (peer, slot) pairs; all are in flight at once.
 pub(crate) fn slot_puts(puts: &[(&Remote, usize)], timeout: Duration, what: &dyn Fn(usize) -> String) -> Result<()> {
-    let deadline = Instant::now() + timeout;
+    let deadline = crate::sync::deadline(timeout);
     let mut todo: Vec<usize> = (0..puts.len()).collect();
     let mut backoff = crate::sync::Backoff::new(deadline);
     while !todo.is_empty() {

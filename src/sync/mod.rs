@@ -17,10 +17,14 @@
 //!   Backoff                           retrying what a remote peer must make possible (no futex
 //!                                     to sleep on): 20 µs doubling to 2 ms, until a deadline
 //!   Work completions (transport)      spin the same budget (SYMMEM_SPIN_US), then a condvar
+//!   deadline / deadline_from          when a wait of any timeout gives up: never an overflow;
+//!                                     past NO_DEADLINE (a century) a timeout means no deadline
 //! ```
 //!
-//! Every wait has a deadline and honours it. Code written against [`SlotWord`] runs on real
-//! atomics and futexes, and under loom on model-checked ones.
+//! Every wait has a deadline and honours it; every deadline comes from [`deadline`] or
+//! [`deadline_from`], so no timeout (up to [`Duration::MAX`], as a caller, a peer's option or
+//! an environment variable may give) can overflow an [`Instant`]. Code written against
+//! [`SlotWord`] runs on real atomics and futexes, and under loom on model-checked ones.
 //!
 //! Layer: above `sys` (futexes) and `config` (the spin budget); below everything that waits.
 
@@ -31,6 +35,26 @@ pub(crate) mod slot;
 use std::sync::OnceLock;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering, fence};
 use std::time::{Duration, Instant};
+
+/// The furthest a deadline lies ahead: a longer timeout (up to [`Duration::MAX`], past what an
+/// [`Instant`] can hold: `Instant::now() + Duration::MAX` panics) means "no deadline", and its
+/// wait gives up a century from now, which no process lives to see. tokio caps its timers the
+/// same way (its "far future" is 30 years); a deadline that near leaves room for the arithmetic
+/// done on it afterwards (a nap's end, a slice of the wait).
+pub(crate) const NO_DEADLINE: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
+
+/// When a wait of `timeout` that starts now gives up (see [`deadline_from`]).
+pub(crate) fn deadline(timeout: Duration) -> Instant {
+    deadline_from(Instant::now(), timeout)
+}
+
+/// When a wait of `timeout` that started at `start` gives up: `start + timeout`, at most
+/// [`NO_DEADLINE`] after `start`. Never panics, whatever the timeout.
+pub(crate) fn deadline_from(start: Instant, timeout: Duration) -> Instant {
+    // A monotonic clock counts from boot, and an Instant holds 2^63 seconds of it: a century
+    // past `start` always fits. Were it ever not to, `start` (give up at once) beats a panic.
+    start.checked_add(timeout.min(NO_DEADLINE)).unwrap_or(start)
+}
 
 /// A slot: an atomic word that can be slept on.
 pub(crate) trait SlotWord {
@@ -107,7 +131,7 @@ impl Patience {
 
     /// Fixes the deadline from `now` if this is the wait's first clock reading; the deadline.
     fn started(&self, now: Instant) -> Instant {
-        *self.deadline.get_or_init(|| now + self.timeout)
+        *self.deadline.get_or_init(|| deadline_from(now, self.timeout))
     }
 
     /// How long to sleep next: the time left, at most [`MAX_NAP`]; `None` once it is past.
@@ -500,6 +524,32 @@ mod tests {
             assert!(!hot);
             w = (s, c);
         }
+    }
+
+    /// Issue 51, item 3: `Instant::now() + timeout` panicked for a timeout past what an Instant
+    /// holds (`1e19` s); every deadline now comes from `deadline_from`, which saturates.
+    #[test]
+    fn any_timeout_gives_a_deadline_and_a_huge_one_means_none() {
+        let now = Instant::now();
+        assert_eq!(deadline_from(now, Duration::ZERO), now);
+        assert_eq!(deadline_from(now, Duration::from_millis(1500)), now + Duration::from_millis(1500));
+        assert_eq!(deadline_from(now, NO_DEADLINE), now + NO_DEADLINE);
+        let century = Duration::from_secs(99 * 365 * 24 * 3600);
+        for t in
+            [Duration::from_secs(1 << 62), Duration::from_secs_f64(1e19), Duration::from_secs(u64::MAX), Duration::MAX]
+        {
+            let d = deadline_from(now, t);
+            assert_eq!(d, now + NO_DEADLINE, "{t:?}");
+            // Room for arithmetic on it: a slice of a wait, a nap's end.
+            assert!(d.checked_add(Duration::from_secs(1000 * 365 * 24 * 3600)).is_some());
+            assert!(deadline(t) > Instant::now() + century);
+        }
+        // Waits built on it: no panic, and no giving up.
+        let p = Patience::with(Duration::ZERO, Duration::ZERO, Duration::MAX);
+        assert_eq!(p.nap(), Some(MAX_NAP), "a wait with no deadline naps, never times out");
+        assert!(p.deadline() > Instant::now() + century);
+        assert_eq!(p.until(Instant::now()).nap(), None, "`until` still bounds it");
+        assert!(Backoff::new(deadline(Duration::MAX)).pause());
     }
 
     #[test]

@@ -964,7 +964,7 @@ impl Transport {
             work: state.clone(),
         };
         if let Some(lag) = self.lag() {
-            if lag.send((Instant::now() + lag_now(), req)).is_err() {
+            if lag.send((crate::sync::deadline(lag_now()), req)).is_err() {
                 // Its thread is gone (only if a backend panicked in it).
                 state.complete(Err(Failed::new(TransferKind::Refused, "transport: the lagged requests' thread ended")));
                 return Err(Error::Closed("transport"));
@@ -1140,7 +1140,7 @@ impl Transport {
         }
         self.state.store(CLOSING, Ordering::Release);
         let t = self.timeout(timeout);
-        let deadline = Instant::now() + t;
+        let deadline = crate::sync::deadline(t);
         let pending: Vec<Arc<WorkState>> = self
             .outstanding
             .lock()

@@ -119,7 +119,7 @@ impl WorkState {
         // The crate's one spin budget (SYMMEM_SPIN_US): a completion usually arrives within it.
         // The waiter progresses at least once whatever the budget, which sends what a batch of
         // its own thread still holds (nothing else would before the batch ends).
-        let spin_end = Instant::now() + crate::config::spin();
+        let spin_end = crate::sync::deadline(crate::config::spin());
         loop {
             if self.poll_state() != PENDING {
                 return true;
@@ -181,7 +181,7 @@ impl Work {
     /// call.
     pub fn wait(&self, timeout: Option<Duration>) -> Result<()> {
         let timeout = timeout.or(self.timeout);
-        let deadline = timeout.map(|t| Instant::now() + t);
+        let deadline = timeout.map(crate::sync::deadline);
         if !self.state.wait_until(deadline) {
             return Err(Error::timeout("transport wait (the operation remains pending)", timeout.unwrap_or_default()));
         }

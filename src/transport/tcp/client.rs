@@ -751,7 +751,7 @@ impl Client {
         if !self.unfenced.swap(false, Ordering::Relaxed) {
             return Ok(());
         }
-        let deadline = std::time::Instant::now() + within;
+        let deadline = crate::sync::deadline(within);
         let id = self.next.fetch_add(1, Ordering::Relaxed);
         let head = Header {
             op: Op::Fence,

@@ -142,8 +142,31 @@ pub fn from_env(name: &str) -> Option<String> {
     value(name).map(str::to_string)
 }
 
+/// A timeout of `secs` seconds, as every timeout given in seconds (an environment variable, a
+/// transport option, a command-line flag, a Python argument) is read: `None` unless finite and
+/// nonnegative; a value past what a [`Duration`] holds (about 1.8e19 s) is [`Duration::MAX`],
+/// which every wait takes as "no deadline" (rather than refusing a finite number).
+///
+/// ```
+/// use std::time::Duration;
+/// use symmem::config::timeout_from_secs;
+///
+/// assert_eq!(timeout_from_secs(1.5), Some(Duration::from_millis(1500)));
+/// assert_eq!(timeout_from_secs(1e300), Some(Duration::MAX));
+/// assert_eq!(timeout_from_secs(-1.0), None);
+/// assert_eq!(timeout_from_secs(f64::NAN), None);
+/// assert_eq!(timeout_from_secs(f64::INFINITY), None);
+/// ```
+pub fn timeout_from_secs(secs: f64) -> Option<Duration> {
+    if !secs.is_finite() || secs < 0.0 {
+        return None;
+    }
+    // Finite and nonnegative: the only failure left is a value too large.
+    Some(Duration::try_from_secs_f64(secs).unwrap_or(Duration::MAX))
+}
+
 fn seconds(s: &str) -> Option<Duration> {
-    s.trim().parse::<f64>().ok().and_then(|x| Duration::try_from_secs_f64(x).ok())
+    s.trim().parse::<f64>().ok().and_then(timeout_from_secs)
 }
 
 /// `SYMMEM_OP_TIMEOUT`: the bound on every operator's waits, and the default of every

@@ -196,6 +196,31 @@ fn transfers_take_any_timeout() {
     }
 }
 
+/// A backend's `timeout` option (every call's default) may be any finite number of seconds;
+/// past what a `Duration` holds it is the largest. Not finite, or negative, it is refused.
+#[test]
+fn a_transport_timeout_option_takes_any_finite_number() {
+    for backend in ["tcp", "shm", "auto", "ucx"] {
+        if !runs_here(backend) {
+            continue;
+        }
+        soon(move || {
+            for huge in ["1e19", "1e22", "1e300"] {
+                let options: Options = [("timeout".to_string(), huge.to_string())].into();
+                let (a, b) = pair(backend, &options);
+                transfers(&a, &b, None);
+                a.close(None).unwrap();
+                b.close(None).unwrap();
+            }
+            for bad in ["inf", "nan", "-1"] {
+                let options: Options = [("timeout".to_string(), bad.to_string())].into();
+                let Err(e) = new_transport(backend, None, &options) else { panic!("{backend} took timeout={bad}") };
+                assert!(e.to_string().contains("timeout"), "{backend} timeout={bad}: {e}");
+            }
+        });
+    }
+}
+
 #[test]
 fn new_transport_rank_takes_any_timeout() {
     soon(|| {

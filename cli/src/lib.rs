@@ -833,7 +833,9 @@ fn run(args: RunArgs) -> Result<u8> {
     let Some(program) = command.next() else { bail!("no program given") };
     let timeout = args
         .timeout
-        .map(|s| Duration::try_from_secs_f64(s).context("--timeout must be a non-negative number of seconds"))
+        .map(|s| {
+            symmem::config::timeout_from_secs(s).context("--timeout must be a finite, non-negative number of seconds")
+        })
         .transpose()?;
     let options = LaunchOptions {
         nproc_per_node: args.nproc,
@@ -1126,8 +1128,8 @@ fn demo_rank() -> Result<()> {
 fn store_client(cmd: StoreClientCommand) -> Result<u8> {
     use symmem::Store;
     let connect = |at: &StoreAt| -> Result<(symmem::TcpStore, Duration)> {
-        let timeout =
-            Duration::try_from_secs_f64(at.timeout).context("--timeout must be a non-negative number of seconds")?;
+        let timeout = symmem::config::timeout_from_secs(at.timeout)
+            .context("--timeout must be a finite, non-negative number of seconds")?;
         let secret = match &at.secret_file {
             Some(p) => Some(Secret::from_file(p)?),
             None => Secret::from_env(),

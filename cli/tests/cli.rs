@@ -460,6 +460,47 @@ fn store_commands_script_a_running_store() {
     assert_eq!(c.get("greeting").unwrap(), b"hello");
 }
 
+/// Issue 51, item 3: a finite but huge timeout (`1e19` s, past what an `Instant` holds) made
+/// the launcher, the store commands and every rank panic ("overflow when adding duration to
+/// instant"). It now means "no deadline" wherever a timeout is given: the launcher's flag, the
+/// store commands' and the two knobs every rank reads (here through the demo on two hosts:
+/// store calls, rendezvous, signals, the links between hosts and operators). Not finite, or
+/// negative, it is refused by name.
+#[test]
+fn a_huge_timeout_means_no_deadline_everywhere() {
+    for t in ["1e19", "1e300"] {
+        let out = symmem(&["run", "-n", "2", "--timeout", t, "--", "true"]);
+        assert!(out.status.success(), "--timeout {t}: {}", text(&out.stderr));
+    }
+    for bad in ["inf", "nan", "-1"] {
+        let out = symmem(&["run", "-n", "1", &format!("--timeout={bad}"), "--", "true"]);
+        assert!(!out.status.success(), "--timeout {bad} was accepted");
+        assert!(text(&out.stderr).contains("--timeout must be"), "--timeout {bad}: {}", text(&out.stderr));
+    }
+    let server = symmem::store::StoreServer::start("127.0.0.1:0", Default::default()).unwrap();
+    let addr = server.local_addr().to_string();
+    for args in [["set", "k", "v"].as_slice(), &["get", "k"], &["wait", "k"]] {
+        let out = Command::new(BIN)
+            .arg("store")
+            .args(args)
+            .args(["--addr", &addr, "--timeout", "1e19"])
+            .env_remove("SYMMEM_STORE_SECRET")
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "store {args:?} --timeout 1e19: {}", text(&out.stderr));
+    }
+    let out = Command::new(BIN)
+        .args(["demo", "--hosts", "2"])
+        .env_remove("SYMMEM_STORE_SECRET")
+        .env("SYMMEM_OP_TIMEOUT", "1e22")
+        .env("SYMMEM_STORE_TIMEOUT", "1e19")
+        .output()
+        .unwrap();
+    let stdout = text(&out.stdout);
+    assert!(out.status.success(), "{stdout}\n{}", text(&out.stderr));
+    assert!(stdout.contains("[0] rank 0: done: 4 ranks joined"), "{stdout}");
+}
+
 #[test]
 fn info_lists_every_knob() {
     let out = symmem(&["info"]);

@@ -444,7 +444,7 @@ pub(crate) fn timeout_option(backend: &str, options: &Options) -> Result<Duratio
                     .trim()
                     .parse::<f64>()
                     .ok()
-                    .and_then(|s| Duration::try_from_secs_f64(s).ok())
+                    .and_then(crate::config::timeout_from_secs)
                     .filter(|t| !t.is_zero())
                     .ok_or_else(|| {
                         Error::InvalidArgument(format!("{backend} transport option timeout={v:?} is not valid"))

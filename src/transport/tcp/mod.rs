@@ -141,7 +141,7 @@ impl TcpOptions {
                 "chunk_size" => t.chunk = parse_opt(k, v)?,
                 "timeout" => {
                     let secs: f64 = parse_opt(k, v)?;
-                    t.timeout = Duration::try_from_secs_f64(secs).map_err(|_| {
+                    t.timeout = config::timeout_from_secs(secs).ok_or_else(|| {
                         Error::InvalidArgument(format!("tcp transport option timeout={v:?} is not valid"))
                     })?;
                 }

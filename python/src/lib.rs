@@ -9,8 +9,10 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyType};
 use symmem::tensor::Tensor;
 use symmem::transport::{self, Memory, MemoryView, MutableMemoryView, RemoteBuffer, Transport, Work};
+use symmem_python_macros::catch_panics;
 
 mod log;
+mod panics;
 mod symm;
 
 /// The largest synchronous transfer that may run holding the GIL (when the backend finishes it
@@ -60,6 +62,7 @@ fn seconds(t: Option<f64>) -> PyResult<Option<Duration>> {
 #[pyclass(name = "Transport", module = "symmem._native")]
 struct PyTransport(Transport);
 
+#[catch_panics]
 #[pymethods]
 impl PyTransport {
     #[new]
@@ -175,6 +178,7 @@ impl PyTransport {
 #[pyclass(name = "Memory", module = "symmem._native")]
 struct PyMemory(Memory);
 
+#[catch_panics]
 #[pymethods]
 impl PyMemory {
     #[pyo3(signature = (offset = 0, length = None))]
@@ -204,6 +208,7 @@ impl PyMemory {
 #[pyclass(name = "MemoryView", module = "symmem._native")]
 struct PyView(MemoryView);
 
+#[catch_panics]
 #[pymethods]
 impl PyView {
     fn size(&self) -> usize {
@@ -215,6 +220,7 @@ impl PyView {
 #[pyclass(name = "MutableMemoryView", module = "symmem._native")]
 struct PyMutableView(MutableMemoryView);
 
+#[catch_panics]
 #[pymethods]
 impl PyMutableView {
     fn size(&self) -> usize {
@@ -231,6 +237,7 @@ impl PyMutableView {
 #[derive(Clone)]
 struct PyRemoteBuffer(RemoteBuffer);
 
+#[catch_panics]
 #[pymethods]
 impl PyRemoteBuffer {
     fn serialize<'py>(&self, py: Python<'py>) -> Bound<'py, PyBytes> {
@@ -264,6 +271,7 @@ impl PyRemoteBuffer {
 #[pyclass(name = "Work", module = "symmem._native")]
 struct PyWork(Work);
 
+#[catch_panics]
 #[pymethods]
 impl PyWork {
     /// Waits up to `timeout` seconds (None: the transfer's own timeout); the GIL is released.
@@ -290,6 +298,7 @@ impl PyWork {
 /// Constructs, binds and connects a transport to `peer_rank` through the store at `store_addr`
 /// (a PyTorch TCPStore or a symmem store), with PyTorch's key scheme, so it pairs with
 /// `torch.distributed._transport.new_transport_rank` on the other side. The GIL is released.
+#[catch_panics]
 #[pyfunction]
 #[pyo3(signature = (backend, store_addr, peer_rank, rank, bootstrap_timeout = 30.0, options = None))]
 fn new_transport_rank(
@@ -316,6 +325,7 @@ fn new_transport_rank(
 }
 
 /// The names of the registered transports.
+#[catch_panics]
 #[pyfunction]
 fn available_transports() -> Vec<String> {
     transport::available_transports()
@@ -324,11 +334,13 @@ fn available_transports() -> Vec<String> {
 /// Runs the `symmem` command with `argv` (the program's name first) and returns its exit
 /// status; `exe` is what to start again for ranks, guards and benchmark jobs (the console
 /// script). The interpreter is released for the whole run.
+#[catch_panics]
 #[pyfunction]
 fn cli_main(py: Python<'_>, argv: Vec<std::ffi::OsString>, exe: std::path::PathBuf) -> u8 {
     py.detach(move || symmem_cli::run_with(argv, Some(exe)))
 }
 
+#[catch_panics]
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     // Warnings (an unauthenticated store, a lost peer) reach Python's logging, logger `symmem`.
@@ -346,6 +358,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(available_transports, m)?)?;
     m.add_function(wrap_pyfunction!(cli_main, m)?)?;
     m.add_function(wrap_pyfunction!(new_transport_rank, m)?)?;
+    m.add_function(wrap_pyfunction!(panics::_panic_for_test, m)?)?;
     symm::register(m)?;
     Ok(())
 }

@@ -13,6 +13,7 @@ use symmem::Group;
 use symmem::ops::{self, ReduceOp};
 use symmem::symm::{self, Device, SymmHandle};
 use symmem::tensor::{DType, Tensor};
+use symmem_python_macros::catch_panics;
 
 use crate::{err, seconds};
 
@@ -38,6 +39,7 @@ fn timeout(t: Option<f64>) -> PyResult<Duration> {
 #[pyclass(name = "Buffer", module = "symmem._native", frozen, weakref)]
 pub struct PyBuffer(Tensor);
 
+#[catch_panics]
 #[pymethods]
 impl PyBuffer {
     /// The address of the first byte.
@@ -93,6 +95,7 @@ impl PyBuffer {
 #[pyclass(name = "Tensor", module = "symmem._native", frozen)]
 pub struct PyTensor(Tensor);
 
+#[catch_panics]
 #[pymethods]
 impl PyTensor {
     /// A view of `nbytes` bytes at `ptr` owned by `owner` (a torch tensor or NumPy array, kept
@@ -118,6 +121,7 @@ impl PyTensor {
 #[pyclass(name = "Group", module = "symmem._native", frozen)]
 pub struct PyGroup(Arc<Group>);
 
+#[catch_panics]
 #[pymethods]
 impl PyGroup {
     #[getter]
@@ -157,6 +161,7 @@ impl PyGroup {
 
 /// The world group, joined on first use through the store at `MASTER_ADDR:MASTER_PORT` (as set
 /// by `symmem run` or torchrun).
+#[catch_panics]
 #[pyfunction]
 fn world(py: Python<'_>) -> PyResult<PyGroup> {
     static WORLD: Mutex<Option<Arc<Group>>> = Mutex::new(None);
@@ -176,30 +181,35 @@ fn world(py: Python<'_>) -> PyResult<PyGroup> {
 }
 
 /// Allocates a zeroed symmetric buffer for `shape` elements of `dtype` (not collective).
+#[catch_panics]
 #[pyfunction]
 fn empty(shape: Vec<usize>, dtype_name: &str) -> PyResult<PyBuffer> {
     Ok(PyBuffer(symm::empty(&shape, dtype(dtype_name)?, Device::Cpu).map_err(err)?))
 }
 
 /// Selects the symmetric-memory backend by name (only "CPU" exists here).
+#[catch_panics]
 #[pyfunction]
 fn set_backend(name: &str) -> PyResult<()> {
     symm::set_backend(name).map_err(err)
 }
 
 /// The backend for `device` ("cpu": "CPU"; None for devices without one).
+#[catch_panics]
 #[pyfunction]
 fn get_backend(device: &str) -> PyResult<Option<&'static str>> {
     Ok(symm::get_backend(Device::parse(device).map_err(err)?))
 }
 
 /// Sets the signal pad size of future allocations, in bytes.
+#[catch_panics]
 #[pyfunction]
 fn set_signal_pad_size(size: usize) -> PyResult<()> {
     symm::set_signal_pad_size(size).map_err(err)
 }
 
 /// The signal pad size of future allocations, in bytes.
+#[catch_panics]
 #[pyfunction]
 fn get_signal_pad_size() -> usize {
     symm::get_signal_pad_size()
@@ -210,6 +220,7 @@ fn get_signal_pad_size() -> usize {
 #[pyclass(name = "MemPool", module = "symmem._native", frozen)]
 pub struct PyMemPool(Arc<symm::MemPool>);
 
+#[catch_panics]
 #[pymethods]
 impl PyMemPool {
     /// A zeroed symmetric buffer of `shape` elements of `dtype_name` from the pool.
@@ -224,12 +235,14 @@ impl PyMemPool {
 }
 
 /// The symmetric memory pool of `device` (the CPU's).
+#[catch_panics]
 #[pyfunction]
 fn get_mem_pool(device: &str) -> PyResult<PyMemPool> {
     Ok(PyMemPool(symm::get_mem_pool(Device::parse(device).map_err(err)?).map_err(err)?))
 }
 
 /// Establishes symmetric memory for `tensor` among the ranks of `group` (collective).
+#[catch_panics]
 #[pyfunction]
 fn rendezvous(py: Python<'_>, tensor: &PyTensor, group: &PyGroup) -> PyResult<PyHandle> {
     Ok(PyHandle(py.detach(|| symm::rendezvous(&tensor.0, &group.0)).map_err(err)?))
@@ -239,6 +252,7 @@ fn rendezvous(py: Python<'_>, tensor: &PyTensor, group: &PyGroup) -> PyResult<Py
 #[pyclass(name = "SymmetricMemory", module = "symmem._native", frozen)]
 pub struct PyHandle(Arc<SymmHandle>);
 
+#[catch_panics]
 #[pymethods]
 impl PyHandle {
     #[getter]
@@ -335,36 +349,42 @@ impl PyHandle {
 }
 
 /// Copies from `peer`'s allocation behind `hdl` (at element `offset`) into `dst`.
+#[catch_panics]
 #[pyfunction]
 fn get(py: Python<'_>, dst: &PyTensor, hdl: &PyHandle, peer: usize, offset: usize) -> PyResult<()> {
     py.detach(|| symm::get(&dst.0, &hdl.0, peer, offset)).map_err(err)
 }
 
 /// Copies `src` into `peer`'s allocation, then signals `peer`.
+#[catch_panics]
 #[pyfunction]
 fn put_signal(py: Python<'_>, src: &PyTensor, hdl: &PyHandle, peer: usize) -> PyResult<()> {
     py.detach(|| symm::put_signal(&src.0, &hdl.0, peer)).map_err(err)
 }
 
 /// Waits for `peer`'s [`put_signal`].
+#[catch_panics]
 #[pyfunction]
 fn wait_signal(py: Python<'_>, hdl: &PyHandle, peer: usize) -> PyResult<()> {
     py.detach(|| symm::wait_signal(&hdl.0, peer)).map_err(err)
 }
 
 /// NVSHMEM's put: the whole of symmetric `tensor` into the same tensor on `peer`.
+#[catch_panics]
 #[pyfunction]
 fn nvshmem_put(py: Python<'_>, tensor: &PyTensor, peer: usize) -> PyResult<()> {
     py.detach(|| symm::nvshmem_put(&tensor.0, peer)).map_err(err)
 }
 
 /// NVSHMEM's get: the same symmetric tensor on `peer` into `tensor`.
+#[catch_panics]
 #[pyfunction]
 fn nvshmem_get(py: Python<'_>, tensor: &PyTensor, peer: usize) -> PyResult<()> {
     py.detach(|| symm::nvshmem_get(&tensor.0, peer)).map_err(err)
 }
 
 /// `size` elements from element `offset` of `peer`'s allocation behind `hdl` into `dst`.
+#[catch_panics]
 #[pyfunction]
 fn nvshmem_get_out(
     py: Python<'_>,
@@ -378,6 +398,7 @@ fn nvshmem_get_out(
 }
 
 /// Puts `tensor` into `peer`'s copy, then sets `peer`'s `sigpad` to `signal`.
+#[catch_panics]
 #[pyfunction]
 fn nvshmem_put_with_signal(
     py: Python<'_>,
@@ -390,6 +411,7 @@ fn nvshmem_put_with_signal(
 }
 
 /// Waits until this rank's `sigpad` equals `signal`.
+#[catch_panics]
 #[pyfunction]
 fn nvshmem_wait_for_signal(py: Python<'_>, sigpad: &PyTensor, signal: u64, peer: usize) -> PyResult<()> {
     py.detach(|| symm::nvshmem_wait_for_signal(&sigpad.0, signal, peer)).map_err(err)
@@ -401,6 +423,7 @@ fn run(py: Python<'_>, f: impl FnOnce() -> symmem::Result<()> + Send) -> PyResul
 }
 
 /// One-shot all-reduce of symmetric `input` into a new buffer.
+#[catch_panics]
 #[pyfunction]
 fn one_shot_all_reduce(py: Python<'_>, input: &PyTensor, reduce_op: &str, group: &PyGroup) -> PyResult<PyBuffer> {
     let op = op(reduce_op)?;
@@ -408,6 +431,7 @@ fn one_shot_all_reduce(py: Python<'_>, input: &PyTensor, reduce_op: &str, group:
 }
 
 /// One-shot all-reduce of symmetric `input` into `out`.
+#[catch_panics]
 #[pyfunction]
 fn one_shot_all_reduce_out(
     py: Python<'_>,
@@ -421,6 +445,7 @@ fn one_shot_all_reduce_out(
 }
 
 /// Two-shot all-reduce of symmetric `input` in place.
+#[catch_panics]
 #[pyfunction]
 fn two_shot_all_reduce_(py: Python<'_>, input: &PyTensor, reduce_op: &str, group: &PyGroup) -> PyResult<()> {
     let op = op(reduce_op)?;
@@ -428,6 +453,7 @@ fn two_shot_all_reduce_(py: Python<'_>, input: &PyTensor, reduce_op: &str, group
 }
 
 /// Two-shot all-reduce of symmetric `input` into `out`.
+#[catch_panics]
 #[pyfunction]
 fn two_shot_all_reduce_out(
     py: Python<'_>,
@@ -441,6 +467,7 @@ fn two_shot_all_reduce_out(
 }
 
 /// All-reduce of symmetric `tensor` in place, choosing the algorithm by size.
+#[catch_panics]
 #[pyfunction]
 fn all_reduce(py: Python<'_>, tensor: &PyTensor, reduce_op: &str, group: &PyGroup) -> PyResult<()> {
     let op = op(reduce_op)?;
@@ -448,6 +475,7 @@ fn all_reduce(py: Python<'_>, tensor: &PyTensor, reduce_op: &str, group: &PyGrou
 }
 
 /// Reduce-scatter of symmetric `input`: this rank's slice of the reduction into `out`.
+#[catch_panics]
 #[pyfunction]
 fn reduce_scatter_out(
     py: Python<'_>,
@@ -462,18 +490,21 @@ fn reduce_scatter_out(
 }
 
 /// All-gather of symmetric `input` into `out`.
+#[catch_panics]
 #[pyfunction]
 fn all_gather_into(py: Python<'_>, input: &PyTensor, group: &PyGroup, out: &PyTensor) -> PyResult<()> {
     run(py, || ops::all_gather_into(&input.0, &group.0, &out.0))
 }
 
 /// Broadcast of `root`'s symmetric `input` to every rank, in place.
+#[catch_panics]
 #[pyfunction]
 fn broadcast_(py: Python<'_>, input: &PyTensor, root: usize, group: &PyGroup) -> PyResult<()> {
     run(py, || ops::broadcast_(&input.0, root, &group.0))
 }
 
 /// All-to-all of symmetric `input` into `out`.
+#[catch_panics]
 #[pyfunction]
 fn all_to_all(py: Python<'_>, input: &PyTensor, out: &PyTensor, group: &PyGroup) -> PyResult<()> {
     run(py, || ops::all_to_all(&input.0, &out.0, &group.0))
@@ -481,6 +512,7 @@ fn all_to_all(py: Python<'_>, input: &PyTensor, out: &PyTensor, group: &PyGroup)
 
 /// Variable-size all-to-all: `in_splits[j]` rows of `input` go to rank j; `out_splits_offsets`
 /// receives (splits, offsets) of what arrived.
+#[catch_panics]
 #[pyfunction]
 fn all_to_all_vdev(
     py: Python<'_>,
@@ -494,6 +526,7 @@ fn all_to_all_vdev(
 }
 
 /// Expert-parallel dispatch: rank-major in, expert-major out, segments aligned to `major_align`.
+#[catch_panics]
 #[pyfunction]
 #[pyo3(signature = (input, out, in_splits, out_splits_offsets, group, major_align = None))]
 fn all_to_all_vdev_2d(
@@ -509,6 +542,7 @@ fn all_to_all_vdev_2d(
 }
 
 /// Expert-parallel combine: the inverse of [`all_to_all_vdev_2d`], with explicit input offsets.
+#[catch_panics]
 #[pyfunction]
 fn all_to_all_vdev_2d_offset(
     py: Python<'_>,
@@ -522,6 +556,7 @@ fn all_to_all_vdev_2d_offset(
 }
 
 /// Reduces every rank's `in_tile` into `root`'s `out_tile`.
+#[catch_panics]
 #[pyfunction]
 fn tile_reduce(
     py: Python<'_>,
@@ -536,6 +571,7 @@ fn tile_reduce(
 }
 
 /// Reduces tile i of every rank into `roots[i]`'s `out_tile`.
+#[catch_panics]
 #[pyfunction]
 fn multi_root_tile_reduce(
     py: Python<'_>,
@@ -551,6 +587,7 @@ fn multi_root_tile_reduce(
 }
 
 /// Reduce-scatter of `input` along `dim` into one `out` per destination block.
+#[catch_panics]
 #[pyfunction]
 #[pyo3(signature = (input, out, group, dim, offsets, dst_ranks, reduce_op))]
 #[expect(clippy::too_many_arguments, reason = "the operator's Python signature, plus the GIL token")]
@@ -570,6 +607,7 @@ fn reduce_scatter_offset(
 }
 
 /// All-to-all that scatters `scatter_dim` and gathers `gather_dim`.
+#[catch_panics]
 #[pyfunction]
 fn all_to_all_nd(
     py: Python<'_>,
@@ -583,6 +621,7 @@ fn all_to_all_nd(
 }
 
 /// All-gather of `a_shard` fused with a matmul by each of `bs`: (gathered A or None, outputs).
+#[catch_panics]
 #[pyfunction]
 fn fused_all_gather_matmul(
     py: Python<'_>,
@@ -599,6 +638,7 @@ fn fused_all_gather_matmul(
 }
 
 /// A matmul fused with a reduce-scatter of its result along `scatter_dim`.
+#[catch_panics]
 #[pyfunction]
 fn fused_matmul_reduce_scatter(
     py: Python<'_>,
@@ -615,21 +655,25 @@ fn fused_matmul_reduce_scatter(
 // The operators that need GPU hardware: each calls its Rust counterpart, which answers
 // "unsupported" with what it needs (NotImplementedError in Python).
 
+#[catch_panics]
 #[pyfunction]
 fn multimem_all_reduce_(input: &PyTensor, reduce_op: &str, group: &PyGroup) -> PyResult<()> {
     ops::multimem_all_reduce_(&input.0, op(reduce_op)?, &group.0).map_err(err)
 }
 
+#[catch_panics]
 #[pyfunction]
 fn multimem_all_gather_out(input: &PyTensor, group: &PyGroup, out: &PyTensor) -> PyResult<()> {
     ops::multimem_all_gather_out(&input.0, &group.0, &out.0).map_err(err)
 }
 
+#[catch_panics]
 #[pyfunction]
 fn multimem_one_shot_all_reduce(input: &PyTensor, reduce_op: &str, group: &PyGroup) -> PyResult<PyBuffer> {
     ops::multimem_one_shot_all_reduce(&input.0, op(reduce_op)?, &group.0).map(PyBuffer).map_err(err)
 }
 
+#[catch_panics]
 #[pyfunction]
 fn multimem_one_shot_reduce_out(
     input: &PyTensor,
@@ -641,26 +685,31 @@ fn multimem_one_shot_reduce_out(
     ops::multimem_one_shot_reduce_out(&input.0, op(reduce_op)?, root, &group.0, &out.0).map_err(err)
 }
 
+#[catch_panics]
 #[pyfunction]
 fn memset32_(input: &PyTensor, offset: usize, value: u32, count: usize) -> PyResult<()> {
     ops::memset32_(&input.0, offset, value, count).map_err(err)
 }
 
+#[catch_panics]
 #[pyfunction]
 fn memcpy_to_multicast_(out: &PyTensor, src: &PyTensor, byte_offset: usize, group: &PyGroup) -> PyResult<()> {
     ops::memcpy_to_multicast_(&out.0, &src.0, byte_offset, &group.0).map_err(err)
 }
 
+#[catch_panics]
 #[pyfunction]
 fn stream_write_value32_(input: &PyTensor, offset: usize, value: u32) -> PyResult<()> {
     ops::stream_write_value32_(&input.0, offset, value).map_err(err)
 }
 
+#[catch_panics]
 #[pyfunction]
 fn fused_all_gather_scaled_matmul() -> PyResult<()> {
     ops::fused_all_gather_scaled_matmul().map_err(err)
 }
 
+#[catch_panics]
 #[pyfunction]
 fn fused_scaled_matmul_reduce_scatter() -> PyResult<()> {
     ops::fused_scaled_matmul_reduce_scatter().map_err(err)

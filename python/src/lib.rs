@@ -51,11 +51,18 @@ fn typed(name: &str, msg: String) -> PyErr {
     })
 }
 
+/// The argument `timeout` in seconds (`None`: none given). Finite and nonnegative, however large:
+/// past what a `Duration` holds it means no deadline (see `symmem::config::timeout_from_secs`).
 fn seconds(t: Option<f64>) -> PyResult<Option<Duration>> {
-    t.map(|s| {
-        Duration::try_from_secs_f64(s).map_err(|_| PyValueError::new_err("timeout must be finite and nonnegative"))
+    t.map(|s| seconds_of("timeout", s)).transpose()
+}
+
+/// Argument `name`, `s` seconds, as a timeout; a `ValueError` naming it unless finite and
+/// nonnegative.
+fn seconds_of(name: &str, s: f64) -> PyResult<Duration> {
+    symmem::config::timeout_from_secs(s).ok_or_else(|| {
+        PyValueError::new_err(format!("{name} must be a finite, nonnegative number of seconds, not {s}"))
     })
-    .transpose()
 }
 
 /// A one-sided transport endpoint.
@@ -310,7 +317,7 @@ fn new_transport_rank(
     bootstrap_timeout: f64,
     options: Option<BTreeMap<String, String>>,
 ) -> PyResult<PyTransport> {
-    let timeout = seconds(Some(bootstrap_timeout))?.unwrap_or_default();
+    let timeout = seconds_of("bootstrap_timeout", bootstrap_timeout)?;
     let options = options.unwrap_or_default();
     py.detach(|| {
         let mut client = symmem::store::ClientOptions::from_env()?;

@@ -490,7 +490,7 @@ struct Outgoing {
 }
 
 /// Plain bytes sealed per system call.
-const SEAL_AHEAD: usize = 4 * RECORD_MAX;
+const SEAL_AHEAD: usize = RECORD_MAX;
 
 impl Outgoing {
     fn push(&mut self, c: Chunks) {

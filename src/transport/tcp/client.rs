@@ -101,7 +101,7 @@ const GATHER: usize = 16;
 
 /// Sealed bytes made ready ahead of the socket: frames are sealed (in the queue's order, so
 /// their records' numbers are the wire's) until this much waits to be written.
-const SEAL_AHEAD: usize = 128 * 1024;
+const SEAL_AHEAD: usize = 256 * 1024;
 
 /// A flow's outgoing records: frames are sealed as they are about to leave, in the queue's
 /// order, by whoever writes the queue (the caller for small requests, the flow's sender
@@ -896,10 +896,16 @@ impl Client {
             let _ = rustix::io::read(&f.kick, &mut [0u8; 8]);
             let mut reader = lock(&f.reader);
             loop {
-                match self.read_one(&mut reader)? {
-                    Got::Frame => {}
-                    Got::Empty => break,
-                    Got::Closed => return Ok(()),
+                match self.read_one(&mut reader) {
+                    Ok(Got::Frame) => {}
+                    Ok(Got::Empty) => break,
+                    Ok(Got::Closed) => return Ok(()),
+                    Err(e) => {
+                        // Said before the reader is free: a waiter taking it next would see
+                        // only the end of the stream (the peer's last word is the reason).
+                        let _ = self.why.set(e.to_string());
+                        return Err(e);
+                    }
                 }
             }
         }
@@ -933,6 +939,8 @@ impl Client {
                     return self.fail("the peer closed the connection".into());
                 }
                 Err(e) => {
+                    // Said before the reader is free (see `receive_loop`).
+                    let _ = self.why.set(e.to_string());
                     drop(reader);
                     return self.fail(e.to_string());
                 }

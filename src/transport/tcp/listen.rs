@@ -350,6 +350,9 @@ struct Conn {
     landing: Option<Landing>,
     /// The flow's sealed records, unless its frames travel exposed.
     seal: Option<ConnSeal>,
+    /// Why the flow ended, when the peer broke the protocol: nothing more is served, and its
+    /// thread lingers before it closes ([`Conn::linger`]).
+    ended: Option<String>,
 }
 
 /// A served flow's record protection: what opens the requests, what seals the replies, and
@@ -418,7 +421,7 @@ fn write_some(inner: &Inner, mut s: &TcpStream, bytes: &[u8], who: Who) -> std::
 }
 
 /// Records of a large reply sealed per system call.
-const STAGE_RECORDS: usize = 4;
+const STAGE_RECORDS: usize = 1;
 
 /// The request id of an ERROR that ends the connection (requests are numbered from 1): the
 /// server's last word, before it closes, on a peer that broke the protocol.
@@ -437,6 +440,7 @@ impl Conn {
             budget: usize::MAX,
             peeked: None,
             landing: None,
+            ended: None,
             seal: keys.map(|k| ConnSeal {
                 opener: k.opener,
                 sealer: k.sealer,
@@ -478,11 +482,42 @@ impl Conn {
             length: m.len().min(MAX_ERROR_LEN as usize) as u64,
         };
         let (who, msg) = (self.who, &m[..bye.length as usize]);
-        // Best effort, never waiting: the flow ends either way.
+        // Best effort, never waiting: the flow ends either way. Then the end of what this side
+        // sends, so the last word is read before the connection closes.
         self.who = Who::Caller;
         let _ = self.send(inner, &bye, msg).and_then(|()| self.flush(inner));
+        let _ = self.s.shutdown(std::net::Shutdown::Write);
         self.who = who;
+        self.ended = Some(why.clone());
         std::io::Error::other(why)
+    }
+
+    /// Before a flow ended for a broken protocol closes: reads and drops what the peer still
+    /// sends, until it closes too, for at most a second and 64 MiB. Closed with unread bytes
+    /// queued, the socket would answer with a reset, and a reset can discard the last word
+    /// before the peer reads it.
+    fn linger(&mut self) {
+        let deadline = Instant::now() + Duration::from_secs(1);
+        let mut left = MAX_CHUNK;
+        let mut sink = [0u8; 16 * 1024];
+        while left > 0 {
+            let now = Instant::now();
+            if now >= deadline {
+                break;
+            }
+            match (&self.s).read(&mut sink) {
+                Ok(0) => break,
+                Ok(n) => left = left.saturating_sub(n as u64),
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                    let wait = deadline - now;
+                    let mut fds = [PollFd::new(&self.s, PollFlags::IN)];
+                    let t = rustix::time::Timespec { tv_sec: 0, tv_nsec: i64::from(wait.subsec_nanos()) };
+                    let _ = poll(&mut fds, Some(&t));
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(_) => break,
+            }
+        }
     }
 
     /// Takes the next request's header out of the read-ahead if it is there whole (sealed:
@@ -795,6 +830,9 @@ fn serve(inner: &Inner, served: &Served) -> std::io::Result<()> {
             Err(e) => {
                 // What was answered before the failure still goes out.
                 let _ = c.flush(inner);
+                if c.ended.is_some() {
+                    c.linger();
+                }
                 return Err(e);
             }
         }
@@ -825,8 +863,11 @@ pub(super) fn serve_arrived(inner: &Inner) {
             Ok(_) => s.kick(),
             Err(e) => {
                 tracing::debug!("tcp transport: closing a served connection: {e}");
-                // Its thread, told even while it stands aside, sees the end and cleans up.
-                let _ = c.s.shutdown(std::net::Shutdown::Both);
+                // Its thread, told even while it stands aside, sees the end and cleans up (a
+                // flow ended for a broken protocol lingers there, for its last word to arrive).
+                if c.ended.is_none() {
+                    let _ = c.s.shutdown(std::net::Shutdown::Both);
+                }
                 s.kick();
             }
         }
@@ -836,6 +877,9 @@ pub(super) fn serve_arrived(inner: &Inner) {
 /// Handles the requests that have arrived on a flow (see `Conn::next` for what a caller
 /// takes), and writes their replies; false at the end of the stream.
 fn serve_some(inner: &Inner, c: &mut Conn, who: Who) -> std::io::Result<bool> {
+    if let Some(why) = &c.ended {
+        return Err(std::io::Error::other(why.clone()));
+    }
     c.who = who;
     c.quota = if who == Who::Caller { CALLER_QUOTA } else { usize::MAX };
     c.budget = if who == Who::Caller { CALLER_BYTES } else { usize::MAX };

@@ -65,7 +65,7 @@
 //! nor cut one unnoticed: the first record that fails to open ends the connection, and the
 //! server's last word says why. Zero copies become one at each end: a sender seals a frame
 //! into the flow's buffer as it is about to leave (in the queue's order, a record of at most
-//! 64 KiB at a time, on the thread writing the flow), and a receiver opens each record in a
+//! 256 KiB at a time, on the thread writing the flow), and a receiver opens each record in a
 //! record-sized buffer before its bytes go where they belong, so unauthenticated bytes never
 //! touch registered memory. Option `frames=exposed` (`SYMMEM_TRANSPORT_TCP_FRAMES`), taken
 //! only when both ends ask, leaves frames in the clear for fabrics the operator trusts.

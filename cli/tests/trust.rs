@@ -1038,6 +1038,126 @@ fn a_stranger_reaches_neither_the_store_nor_rank_memory() {
     assert!(rank.contains("CHANGED 4096"), "{rank}");
 }
 
+/// The attacker of a_connection_that_closes_at_once_is_refused_before_its_bytes, as another
+/// user: `TRIES` times, sends VALIDATE and a SET of `/nobody-<i>` to the store at `STORE` in
+/// one write and closes at once (every other time with a reset); with `URL` and `DESC`, the
+/// same to the tcp transport there: a hello, a proof and a WRITE of zeros over `DESC`.
+#[test]
+#[ignore = "an attacker program; run as nobody by a_connection_that_closes_at_once_is_refused_before_its_bytes"]
+fn attacker_fire_and_forget() {
+    use std::io::Write;
+    use symmem::wire::descriptor::{Kind, Value, decode};
+    use symmem::wire::store::{QueryType, Request};
+    use symmem::wire::tcp::{Auth, Frames, Header, Hello, Op};
+    if std::env::var("SYMMEM_ATTACKER").is_err() {
+        return;
+    }
+    let var = |k: &str| std::env::var(k).ok();
+    let tries: usize = var("TRIES").unwrap().parse().unwrap();
+    let close = |s: std::net::TcpStream, i: usize| {
+        if i.is_multiple_of(2) {
+            let _ = rustix::net::sockopt::set_socket_linger(&s, Some(Duration::ZERO));
+        }
+        drop(s);
+    };
+    for i in 0..tries {
+        if let Some(store) = var("STORE") {
+            let mut bytes = vec![QueryType::Validate as u8];
+            bytes.extend_from_slice(&symmem::wire::store::VALIDATION_MAGIC.to_le_bytes());
+            bytes.extend(encode(&Request::Set { key: format!("/nobody-{i}").into_bytes(), value: b"x".to_vec() }));
+            if let Ok(mut s) = std::net::TcpStream::connect(&store) {
+                let _ = s.write_all(&bytes);
+                close(s, i);
+            }
+        }
+        if let (Some(url), Some(desc)) = (var("URL"), var("DESC")) {
+            let addr = url.trim_start_matches("tcp://").split('?').next().unwrap().to_string();
+            let token = url.split("token=").nth(1).unwrap().split('#').next().unwrap();
+            let token: Vec<u8> = (0..16).map(|k| u8::from_str_radix(&token[2 * k..2 * k + 2], 16).unwrap()).collect();
+            let schema = [
+                ("buffer_id", Kind::Int),
+                ("offset", Kind::Int),
+                ("length", Kind::Int),
+                ("access_key", Kind::Bytes),
+                ("writable", Kind::Int),
+                ("endpoint", Kind::Int),
+            ];
+            let d = decode(desc.as_bytes(), "tcp", &schema).unwrap();
+            let (Value::Int(buffer), Value::Bytes(key)) = (&d[0], &d[3]) else { panic!("descriptor {d:?}") };
+            let hello = Hello {
+                server_token: token.try_into().unwrap(),
+                client_token: [7; 16],
+                flow: 0,
+                flows: 1,
+                auth: Auth::Token,
+                frames: Frames::Sealed,
+                nonce: [1; 32],
+            };
+            let mut bytes = hello.encode().to_vec();
+            bytes.extend_from_slice(&[0; 32]);
+            let write = Header {
+                op: Op::Write,
+                status: 0,
+                flags: 0,
+                request: 1,
+                cookie: 0,
+                buffer: *buffer,
+                key: key.as_slice().try_into().unwrap(),
+                remote_offset: 0,
+                length: 4096,
+            };
+            bytes.extend_from_slice(&write.encode());
+            bytes.extend_from_slice(&[0; 4096]);
+            if let Ok(mut s) = std::net::TcpStream::connect(&addr) {
+                let _ = s.write_all(&bytes);
+                close(s, i);
+            }
+        }
+    }
+    println!("DONE {tries}");
+}
+
+/// Keys of the store at `addr` written by the attacker (read as this user, whom the store
+/// trusts on its host).
+fn nobodys_keys(addr: &str) -> usize {
+    let options = symmem::store::ClientOptions { timeout: Duration::from_secs(5), secret: None };
+    let keys = symmem::TcpStore::connect(addr, options).unwrap().list_keys().unwrap();
+    keys.iter().filter(|k| k.contains("nobody-")).count()
+}
+
+// Issue 51, item 2: another user who connected to a `--no-auth` store (or to `symmem run
+// --no-auth`'s, or to a rank's tcp transport without a secret), sent its request and closed at
+// once got it served: the lookup of its socket found nothing (or a TIME_WAIT entry), which was
+// taken for a peer on another host. Now a peer at an address of this host whose owner cannot
+// be established is refused before any of its bytes is read.
+#[test]
+fn a_connection_that_closes_at_once_is_refused_before_its_bytes() {
+    const TRIES: &str = "50";
+    let s = ChildStore::start(&["--no-auth", "--host", "127.0.0.1"], &[], std::process::Stdio::null());
+    let Some(out) = as_nobody("attacker_fire_and_forget", &[("STORE", &s.addr), ("TRIES", TRIES)]) else { return };
+    assert!(String::from_utf8_lossy(&out.stdout).contains("DONE 50"), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(nobodys_keys(&s.addr), 0, "another user's keys in a --no-auth store");
+    drop(s);
+
+    // `symmem run --no-auth`: its store, and its rank's tcp transport (no secret: the token and
+    // the peer's credentials are all it checks).
+    let mut job = Command::new(BIN);
+    job.args(["run", "-n", "1", "--no-auth", "--timeout", "90", "--"]).env_remove("SYMMEM_STORE_SECRET");
+    let keys = std::cell::Cell::new(usize::MAX);
+    let attack = |env: &[(&str, &str)]| {
+        let mut env = env.to_vec();
+        env.push(("TRIES", TRIES));
+        let out = as_nobody("attacker_fire_and_forget", &env)?;
+        let store = env.iter().find(|(k, _)| *k == "STORE").unwrap().1;
+        keys.set(nobodys_keys(store));
+        Some(out)
+    };
+    let (attacker, rank) = expose_and_attack(job, attack).unwrap();
+    assert!(attacker.contains("DONE 50"), "{attacker}");
+    assert_eq!(keys.get(), 0, "another user's keys in `symmem run --no-auth`'s store");
+    assert!(rank.contains("CHANGED 0"), "another user wrote into a rank's memory: {rank}");
+}
+
 /// A process of this test binary (an ignored program test) in network namespace `ns`, with
 /// `env`, talked to through its stdin and stdout; killed on drop.
 struct Program {

@@ -264,12 +264,23 @@ async fn serve_conn(
     let _ = stream.set_nodelay(true);
     let o = &shared.options;
     // Peer credentials: a process on this host is trusted if it is this user's, and refused
-    // outright by a store without a secret if it is another user's.
-    let owner = stream.local_addr().ok().and_then(|l| crate::sys::peercred::tcp_peer_uid(l, peer));
+    // outright by a store without a secret if it is another user's, or if whose it is cannot
+    // be established (it closed at once: its bytes, already queued, are never read).
+    use crate::sys::peercred::{Owner, tcp_peer};
+    let owner = stream.local_addr().map_or(Owner::Unknown, |l| tcp_peer(l, peer));
     let mine = rustix::process::geteuid().as_raw();
-    let trusted = o.trust_local_user && owner == Some(mine);
-    if let Some(uid) = owner.filter(|&u| u != mine && o.secret.is_none()) {
-        let why = format!("a store without a secret serves no other user (this connection is uid {uid}'s)");
+    let trusted = o.trust_local_user && owner == Owner::Local(mine);
+    let refused = match owner {
+        Owner::Local(uid) if uid != mine && o.secret.is_none() => {
+            Some(format!("a store without a secret serves no other user (this connection is uid {uid}'s)"))
+        }
+        Owner::Unknown => Some(
+            "a connection from this host whose owner cannot be established (no process holds its socket any more)"
+                .to_string(),
+        ),
+        _ => None,
+    };
+    if let Some(why) = refused {
         shared.closing(peer, &why);
         lock(&shared.inner).pending.retain(|(p, _)| *p != id);
         return;

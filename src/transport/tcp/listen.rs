@@ -189,7 +189,12 @@ fn challenge(inner: &Inner, p: &Pending, hello: &Hello) -> (Challenge, Option<Re
     let mut nonce = [0u8; 32];
     let refused = if getrandom::fill(&mut nonce).is_err() {
         Some(Refused::Busy)
-    } else if p.stream.local_addr().is_ok_and(|l| crate::sys::peercred::same_user_or_remote(l, p.peer).is_err()) {
+    } else if p.stream.local_addr().is_err()
+        || p.stream.local_addr().is_ok_and(|l| crate::sys::peercred::same_user_or_remote(l, p.peer).is_err())
+    {
+        // Another user's process on this host, or one of this host whose owner cannot be
+        // established (it closed at once, its handshake and frames queued): refused before any
+        // of its bytes is acted on.
         Some(Refused::ForeignUser)
     } else if hello.client_token == inner.token {
         Some(Refused::Reflected)

@@ -363,8 +363,9 @@ fn bootstrap_through_a_store(backend: &str) {
     assert!(err.is_timeout() && t0.elapsed() < Duration::from_secs(5), "{err}");
 }
 
-/// The tcp backend between holders of a job's secret (`tcp_sealed`: every frame sealed), and
-/// the same with frames exposed by both ends (`tcp_exposed`), registered once for the suite.
+/// The tcp backend between holders of a job's secret (`tcp_sealed`: every frame sealed), the
+/// same with frames exposed by both ends (`tcp_exposed`), and the ucx backend between holders
+/// of one (`ucx_authenticated`: a handshake, then every message tagged), registered once.
 fn register_secret_backends() {
     static ONCE: std::sync::Once = std::sync::Once::new();
     ONCE.call_once(|| {
@@ -377,6 +378,11 @@ fn register_secret_backends() {
             });
             register_transport(name, factory, false).unwrap();
         }
+        let factory: transport::Factory = Arc::new(|o: &Options| {
+            let secret = symmem::store::Secret::new("the suite's job secret").unwrap();
+            Ok(Box::new(transport::ucx::UcxBackend::with_secret(o, secret)?) as Box<dyn transport::Backend>)
+        });
+        register_transport("ucx_authenticated", factory, false).unwrap();
     });
 }
 
@@ -472,6 +478,7 @@ suite!(tcp_exposed);
 suite!(shm);
 suite!(auto);
 suite!(ucx);
+suite!(ucx_authenticated);
 
 #[test]
 fn the_registry_follows_the_contract() {

@@ -272,6 +272,12 @@ impl Secret {
         crate::wire::seal::derive(&self.0, label, transcript, side)
     }
 
+    /// Key material for one connection whose handshake was `transcript`
+    /// ([`crate::wire::seal::expand_secret`]; `label` names the protocol and the use).
+    pub(crate) fn expand(&self, label: &[u8], transcript: &[u8], out: &mut [u8]) {
+        crate::wire::seal::expand_secret(&self.0, label, transcript, out)
+    }
+
     fn mac(&self) -> Hmac<Sha256> {
         // HMAC takes keys of any length, so this cannot fail.
         <Hmac<Sha256> as KeyInit>::new_from_slice(&self.0).expect("hmac accepts any key length")

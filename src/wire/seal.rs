@@ -108,6 +108,18 @@ fn expand(prk: &[u8], info: &[&[u8]]) -> [u8; KEY_LEN] {
     out
 }
 
+/// Fills `out` with key material for one connection: HKDF-SHA256 with the secret as input key
+/// material, `label` naming the protocol and the use (so keys of one are never another's) and
+/// `transcript` the handshake both ends saw (so they are this connection's alone). Panics past
+/// HKDF-SHA256's limit (8160 bytes); symmem's callers ask for 32 or 64.
+pub(crate) fn expand_secret(secret: &[u8], label: &[u8], transcript: &[u8], out: &mut [u8]) {
+    let prk = hkdf::Salt::new(hkdf::HKDF_SHA256, b"symmem link keys v1").extract(secret);
+    // Up to 255 * 32 bytes is within HKDF-SHA256's limit (see above).
+    prk.expand(&[label, transcript], Len(out.len()))
+        .and_then(|okm| okm.fill(out))
+        .expect("at most 8160 bytes of HKDF-SHA256 output");
+}
+
 /// Seals the records one end sends.
 pub struct Sealer(Direction);
 
@@ -132,12 +144,8 @@ impl std::fmt::Debug for Keys {
 /// `label` naming the protocol (so keys of one protocol are never another's) and `transcript`
 /// the handshake that both ends saw (so they are this connection's alone).
 pub fn derive(secret: &[u8], label: &[u8], transcript: &[u8], side: Side) -> Keys {
-    let prk = hkdf::Salt::new(hkdf::HKDF_SHA256, b"symmem link keys v1").extract(secret);
     let mut both = [0u8; 2 * KEY_LEN];
-    // 32 bytes are far below HKDF-SHA256's limit.
-    prk.expand(&[label, transcript], Len(2 * KEY_LEN))
-        .and_then(|okm| okm.fill(&mut both))
-        .expect("32 bytes of HKDF-SHA256 output");
+    expand_secret(secret, label, transcript, &mut both);
     let (to_server, to_client) = both.split_at(KEY_LEN);
     let (c2s, s2c) = (to_server.try_into().unwrap_or([0; KEY_LEN]), to_client.try_into().unwrap_or([0; KEY_LEN]));
     let (mine, theirs) = match side {

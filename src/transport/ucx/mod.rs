@@ -85,7 +85,11 @@ use super::registry::{Caps, Reach};
 use super::work::Progress;
 use super::{Atomic, Backend, Direction, Options, Registration, Request};
 use crate::error::{Error, Failed, Result, TransferKind};
+use crate::store::Secret;
 use crate::sys::ucx::{self, AmRecvParam, Handle, Started, Status, Worker};
+use crate::wire::seal::Side;
+
+mod auth;
 
 /// What it can do: remote atomics (applied by the owner), and transfers that take effect in
 /// the order they were started, whatever their size (the owner applies each endpoint's
@@ -124,6 +128,14 @@ const BATCH_CAP: usize = 8 << 10;
 /// owner answers with it the requests it accepted in one pass over what arrived, rather than
 /// one DONE each.
 const AM_ACKS: u32 = 10;
+/// The owner's answer to a PING with the job's secret: its origin, nonce and proof
+/// ([`auth`]).
+const AM_CHALLENGE: u32 = 11;
+/// The initiator's proof of the job's secret ([`auth`]).
+const AM_AUTH: u32 = 12;
+/// The token of an owner's last word to an endpoint whose session it ends (tokens are
+/// numbered from 2).
+const GOODBYE: u64 = 0;
 /// The most ids one ACKS carries (its header: 512 bytes, sent eagerly).
 const ACKS_MAX: usize = 64;
 /// The largest request a batch of at most [`BATCH_MIN`] bytes takes (header and data); in a
@@ -348,7 +360,14 @@ impl Drop for CallerIn<'_> {
 impl UcxBackend {
     /// A new endpoint with its worker and progress thread, or why UCX is unavailable.
     pub fn new(o: &Options) -> Result<UcxBackend> {
-        UcxBackend::with(o, ucx::Tls::Configured)
+        UcxBackend::with(o, ucx::Tls::Configured, Secret::job_from_env())
+    }
+
+    /// An endpoint whose peers must prove `secret` (and whose messages are tagged with keys
+    /// from it, see [`auth`]), instead of the environment's job secret: for a program that
+    /// holds its job's secret itself.
+    pub fn with_secret(o: &Options, secret: Secret) -> Result<UcxBackend> {
+        UcxBackend::with(o, ucx::Tls::Configured, Some(secret))
     }
 
     /// An endpoint that uses only UCX transports that reach other hosts without UCX's tcp
@@ -359,10 +378,10 @@ impl UcxBackend {
             needs: format!("an RDMA fabric; {why}"),
         })?;
         let tls = no_tcp().map_err(|why| Error::Unsupported { what: "ucx picked by itself".into(), needs: why })?;
-        UcxBackend::with(o, tls)
+        UcxBackend::with(o, tls, Secret::job_from_env())
     }
 
-    fn with(o: &Options, tls: ucx::Tls) -> Result<UcxBackend> {
+    fn with(o: &Options, tls: ucx::Tls, secret: Option<Secret>) -> Result<UcxBackend> {
         tuned();
         let timeout = super::timeout_option("ucx", o)?;
         let unavailable = |why: String| Error::Unsupported {
@@ -383,7 +402,7 @@ impl UcxBackend {
             caller_at: AtomicU64::new(0),
             epoch: Instant::now(),
         });
-        let (core, address, efd) = Core::new(shared.clone(), tls).map_err(unavailable)?;
+        let (core, address, efd) = Core::new(shared.clone(), tls, secret).map_err(unavailable)?;
         let core = Arc::new(Mutex::new(core));
         live_cores(&core);
         let (c, s) = (core.clone(), shared.clone());
@@ -813,9 +832,27 @@ struct Core {
     /// Active messages of its own sent (requests and batches, not answers): tests count them.
     #[cfg(test)]
     messages: u64,
-    /// Requests accepted during the current pass over the events (reply endpoint, id), answered
-    /// at its end, together per endpoint.
-    acks: Vec<(Handle, u64)>,
+    /// Requests accepted during the current pass over the events (reply endpoint, peer
+    /// endpoint's origin, id), answered at its end, together per endpoint.
+    acks: Vec<(Handle, u64, u64)>,
+    /// The job's secret, when peers must prove it ([`auth`]).
+    secret: Option<Secret>,
+    /// This endpoint's message keys on its connection, once its handshake proved the secret.
+    keys: Option<auth::Keys>,
+    /// The handshake under way: the PING's token and this side's nonce.
+    handshake: Option<(u64, [u8; auth::NONCE_LEN])>,
+    /// With a secret, the peer endpoints (by origin) in their handshake or authenticated; at
+    /// most [`MAX_ORIGINS`].
+    sessions: HashMap<u64, Session>,
+}
+
+/// A peer endpoint's standing with an owner that requires the job's secret.
+enum Session {
+    /// Challenged: its nonce and ours, for the transcript its proof must cover.
+    Challenged { client_nonce: [u8; auth::NONCE_LEN], server_nonce: [u8; auth::NONCE_LEN] },
+    /// Authenticated: the connection's keys, and the endpoint that proved it (where the last
+    /// word goes if its session ends).
+    Ready { keys: Box<auth::Keys>, ep: Handle },
 }
 
 /// A request held for a batch: its message, as `Core::send` would send it.
@@ -862,6 +899,19 @@ const MAX_ORIGINS: usize = 4096;
 /// rendezvous). Larger ones take UCX's choice (zero-copy rendezvous, RDMA where there is).
 const EAGER_MAX: usize = 64 << 10;
 
+/// The bytes of a message its tag covers: those it carried eagerly, when they are few enough
+/// to have been sent so (the sender's rule, from the length: a larger message's bytes go by
+/// rendezvous, whose integrity is the fabric's).
+fn covered(data: &Data) -> &[u8] {
+    match data {
+        Data::Bytes(b) if b.len() <= EAGER_MAX => b,
+        _ => &[],
+    }
+}
+
+/// Peer endpoints in their handshake at once (a new one displaces one of them).
+const MAX_HANDSHAKES: usize = 64;
+
 /// The send flag for a message of `len` bytes.
 fn eager(len: usize) -> u32 {
     if len <= EAGER_MAX { ucx::UCP_AM_SEND_FLAG_EAGER } else { 0 }
@@ -897,9 +947,27 @@ fn lost_status(what: &str, s: Status) -> Failed {
 
 impl Core {
     /// A worker with its handlers, its address and its event descriptor.
-    fn new(shared: Arc<Shared>, tls: ucx::Tls) -> std::result::Result<(Core, Vec<u8>, i32), String> {
+    fn new(
+        shared: Arc<Shared>,
+        tls: ucx::Tls,
+        secret: Option<Secret>,
+    ) -> std::result::Result<(Core, Vec<u8>, i32), String> {
         let worker = Worker::new(tls)?;
-        for id in [AM_PING, AM_WRITE, AM_READ, AM_ATOMIC, AM_DONE, AM_READ_DATA, AM_BYE, AM_FENCE, AM_BATCH, AM_ACKS] {
+        let ids = [
+            AM_PING,
+            AM_WRITE,
+            AM_READ,
+            AM_ATOMIC,
+            AM_DONE,
+            AM_READ_DATA,
+            AM_BYE,
+            AM_FENCE,
+            AM_BATCH,
+            AM_ACKS,
+            AM_CHALLENGE,
+            AM_AUTH,
+        ];
+        for id in ids {
             // SAFETY: on_message only pushes onto the calling thread's event queue, which the
             // lock holder drains before letting go; the id rides in `arg` as an integer, never
             // dereferenced. Sound for the worker's life.
@@ -930,6 +998,10 @@ impl Core {
             messages: 0,
             stash: Vec::new(),
             acks: Vec::new(),
+            secret,
+            keys: None,
+            handshake: None,
+            sessions: HashMap::new(),
         };
         Ok((core, address, efd))
     }
@@ -970,10 +1042,34 @@ impl Core {
                 return;
             }
         }
-        // A ping proves the peer is there (UCX connects lazily).
+        // A ping proves the peer is there (UCX connects lazily); with the job's secret it opens
+        // the handshake (`auth`), and the answer to the proof completes it.
         let t = self.token();
+        let h = match &self.secret {
+            None => header(&[t], &[]),
+            Some(_) => match auth::nonce() {
+                Ok(n) => {
+                    self.handshake = Some((t, n));
+                    header(&[t, self.origin], &n)
+                }
+                Err(why) => {
+                    let _ = tx.send(Err(Error::InvalidArgument(format!("ucx transport: {why}"))));
+                    return;
+                }
+            },
+        };
         self.pending.insert(t, Pending { kind: PendingKind::Ping(tx), _header: Vec::new(), sent: false, answer: None });
-        self.send(t, AM_PING, header(&[t], &[]), std::ptr::null(), 0);
+        self.send(t, AM_PING, h, std::ptr::null(), 0);
+    }
+
+    /// Appends the tag of message `id` to `h` once this endpoint's connection is
+    /// authenticated; `data` are the bytes it carries eagerly (none by rendezvous).
+    fn tagged(&self, id: u32, mut h: Vec<u8>, data: &[u8]) -> Vec<u8> {
+        if let Some(k) = &self.keys {
+            let tag = k.tag(id, &h, data);
+            h.extend_from_slice(&tag);
+        }
+        h
     }
 
     /// Sends an active message of ours on the endpoint, expecting an answer; `token`'s pending
@@ -1055,6 +1151,15 @@ impl Core {
                 (AM_ATOMIC, h, std::ptr::null(), 0)
             }
         };
+        // Tagged once the connection is authenticated, its bytes too when they go eagerly.
+        let bytes = if len > 0 && len <= EAGER_MAX {
+            // SAFETY: the request's local range, a live registration of `len` bytes that the
+            // request keeps alive; only read.
+            unsafe { std::slice::from_raw_parts(data, len) }
+        } else {
+            &[]
+        };
+        let h = self.tagged(id, h, bytes);
         let answer = posted.then_some(Ok(()));
         self.pending.insert(t, Pending { kind: PendingKind::Transfer(req), _header: Vec::new(), sent: false, answer });
         if self.held > 0 && h.len() + len <= self.batched_max {
@@ -1130,7 +1235,8 @@ impl Core {
         self.seq += 1;
         let t = self.token();
         self.pending.insert(t, Pending { kind: PendingKind::Ping(tx), _header: Vec::new(), sent: false, answer: None });
-        self.send(t, AM_FENCE, header(&[t, self.origin, self.seq], &[]), std::ptr::null(), 0);
+        let h = self.tagged(AM_FENCE, header(&[t, self.origin, self.seq], &[]), &[]);
+        self.send(t, AM_FENCE, h, std::ptr::null(), 0);
         true
     }
 
@@ -1212,18 +1318,18 @@ impl Core {
     /// message back, not one per write).
     fn send_acks(&mut self) {
         let mut acks = std::mem::take(&mut self.acks);
-        while let Some(&(ep, _)) = acks.first() {
+        while let Some(&(ep, origin, _)) = acks.first() {
             let mut ids = Vec::new();
-            acks.retain(|&(e, id)| {
-                let mine = e == ep && ids.len() < ACKS_MAX;
+            acks.retain(|&(e, o, id)| {
+                let mine = e == ep && o == origin && ids.len() < ACKS_MAX;
                 if mine {
                     ids.push(id);
                 }
                 !mine
             });
             match ids[..] {
-                [id] => self.reply(ep, AM_DONE, header(&[id, OK], &[]), None, std::ptr::null(), 0, None),
-                _ => self.reply(ep, AM_ACKS, header(&ids, &[]), None, std::ptr::null(), 0, None),
+                [id] => self.reply(ep, origin, AM_DONE, header(&[id, OK], &[]), None, std::ptr::null(), 0, None),
+                _ => self.reply(ep, origin, AM_ACKS, header(&ids, &[]), None, std::ptr::null(), 0, None),
             };
         }
     }
@@ -1256,7 +1362,7 @@ impl Core {
             if let Some((ep, req)) = s.answer_to {
                 let code = if status == ucx::UCS_OK { OK } else { REFUSED };
                 let msg = if status == ucx::UCS_OK { String::new() } else { ucx::status_string(status) };
-                self.answer(ep, AM_DONE, req, code, &msg);
+                self.answer(ep, s.order.unwrap_or(0), AM_DONE, req, code, &msg);
             }
             if let Some(origin) = s.order {
                 self.advance(origin);
@@ -1269,46 +1375,106 @@ impl Core {
 
     fn message(&mut self, id: u32, h: &[u8], data: Data, reply_ep: Handle) {
         match id {
-            AM_DONE => {
-                self.drop_data(data);
-                let (Some(t), Some(code)) = (field(h, 0), field(h, 1)) else { return };
-                let msg = String::from_utf8_lossy(h.get(16..).unwrap_or_default()).into_owned();
-                self.done(t, code, msg);
-            }
-            AM_ACKS => {
-                self.drop_data(data);
-                // Whole ids only; at most ACKS_MAX of them.
-                for t in (0..(h.len() / 8).min(ACKS_MAX)).filter_map(|i| field(h, i)) {
-                    self.done(t, OK, String::new());
+            AM_CHALLENGE => self.challenged(h, data),
+            AM_DONE | AM_ACKS | AM_READ_DATA => {
+                // An answer to a request of ours: once the connection is authenticated, only
+                // with the owner's tag (a forged one is dropped: it neither completes nor fails
+                // anything).
+                let h = match &self.keys {
+                    None => h,
+                    Some(k) => match auth::split(h) {
+                        Some((body, tag)) if k.check(id, body, covered(&data), tag) => body,
+                        _ => {
+                            tracing::warn!("ucx transport: dropped an answer that failed authentication");
+                            return self.drop_data(data);
+                        }
+                    },
+                };
+                match id {
+                    AM_DONE => {
+                        self.drop_data(data);
+                        let (Some(t), Some(code)) = (field(h, 0), field(h, 1)) else { return };
+                        let msg = String::from_utf8_lossy(h.get(16..).unwrap_or_default()).into_owned();
+                        if t == GOODBYE && self.keys.is_some() {
+                            return self.peer_lost(format!("the peer ended this endpoint's session: {msg}"));
+                        }
+                        if let Some((ht, _)) = self.handshake
+                            && ht == t & !SERVED
+                        {
+                            // Answered without a challenge: the peer has no secret, or refused.
+                            self.handshake = None;
+                            let why = if code == OK {
+                                "authentication failed: the peer has no job secret and this process has one; both \
+                                 ends must share SYMMEM_JOB_SECRET (or SYMMEM_STORE_SECRET)"
+                                    .to_string()
+                            } else {
+                                msg
+                            };
+                            return self.finish(ht, Some(Err(Failed::new(TransferKind::Refused, why))));
+                        }
+                        self.done(t, code, msg);
+                    }
+                    AM_ACKS => {
+                        self.drop_data(data);
+                        // Whole ids only; at most ACKS_MAX of them.
+                        for t in (0..(h.len() / 8).min(ACKS_MAX)).filter_map(|i| field(h, i)) {
+                            self.done(t, OK, String::new());
+                        }
+                    }
+                    _ => self.read_data(h, data),
                 }
             }
-            AM_READ_DATA => self.read_data(h, data),
             AM_BATCH => self.batch(h, data, reply_ep),
-            AM_PING | AM_WRITE | AM_READ | AM_ATOMIC | AM_BYE | AM_FENCE => {
+            AM_PING => self.pinged(h, data, reply_ep),
+            AM_AUTH => self.authenticate(h, data, reply_ep),
+            AM_WRITE | AM_READ | AM_ATOMIC | AM_BYE | AM_FENCE => {
                 if reply_ep.is_null() {
                     // Every request of ours asks for a reply endpoint; anything else is not a peer.
                     return self.drop_data(data);
                 }
+                let answer_id = if id == AM_READ { AM_READ_DATA } else { AM_DONE };
+                // With the job's secret, a request counts only from an authenticated endpoint and
+                // with its tag (checked before it is parked or run).
+                let h = if self.secret.is_some() {
+                    let body = auth::split(h).map(|(body, tag)| (body, tag, field(body, 1)));
+                    match body {
+                        Some((body, tag, Some(origin))) => match self.sessions.get(&origin) {
+                            Some(Session::Ready { keys, .. }) => {
+                                if !keys.check(id, body, covered(&data), tag) {
+                                    self.drop_data(data);
+                                    return self.end_session(
+                                        origin,
+                                        "a message failed authentication (forged, replayed or changed on the way)",
+                                    );
+                                }
+                                body
+                            }
+                            _ => {
+                                self.drop_data(data);
+                                let req = field(body, 0).unwrap_or(0);
+                                let why = "this endpoint has not proved the job's secret (or its session ended)";
+                                return self.answer(reply_ep, 0, answer_id, req, REFUSED, why);
+                            }
+                        },
+                        _ => return self.drop_data(data),
+                    }
+                } else {
+                    h
+                };
                 let Some(req) = field(h, 0) else { return self.drop_data(data) };
-                if id == AM_PING {
-                    self.drop_data(data);
-                    return self.answer(reply_ep, AM_DONE, req, OK, "");
-                }
                 let (Some(origin), Some(seq)) = (field(h, 1), field(h, 2)) else {
                     self.drop_data(data);
-                    return self.answer(reply_ep, AM_DONE, req, REFUSED, "malformed ucx request");
+                    return self.answer(reply_ep, 0, AM_DONE, req, REFUSED, "malformed ucx request");
                 };
                 if !self.orders.contains_key(&origin) && self.orders.len() >= MAX_ORIGINS {
                     self.drop_data(data);
-                    let answer_id = if id == AM_READ { AM_READ_DATA } else { AM_DONE };
-                    return self.answer(reply_ep, answer_id, req, REFUSED, "too many peer endpoints");
+                    return self.answer(reply_ep, origin, answer_id, req, REFUSED, "too many peer endpoints");
                 }
                 let o = self.orders.entry(origin).or_insert_with(|| Order { next: 1, ..Order::default() });
                 if seq < o.next || o.parked.contains_key(&seq) || o.parked.len() >= MAX_PARKED {
                     self.drop_data(data);
                     let why = "a request out of its endpoint's order (repeated, or too far ahead)";
-                    let answer_id = if id == AM_READ { AM_READ_DATA } else { AM_DONE };
-                    return self.answer(reply_ep, answer_id, req, REFUSED, why);
+                    return self.answer(reply_ep, origin, answer_id, req, REFUSED, why);
                 }
                 if seq == o.next && !o.busy {
                     // Its turn (nothing before it is parked or running): run at once, with no
@@ -1322,6 +1488,138 @@ impl Core {
                 self.drain(origin);
             }
             _ => self.drop_data(data),
+        }
+    }
+
+    /// A peer's PING: answered at once without a secret here; with one, the handshake's
+    /// challenge (see [`auth`]), or a refusal naming why.
+    fn pinged(&mut self, h: &[u8], data: Data, reply_ep: Handle) {
+        self.drop_data(data);
+        let Some(req) = field(h, 0).filter(|_| !reply_ep.is_null()) else { return };
+        let Some(secret) = self.secret.clone() else {
+            // A peer with a secret refuses this answer itself.
+            return self.answer(reply_ep, 0, AM_DONE, req, OK, "");
+        };
+        let refuse = |c: &mut Core, why: &str| c.answer(reply_ep, 0, AM_DONE, req, REFUSED, why);
+        let (Some(origin), Some(client_nonce)) =
+            (field(h, 1), h.get(16..16 + auth::NONCE_LEN).and_then(|n| <[u8; auth::NONCE_LEN]>::try_from(n).ok()))
+        else {
+            return refuse(
+                self,
+                "authentication failed: this endpoint requires the job's secret (SYMMEM_JOB_SECRET or \
+                 SYMMEM_STORE_SECRET) and the peer has none",
+            );
+        };
+        if origin == self.origin {
+            return refuse(self, "the connection came back to the endpoint that made it (reflected)");
+        }
+        match self.sessions.get(&origin) {
+            Some(Session::Ready { .. }) => return refuse(self, "this endpoint is authenticated already"),
+            Some(Session::Challenged { .. }) => {}
+            None if self.sessions.len() >= MAX_ORIGINS => return refuse(self, "too many peer endpoints"),
+            None => {
+                // Handshakes under way are few: the oldest-looking one gives way to a new one.
+                let challenged =
+                    self.sessions.iter().filter(|(_, s)| matches!(s, Session::Challenged { .. })).map(|(o, _)| *o);
+                let challenged: Vec<u64> = challenged.collect();
+                if challenged.len() >= MAX_HANDSHAKES
+                    && let Some(o) = challenged.first()
+                {
+                    self.sessions.remove(o);
+                }
+            }
+        }
+        let server_nonce = match auth::nonce() {
+            Ok(n) => n,
+            Err(why) => return refuse(self, &why),
+        };
+        let t = auth::transcript(origin, &client_nonce, self.origin, &server_nonce);
+        let mut tail = server_nonce.to_vec();
+        tail.extend_from_slice(&auth::server_proof(&secret, &t));
+        self.sessions.insert(origin, Session::Challenged { client_nonce, server_nonce });
+        self.reply(reply_ep, 0, AM_CHALLENGE, header(&[req, OK, self.origin], &tail), None, std::ptr::null(), 0, None);
+    }
+
+    /// A peer's proof of the job's secret: its endpoint is authenticated from now on.
+    fn authenticate(&mut self, h: &[u8], data: Data, reply_ep: Handle) {
+        self.drop_data(data);
+        let (Some(req), Some(origin), Some(proof)) = (field(h, 0), field(h, 1), h.get(16..16 + auth::PROOF_LEN)) else {
+            return;
+        };
+        if reply_ep.is_null() {
+            return;
+        }
+        let refuse = |c: &mut Core, why: &str| c.answer(reply_ep, 0, AM_DONE, req, REFUSED, why);
+        let (Some(secret), Some(Session::Challenged { client_nonce, server_nonce })) =
+            (self.secret.clone(), self.sessions.get(&origin))
+        else {
+            return refuse(self, "authentication failed: no handshake of this endpoint is under way");
+        };
+        let t = auth::transcript(origin, client_nonce, self.origin, server_nonce);
+        if !auth::check_client_proof(&secret, &t, proof) {
+            self.sessions.remove(&origin);
+            return refuse(
+                self,
+                "authentication failed: its proof of the job's secret is wrong: it is not of this job",
+            );
+        }
+        let keys = auth::Keys::derive(&secret, &t, Side::Server);
+        self.sessions.insert(origin, Session::Ready { keys: Box::new(keys), ep: reply_ep });
+        self.answer(reply_ep, origin, AM_DONE, req, OK, "");
+    }
+
+    /// The owner's challenge to this endpoint's PING: checks its proof, derives the keys and
+    /// proves the secret back; the owner's answer to that completes the connection.
+    fn challenged(&mut self, h: &[u8], data: Data) {
+        self.drop_data(data);
+        let (Some(t), Some(code), Some(server_origin)) = (field(h, 0), field(h, 1), field(h, 2)) else { return };
+        let Some((ht, client_nonce)) = self.handshake.filter(|(ht, _)| *ht == t & !SERVED) else { return };
+        self.handshake = None;
+        let failed = |c: &mut Core, why: String| {
+            c.finish(ht, Some(Err(Failed::new(TransferKind::Refused, format!("authentication failed: {why}")))))
+        };
+        let n = auth::NONCE_LEN;
+        let (Some(secret), Some(server_nonce), Some(proof)) = (
+            self.secret.clone(),
+            h.get(24..24 + n).and_then(|b| <[u8; auth::NONCE_LEN]>::try_from(b).ok()),
+            h.get(24 + n..24 + n + auth::PROOF_LEN),
+        ) else {
+            return failed(self, "a malformed challenge".into());
+        };
+        if code != OK {
+            return failed(self, "the peer refused the handshake".into());
+        }
+        let tr = auth::transcript(self.origin, &client_nonce, server_origin, &server_nonce);
+        if !auth::check_server_proof(&secret, &tr, proof) {
+            return failed(self, "the peer's proof of the job's secret is wrong: it is not of this job".into());
+        }
+        self.keys = Some(auth::Keys::derive(&secret, &tr, Side::Client));
+        // The PING is answered; whoever waits for the connection waits for the proof's answer.
+        let Some(p) = self.pending.get_mut(&ht) else { return };
+        let waiter = std::mem::replace(&mut p.kind, PendingKind::Bye);
+        p.answer = Some(Ok(()));
+        self.try_finish(ht);
+        let t2 = self.token();
+        self.pending.insert(t2, Pending { kind: waiter, _header: Vec::new(), sent: false, answer: None });
+        let proof = auth::client_proof(&secret, &tr);
+        self.send(t2, AM_AUTH, header(&[t2, self.origin], &proof), std::ptr::null(), 0);
+    }
+
+    /// Ends the session of peer endpoint `origin` (a message claiming it failed
+    /// authentication): its last word goes to the endpoint that proved the secret, tagged, then
+    /// its keys and order are forgotten: its later requests are refused.
+    fn end_session(&mut self, origin: u64, why: &str) {
+        tracing::warn!("ucx transport: ending a peer endpoint's session: {why}");
+        if let Some(Session::Ready { ep, .. }) = self.sessions.get(&origin) {
+            let ep = *ep;
+            let h = header(&[GOODBYE, REFUSED], why.as_bytes());
+            self.reply(ep, origin, AM_DONE, h, None, std::ptr::null(), 0, None);
+        }
+        self.sessions.remove(&origin);
+        if let Some(o) = self.orders.remove(&origin) {
+            for (_, q) in o.parked {
+                self.drop_data(q.data);
+            }
         }
     }
 
@@ -1398,6 +1696,7 @@ impl Core {
             AM_BYE => {
                 // Everything the endpoint sent before closing ran: forget it.
                 self.drop_data(data);
+                self.sessions.remove(&origin);
                 if let Some(o) = self.orders.remove(&origin) {
                     for (_, q) in o.parked {
                         self.drop_data(q.data);
@@ -1409,7 +1708,7 @@ impl Core {
                 // Everything the endpoint sent before it ran.
                 self.drop_data(data);
                 let req = field(header, 0).unwrap_or(0);
-                self.answer(reply_ep, AM_DONE, req, OK, "");
+                self.answer(reply_ep, origin, AM_DONE, req, OK, "");
                 false
             }
             AM_WRITE => self.serve_write(header, data, reply_ep, origin),
@@ -1419,7 +1718,7 @@ impl Core {
             }
             _ => {
                 self.drop_data(data);
-                self.serve_atomic(header, reply_ep);
+                self.serve_atomic(header, reply_ep, origin);
                 false
             }
         };
@@ -1460,18 +1759,19 @@ impl Core {
         Ok((reg, offset, len))
     }
 
-    fn answer(&mut self, ep: Handle, id: u32, req: u64, code: u64, msg: &str) {
+    /// Answers request `req` of peer endpoint `origin` (0: unknown, or not authenticated).
+    fn answer(&mut self, ep: Handle, origin: u64, id: u32, req: u64, code: u64, msg: &str) {
         if code == OK && req & POSTED != 0 {
             // A posted request is answered only if refused.
             return;
         }
         if id == AM_DONE && code == OK && msg.is_empty() {
             // Answered with the pass's other acceptances (`send_acks`), which ends every pass.
-            self.acks.push((ep, req));
+            self.acks.push((ep, origin, req));
             return;
         }
         let msg = &msg.as_bytes()[..msg.len().min(MAX_MESSAGE)];
-        self.reply(ep, id, header(&[req, code], msg), None, std::ptr::null(), 0, None);
+        self.reply(ep, origin, id, header(&[req, code], msg), None, std::ptr::null(), 0, None);
     }
 
     /// Sends an answer on a reply endpoint; its served entry keeps the header (and the
@@ -1481,13 +1781,25 @@ impl Core {
     fn reply(
         &mut self,
         ep: Handle,
+        origin: u64,
         id: u32,
-        h: Vec<u8>,
+        mut h: Vec<u8>,
         reg: Option<Arc<Registration>>,
         data: *const u8,
         len: usize,
         order: Option<u64>,
     ) -> bool {
+        if let Some(Session::Ready { keys, .. }) = self.sessions.get(&origin) {
+            // The tag covers the bytes when they go eagerly (see `covered`).
+            let bytes = if len > 0 && len <= EAGER_MAX {
+                // SAFETY: `data` is a checked range of the live registration `reg` holds.
+                unsafe { std::slice::from_raw_parts(data, len) }
+            } else {
+                &[]
+            };
+            let tag = keys.tag(id, &h, bytes);
+            h.extend_from_slice(&tag);
+        }
         let t = self.token() | SERVED;
         let entry = self.served.entry(t).or_insert(Served { _reg: reg, _header: h, answer_to: None, order });
         let h = entry._header.as_slice();
@@ -1514,7 +1826,7 @@ impl Core {
             Ok(x) => x,
             Err(msg) => {
                 self.drop_data(data);
-                self.answer(ep, AM_DONE, req, REFUSED, &msg);
+                self.answer(ep, origin, AM_DONE, req, REFUSED, &msg);
                 return false;
             }
         };
@@ -1524,7 +1836,7 @@ impl Core {
                 // SAFETY: check_access put [offset, offset+len) inside the live registration,
                 // which `reg` keeps alive; `b` is our own copy of the peer's bytes.
                 unsafe { std::ptr::copy_nonoverlapping(b.as_ptr(), at, b.len()) };
-                self.answer(ep, AM_DONE, req, OK, "");
+                self.answer(ep, origin, AM_DONE, req, OK, "");
                 false
             }
             Data::Rendezvous(desc, n) if n as u64 == len => {
@@ -1543,18 +1855,18 @@ impl Core {
                         true
                     }
                     Started::Done => {
-                        self.answer(ep, AM_DONE, req, OK, "");
+                        self.answer(ep, origin, AM_DONE, req, OK, "");
                         false
                     }
                     Started::Failed(st) => {
-                        self.answer(ep, AM_DONE, req, REFUSED, &ucx::status_string(st));
+                        self.answer(ep, origin, AM_DONE, req, REFUSED, &ucx::status_string(st));
                         false
                     }
                 }
             }
             other => {
                 self.drop_data(other);
-                self.answer(ep, AM_DONE, req, REFUSED, "the write's length does not match its data");
+                self.answer(ep, origin, AM_DONE, req, REFUSED, "the write's length does not match its data");
                 false
             }
         }
@@ -1566,34 +1878,34 @@ impl Core {
         let (reg, offset, len) = match self.access(h, false) {
             Ok(x) => x,
             Err(msg) => {
-                self.answer(ep, AM_READ_DATA, req, REFUSED, &msg);
+                self.answer(ep, origin, AM_READ_DATA, req, REFUSED, &msg);
                 return false;
             }
         };
         let at = reg.ptr().wrapping_add(offset as usize);
-        self.reply(ep, AM_READ_DATA, header(&[req, OK], &[]), Some(reg), at, len as usize, Some(origin))
+        self.reply(ep, origin, AM_READ_DATA, header(&[req, OK], &[]), Some(reg), at, len as usize, Some(origin))
     }
 
     /// Serves a remote atomic (its turn); it is done when this returns.
-    fn serve_atomic(&mut self, h: &[u8], ep: Handle) {
+    fn serve_atomic(&mut self, h: &[u8], ep: Handle, origin: u64) {
         let req = field(h, 0).unwrap_or(0);
         let (Some(buffer), Some(offset), Some(code), Some(operand), Some(key)) =
             (field(h, 3), field(h, 4), field(h, 5), field(h, 6), key_of(h, 7))
         else {
-            return self.answer(ep, AM_DONE, req, REFUSED, "malformed ucx atomic");
+            return self.answer(ep, origin, AM_DONE, req, REFUSED, "malformed ucx atomic");
         };
         let op = match code {
             1 => Atomic::SlotPut,
             2 => Atomic::Set32,
             3 => Atomic::Set64,
-            _ => return self.answer(ep, AM_DONE, req, REFUSED, &format!("unknown remote atomic {code}")),
+            _ => return self.answer(ep, origin, AM_DONE, req, REFUSED, &format!("unknown remote atomic {code}")),
         };
         let reg = self.shared.table.read().unwrap_or_else(|p| p.into_inner()).get(&buffer).cloned();
-        let Some(reg) = reg else { return self.answer(ep, AM_DONE, req, REFUSED, "unknown remote buffer") };
+        let Some(reg) = reg else { return self.answer(ep, origin, AM_DONE, req, REFUSED, "unknown remote buffer") };
         match super::target::apply_atomic(&reg, &key, offset, op, operand) {
-            Ok(false) => self.answer(ep, AM_DONE, req, OK, ""),
-            Ok(true) => self.answer(ep, AM_DONE, req, BUSY, ""),
-            Err(msg) => self.answer(ep, AM_DONE, req, REFUSED, &msg),
+            Ok(false) => self.answer(ep, origin, AM_DONE, req, OK, ""),
+            Ok(true) => self.answer(ep, origin, AM_DONE, req, BUSY, ""),
+            Err(msg) => self.answer(ep, origin, AM_DONE, req, REFUSED, &msg),
         }
     }
 
@@ -1646,7 +1958,8 @@ impl Core {
             self.seq += 1;
             let t = self.token();
             self.pending.insert(t, Pending { kind: PendingKind::Bye, _header: Vec::new(), sent: false, answer: None });
-            self.send(t, AM_BYE, header(&[t, self.origin, self.seq], &[]), std::ptr::null(), 0);
+            let h = self.tagged(AM_BYE, header(&[t, self.origin, self.seq], &[]), &[]);
+            self.send(t, AM_BYE, h, std::ptr::null(), 0);
         }
         if let Some(ep) = self.ep.take() {
             let deadline = Instant::now() + Duration::from_secs(2);
@@ -1712,6 +2025,103 @@ mod tests {
         assert_eq!(super::tls_without_tcp(Some("^ud")).as_deref(), Some("^ud,tcp"));
         assert_eq!(super::tls_without_tcp(Some("^tcp,ud")).as_deref(), Some("^tcp,ud"));
         assert_eq!(super::tls_without_tcp(Some("tcp")), None);
+    }
+
+    /// Two endpoints with these secrets (None: the environment's, which tests have none of),
+    /// or `None` where UCX cannot run here.
+    fn endpoints(a: Option<&str>, b: Option<&str>) -> Option<(super::UcxBackend, super::UcxBackend)> {
+        let make = |s: Option<&str>| match s {
+            Some(s) => super::UcxBackend::with_secret(&Options::new(), crate::store::Secret::new(s).unwrap()),
+            None => super::UcxBackend::new(&Options::new()),
+        };
+        match (make(a), make(b)) {
+            (Ok(a), Ok(b)) => Some((a, b)),
+            (Err(e), _) | (_, Err(e)) => {
+                eprintln!("SKIPPED: {e}");
+                None
+            }
+        }
+    }
+
+    /// With the job's secret, only a peer holding it connects: a wrong secret, none, or an
+    /// owner without one are refused, saying why, and an endpoint connecting to itself (a
+    /// reflection) is refused.
+    #[test]
+    fn a_ucx_connection_needs_the_job_secret_on_both_ends_and_never_reflects() {
+        use super::super::Backend;
+        let t = std::time::Duration::from_secs(10);
+        let cases = [
+            (Some("right"), Some("wrong"), "not of this job"),
+            (None, Some("right"), "requires the job's secret"),
+            (Some("right"), None, "the peer has no job secret"),
+        ];
+        for (client, owner, says) in cases {
+            let Some((a, b)) = endpoints(client, owner) else { return };
+            let e = a.connect(&b.bind(t).unwrap(), t).unwrap_err().to_string();
+            assert!(e.contains(says), "{client:?} to {owner:?}: {e}");
+            assert!(!a.connected());
+        }
+        let Some((a, b)) = endpoints(Some("right"), Some("right")) else { return };
+        a.connect(&b.bind(t).unwrap(), t).unwrap();
+        assert!(a.connected());
+        let e = b.connect(&b.bind(t).unwrap(), t).unwrap_err().to_string();
+        assert!(e.contains("reflected"), "{e}");
+    }
+
+    /// A message claiming an authenticated endpoint without its tag (a stranger's, or one
+    /// changed on the way) lands nothing and ends that endpoint's session: the owner tells it
+    /// why, in a message the endpoint can check, and its pending transfers fail with that.
+    #[test]
+    fn a_forged_ucx_message_lands_nothing_and_ends_the_session_it_claims() {
+        use super::super::{Backend, Transport};
+        use super::{AM_WRITE, header};
+        let t = std::time::Duration::from_secs(10);
+        let Some((a, b)) = endpoints(Some("job"), Some("job")) else { return };
+        let Some((stranger, _)) = endpoints(None, None) else { return };
+        let url = b.bind(t).unwrap();
+        let a_core = a.core.clone();
+        let (a, b) = (Transport::new(Box::new(a), None), Transport::new(Box::new(b), None));
+        a.connect(&url, Some(t)).unwrap();
+        let dst = Tensor::zeros(&[64], DType::U8).unwrap();
+        let remote = b.register_memory(&dst).unwrap().to_remote_buffer().unwrap();
+        let src = Tensor::from_slice(&[8], &[3u8; 8]).unwrap();
+        let view = a.register_memory(&src).unwrap().to_view(0, None).unwrap();
+        a.write(&view, &remote.slice(0, 8).unwrap(), Some(t)).unwrap();
+        assert_eq!(&dst.to_vec::<u8>().unwrap()[..8], &[3u8; 8]);
+        // The stranger reaches the owner's worker and sends a write of zeros in a's name (its
+        // origin, its next sequence number), with a made-up tag.
+        let (origin, seq) = {
+            let c = a_core.lock().unwrap();
+            (c.origin, c.seq + 1)
+        };
+        // Its handshake is refused (it has no secret), but its UCX endpoint reaches the worker.
+        let refused = stranger.connect(&url, t).unwrap_err().to_string();
+        assert!(refused.contains("requires the job's secret"), "{refused}");
+        let zeros = vec![0u8; 8];
+        let (tx, rx) = std::sync::mpsc::channel();
+        stranger.with_core(|c| {
+            let tok = c.token();
+            let mut h = header(&[tok, origin, seq, remote.buffer_id, remote.offset, 8], &remote.access_key);
+            h.extend_from_slice(&[0x5a; super::auth::TAG_LEN]);
+            c.pending.insert(
+                tok,
+                super::Pending { kind: super::PendingKind::Ping(tx), _header: Vec::new(), sent: false, answer: None },
+            );
+            c.send(tok, AM_WRITE, h, zeros.as_ptr(), 8);
+        });
+        // a learns that its session ended, and why.
+        let start = std::time::Instant::now();
+        while a.connected() {
+            assert!(start.elapsed() < t, "the forged message did not end the session it claimed");
+            std::thread::sleep(std::time::Duration::from_millis(5));
+            a.serve_arrived();
+        }
+        let e = a.write(&view, &remote.slice(8, 8).unwrap(), Some(t)).unwrap_err().to_string();
+        assert!(e.contains("failed authentication"), "{e}");
+        assert!(dst.to_vec::<u8>().unwrap()[..8].iter().all(|&x| x == 3), "the forged write landed");
+        // The stranger's own write was not answered (not by a tag it could check, nor at all).
+        assert!(rx.recv_timeout(std::time::Duration::from_millis(200)).is_err());
+        drop(zeros);
     }
 
     /// Remote atomics behave the same over every backend that serves them: a slot put raises

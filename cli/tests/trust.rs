@@ -503,7 +503,9 @@ impl Drop for ChildStore {
 fn raw_store(addr: &str) -> std::net::TcpStream {
     use std::io::Write;
     let mut c = std::net::TcpStream::connect(addr).unwrap();
-    c.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    // Long: a store that refuses closes at once on an idle machine, but a loaded one may take
+    // seconds, and `closed` counts a timeout as open.
+    c.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
     c.write_all(&[0x00]).unwrap();
     c.write_all(&symmem::wire::store::VALIDATION_MAGIC.to_le_bytes()).unwrap();
     c
@@ -556,9 +558,11 @@ fn small_requests_cannot_make_the_store_build_large_replies() {
     greedy.write_all(&gets).unwrap();
     std::thread::sleep(Duration::from_millis(500));
     assert!(s.rss_mib() < base + 64, "RSS {} MiB with 300 unread GET replies (was {base})", s.rss_mib());
+    // Served while the greedy connection stalls (held behind it, this GET would wait for ever:
+    // the bound is for a loaded machine).
     let t = Instant::now();
     assert_eq!(c.get("big").unwrap().len(), 8 << 20, "other clients are served");
-    assert!(t.elapsed() < Duration::from_secs(2));
+    assert!(t.elapsed() < Duration::from_secs(20), "another client waited {:?}", t.elapsed());
     // The greedy client gets every byte it asked for when it reads.
     let mut first = vec![0u8; 8 + (8 << 20)];
     std::io::Read::read_exact(&mut greedy, &mut first).unwrap();
@@ -591,7 +595,8 @@ fn an_undrained_log_never_stalls_the_store() {
     let t = Instant::now();
     let c = s.client();
     c.ping().unwrap();
-    assert!(t.elapsed() < Duration::from_secs(3), "the store answered after {:?}", t.elapsed());
+    // (Stalled, it would never answer: the bound is for a loaded machine.)
+    assert!(t.elapsed() < Duration::from_secs(20), "the store answered after {:?}", t.elapsed());
 }
 
 // Item 9: connections that never complete the handshake held the store's descriptors without
@@ -618,7 +623,8 @@ fn idle_and_slow_connections_cannot_lock_the_store() {
     std::thread::sleep(Duration::from_millis(300));
     let t = Instant::now();
     store.client().ping().unwrap();
-    assert!(t.elapsed() < Duration::from_secs(3), "a client waited {:?} behind 1,100 idle ones", t.elapsed());
+    // (Locked out, it would wait for ever: the bound is for a loaded machine.)
+    assert!(t.elapsed() < Duration::from_secs(20), "a client waited {:?} behind 1,100 idle ones", t.elapsed());
     drop(idle);
 
     // In-process, with short timeouts: no handshake, or a request that never ends, is closed.
@@ -630,13 +636,15 @@ fn idle_and_slow_connections_cannot_lock_the_store() {
     let server = symmem::store::StoreServer::start("127.0.0.1:0", options).unwrap();
     let addr = server.local_addr().to_string();
     let mut silent = std::net::TcpStream::connect(&addr).unwrap();
-    silent.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    silent.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
     let t = Instant::now();
-    assert!(closed(&mut silent) && t.elapsed() < Duration::from_secs(3), "a silent connection is closed");
+    // Closed after the 300 ms timeouts (held, they would stay open: the bound is for a loaded
+    // machine).
+    assert!(closed(&mut silent) && t.elapsed() < Duration::from_secs(20), "a silent connection is closed");
     let mut slow = raw_store(&addr);
     slow.write_all(&[symmem::wire::store::QueryType::Set as u8, 3, 0]).unwrap(); // a SET's first bytes
     let t = Instant::now();
-    assert!(closed(&mut slow) && t.elapsed() < Duration::from_secs(3), "a request that never ends is closed");
+    assert!(closed(&mut slow) && t.elapsed() < Duration::from_secs(20), "a request that never ends is closed");
     // A client that idles between whole requests is not.
     let patient = symmem::TcpStore::connect(&addr, Default::default()).unwrap();
     std::thread::sleep(Duration::from_millis(800));

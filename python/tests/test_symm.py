@@ -172,3 +172,14 @@ def test_torchrun_leaves_its_log_directory_in_the_sessions_own_temporary_directo
     after = {n for n in os.listdir(system) if n.startswith("torchelastic_")}
     assert after == before, sorted(after - before)
     assert any(n.startswith("torchelastic_") for n in os.listdir(private_tmpdir)), os.listdir(private_tmpdir)
+
+
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_install_makes_torchs_own_dispatching_functions_run_on_cpu(nproc):
+    # Issue 52, item 1: torch.distributed._symmetric_memory.get, put_signal, wait_signal,
+    # reduce_scatter_offset, all_to_all_nd (and every other function of it that dispatches on
+    # the backend) with torch's signatures, and the handle's `device`.
+    out = torchrun(nproc, os.path.join(os.path.dirname(__file__), "install_worker.py"))
+    assert out.returncode == 0, out.stdout + out.stderr
+    for r in range(nproc):
+        assert f"install worker ok {r}" in out.stdout, out.stdout + out.stderr

@@ -52,10 +52,64 @@ def _kernels(symm):
     return kernels
 
 
+def _dispatching(torch_symm, symm, on_cpu):
+    """torch's functions that dispatch on the backend or the handle (and refuse a CPU one),
+    with their own signatures: symmem's for a symmem handle or a CPU tensor, torch's
+    otherwise."""
+
+    names = ("get", "put_signal", "wait_signal", "reduce_scatter_offset", "all_to_all_nd", "get_mempool_allocator")
+    original = {name: getattr(torch_symm, name) for name in names}
+
+    def ours(hdl):
+        return isinstance(hdl, symm.SymmetricMemory)
+
+    @functools.wraps(original["get"])
+    def get(dst, hdl, peer, offset=0):
+        if ours(hdl):
+            return symm.get(dst, hdl, peer, offset)
+        return original["get"](dst, hdl, peer, offset)
+
+    @functools.wraps(original["put_signal"])
+    def put_signal(src, hdl, peer):
+        if ours(hdl):
+            return symm.put_signal(src, hdl, peer)
+        return original["put_signal"](src, hdl, peer)
+
+    @functools.wraps(original["wait_signal"])
+    def wait_signal(hdl, peer):
+        if ours(hdl):
+            return symm.wait_signal(hdl, peer)
+        return original["wait_signal"](hdl, peer)
+
+    @functools.wraps(original["reduce_scatter_offset"])
+    def reduce_scatter_offset(input, out, group, *, dim, offsets=None, dst_ranks=None, red_op="sum"):
+        if on_cpu(input.device):
+            return symm.reduce_scatter_offset(input, out, group, dim, offsets, dst_ranks, red_op)
+        return original["reduce_scatter_offset"](
+            input, out, group, dim=dim, offsets=offsets, dst_ranks=dst_ranks, red_op=red_op
+        )
+
+    @functools.wraps(original["all_to_all_nd"])
+    def all_to_all_nd(input, out, scatter_dim, gather_dim, *, group):
+        if on_cpu(input.device):
+            return symm.all_to_all_nd(input, out, scatter_dim, gather_dim, group)
+        return original["all_to_all_nd"](input, out, scatter_dim, gather_dim, group=group)
+
+    @functools.wraps(original["get_mempool_allocator"])
+    def get_mempool_allocator(device):
+        if on_cpu(device):
+            return symm.get_mempool_allocator(device)
+        return original["get_mempool_allocator"](device)
+
+    return get, put_signal, wait_signal, reduce_scatter_offset, all_to_all_nd, get_mempool_allocator
+
+
 def install():
     """Registers the CPU kernels (once) and points ``torch.distributed._symmetric_memory``'s
-    ``empty``, ``rendezvous`` and configuration functions at symmem for CPU tensors (other
-    devices keep PyTorch's own)."""
+    ``empty``, ``rendezvous``, configuration functions and every function that dispatches on
+    the backend or the handle (``get``, ``put_signal``, ``wait_signal``,
+    ``reduce_scatter_offset``, ``all_to_all_nd``, ``get_mempool_allocator``) at symmem for CPU
+    tensors and symmem's handles (other devices keep PyTorch's own)."""
     global _installed, _lib
     if _installed:
         return
@@ -87,6 +141,8 @@ def install():
 
     torch_symm.empty = empty
     torch_symm.rendezvous = rendezvous
+    for f in _dispatching(torch_symm, symm, on_cpu):
+        setattr(torch_symm, f.__name__, f)
     for name in (
         "is_symm_mem_tensor",
         "set_backend",

@@ -359,8 +359,10 @@ def _allocate(alloc, size, dtype):
 def install():
     """One switch for PyTorch code: registers CPU kernels for ``torch.ops.symm_mem`` (e.g.
     ``torch.ops.symm_mem.one_shot_all_reduce(t, "sum", group_name)``) and makes
-    ``torch.distributed._symmetric_memory.empty``/``rendezvous`` (and its configuration names)
-    use symmem for CPU tensors, so a GPU program's symmetric-memory code runs on CPUs in CI."""
+    ``torch.distributed._symmetric_memory``'s ``empty``/``rendezvous``, its configuration names
+    and every function of it that dispatches on the backend or the handle (``get``,
+    ``put_signal``, ``wait_signal``, ``reduce_scatter_offset``, ``all_to_all_nd``) use symmem for
+    CPU tensors, so a GPU program's symmetric-memory code runs on CPUs in CI."""
     from ._torch_ops import install as _install
 
     _install()
@@ -500,6 +502,14 @@ class SymmetricMemory:
 
     #: The multicast address: none on CPUs (PyTorch's handle has it on NVLink SHARP GPUs).
     multicast_ptr = 0
+
+    @property
+    def device(self):
+        """The device of the allocation, as PyTorch's handle has it: ``torch.device("cpu")`` for
+        a torch tensor (torch's ``get`` and ``wait_signal`` read it), ``"cpu"`` for an array."""
+        if _is_torch(self._tensor):
+            return self._tensor.device
+        return "cpu"
 
     def _rank(self, rank):
         rank = operator.index(rank)

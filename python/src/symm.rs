@@ -15,7 +15,22 @@ use symmem::symm::{self, Device, SymmHandle};
 use symmem::tensor::{DType, Tensor};
 use symmem_python_macros::catch_panics;
 
-use crate::{err, seconds};
+use crate::seconds;
+
+/// A symmetric-memory error as PyTorch raises it, and as symmem's own types say it: a timeout
+/// is `symmem.errors.WaitTimeoutError` (a RuntimeError and a TimeoutError), an invalid argument
+/// `symmem.errors.InvalidArgumentError` (a ValueError and a RuntimeError); the rest as
+/// everywhere ([`crate::err`]).
+fn err(e: symmem::Error) -> PyErr {
+    use symmem::TransferKind::TimedOut;
+    match e {
+        symmem::Error::Timeout { .. } | symmem::Error::Transfer { kind: TimedOut, .. } => {
+            crate::typed("WaitTimeoutError", e.to_string())
+        }
+        symmem::Error::InvalidArgument(_) => crate::typed("InvalidArgumentError", e.to_string()),
+        e => crate::err(e),
+    }
+}
 
 fn dtype(name: &str) -> PyResult<DType> {
     let name = name.strip_prefix("torch.").unwrap_or(name);

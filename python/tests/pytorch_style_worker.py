@@ -46,19 +46,20 @@ pad = hdl.get_signal_pad((rank + 1) % ws, [4], dtype=torch.int32)
 assert pad.shape == (4,) and pad.dtype == torch.int32
 hdl.barrier(channel=0)
 
-# Negative ranks, channels and offsets: PyTorch's errors, not OverflowError.
+# Negative ranks, channels and offsets: PyTorch's errors (its C++ checks raise RuntimeError), not
+# OverflowError; and symmem's own type for an invalid argument, ValueError (issue 52, item 2).
 for bad in (lambda: hdl.get_buffer(-1, [4], torch.float32), lambda: hdl.put_signal(ws)):
     try:
         bad()
         raise AssertionError("accepted")
-    except ValueError as e:
-        assert "rank must be in [0," in str(e), e
+    except RuntimeError as e:
+        assert isinstance(e, ValueError) and "rank must be in [0," in str(e), e
 for bad in (lambda: hdl.barrier(channel=-1), lambda: hdl.get_buffer(0, [4], torch.float32, storage_offset=-4)):
     try:
         bad()
         raise AssertionError("accepted")
-    except ValueError as e:
-        assert "non-negative" in str(e), e
+    except RuntimeError as e:
+        assert isinstance(e, ValueError) and "non-negative" in str(e), e
 
 # A zero-element tensor: operators return, as PyTorch's do.
 z = symm.empty(0, dtype=torch.float32)

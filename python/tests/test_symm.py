@@ -183,3 +183,12 @@ def test_install_makes_torchs_own_dispatching_functions_run_on_cpu(nproc):
     assert out.returncode == 0, out.stdout + out.stderr
     for r in range(nproc):
         assert f"install worker ok {r}" in out.stdout, out.stdout + out.stderr
+
+
+def test_pytorchs_exception_types_for_timeouts_channels_ranks_and_get():
+    # Issue 52, item 2: RuntimeError where PyTorch raises it (timeouts of barrier, put_signal and
+    # wait_signal; a channel past the pad; a rank out of range), ValueError for get's arguments.
+    out = torchrun(2, os.path.join(os.path.dirname(__file__), "errors_worker.py"))
+    assert out.returncode == 0, out.stdout + out.stderr
+    for r in range(2):
+        assert f"errors worker ok {r}" in out.stdout, out.stdout + out.stderr

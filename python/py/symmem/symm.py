@@ -19,6 +19,7 @@ import operator
 import weakref
 
 from . import _native
+from .errors import InvalidArgumentError
 
 __all__ = [
     "MemPool",
@@ -514,7 +515,7 @@ class SymmetricMemory:
     def _rank(self, rank):
         rank = operator.index(rank)
         if not 0 <= rank < self.world_size:
-            raise ValueError(f"rank must be in [0, {self.world_size}) (got {rank})")
+            raise InvalidArgumentError(f"rank must be in [0, {self.world_size}) (got {rank})")
         return rank
 
     def get_buffer(self, rank, sizes, dtype, storage_offset=0):
@@ -580,15 +581,26 @@ def _itemsize(dtype):
 def _nonnegative(v, what):
     v = operator.index(v)
     if v < 0:
-        raise ValueError(f"{what} must be non-negative (got {v})")
+        raise InvalidArgumentError(f"{what} must be non-negative (got {v})")
     return v
 
 
 def _channel(channel):
     channel = operator.index(channel)
     if channel < 0:
-        raise ValueError(f"channel for barrier(), put_signal() and wait_signal() must be non-negative (got {channel})")
+        raise InvalidArgumentError(
+            f"channel for barrier(), put_signal() and wait_signal() must be non-negative (got {channel})"
+        )
     return channel
+
+
+def _peer(peer, op):
+    """A peer's rank as a non-negative int (the native side takes unsigned ints): a negative one
+    is invalid, as PyTorch says it."""
+    peer = operator.index(peer)
+    if peer < 0:
+        raise InvalidArgumentError(f"{op}: invalid peer {peer}")
+    return peer
 
 
 def _seconds(timeout_ms):
@@ -607,45 +619,54 @@ def barrier(group=None, timeout=None):
 
 
 def get(dst, hdl, peer, offset=0):
-    """Copies ``dst.numel()`` elements from ``peer``'s allocation (element ``offset``) into ``dst``."""
-    _native.get(_native_tensor(dst), hdl._h, peer, offset)
+    """Copies ``dst.numel()`` elements from ``peer``'s allocation (element ``offset``) into ``dst``.
+    Bad arguments raise ValueError (``InvalidArgumentError``) with PyTorch's messages."""
+    offset = operator.index(offset)
+    if offset < 0:
+        raise InvalidArgumentError("get: offset must be non-negative")
+    _native.get(_native_tensor(dst), hdl._h, _peer(peer, "get"), offset)
 
 
 def put_signal(src, hdl, peer):
     """Copies ``src`` into ``peer``'s allocation, then signals it; see :func:`wait_signal`."""
-    _native.put_signal(_native_tensor(src), hdl._h, peer)
+    _native.put_signal(_native_tensor(src), hdl._h, _peer(peer, "put_signal"))
 
 
 def wait_signal(hdl, peer):
     """Waits until ``peer``'s :func:`put_signal` data has landed."""
-    _native.wait_signal(hdl._h, peer)
+    _native.wait_signal(hdl._h, _peer(peer, "wait_signal"))
 
 
 def nvshmem_put(tensor, peer):
     """Copies the whole of symmetric ``tensor`` into the same tensor on ``peer`` (any host)."""
-    _native.nvshmem_put(_native_tensor(tensor, symmetric=True), peer)
+    _native.nvshmem_put(_native_tensor(tensor, symmetric=True), _peer(peer, "nvshmem_put"))
 
 
 def nvshmem_get(tensor, peer):
     """Copies the same symmetric tensor on ``peer`` (any host) into ``tensor``."""
-    _native.nvshmem_get(_native_tensor(tensor, symmetric=True), peer)
+    _native.nvshmem_get(_native_tensor(tensor, symmetric=True), _peer(peer, "nvshmem_get"))
 
 
 def nvshmem_get_out(dst, hdl, offset, size, peer):
     """Copies ``size`` elements from element ``offset`` of ``peer``'s allocation into ``dst``."""
-    _native.nvshmem_get_out(_native_tensor(dst), hdl._h, offset, size, peer)
+    offset, size = _nonnegative(offset, "nvshmem_get_out: offset"), _nonnegative(size, "nvshmem_get_out: size")
+    _native.nvshmem_get_out(_native_tensor(dst), hdl._h, offset, size, _peer(peer, "nvshmem_get_out"))
 
 
 def nvshmem_put_with_signal(tensor, sigpad, signal, peer):
     """Puts ``tensor`` into ``peer``'s copy, then sets ``peer``'s ``sigpad`` (int64) to ``signal``."""
     _native.nvshmem_put_with_signal(
-        _native_tensor(tensor, symmetric=True), _native_tensor(sigpad, symmetric=True), signal, peer
+        _native_tensor(tensor, symmetric=True),
+        _native_tensor(sigpad, symmetric=True),
+        _nonnegative(signal, "nvshmem_put_with_signal: signal"),
+        _peer(peer, "nvshmem_put_with_signal"),
     )
 
 
 def nvshmem_wait_for_signal(sigpad, signal, peer):
     """Waits until this rank's ``sigpad`` equals ``signal`` (set by ``peer``'s put with signal)."""
-    _native.nvshmem_wait_for_signal(_native_tensor(sigpad, symmetric=True), signal, peer)
+    signal = _nonnegative(signal, "nvshmem_wait_for_signal: signal")
+    _native.nvshmem_wait_for_signal(_native_tensor(sigpad, symmetric=True), signal, _peer(peer, "nvshmem_wait_for_signal"))
 
 
 def _like(x, buf):

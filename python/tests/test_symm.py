@@ -192,3 +192,12 @@ def test_pytorchs_exception_types_for_timeouts_channels_ranks_and_get():
     assert out.returncode == 0, out.stdout + out.stderr
     for r in range(2):
         assert f"errors worker ok {r}" in out.stdout, out.stdout + out.stderr
+
+
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_fused_all_gather_matmul_takes_an_ordinary_a_shard(nproc):
+    # Issue 52, item 3: PyTorch copies an ordinary A_shard into symmetric memory; so does symmem.
+    out = torchrun(nproc, os.path.join(os.path.dirname(__file__), "fused_worker.py"))
+    assert out.returncode == 0, out.stdout + out.stderr
+    for r in range(nproc):
+        assert f"fused worker ok {r}" in out.stdout, out.stdout + out.stderr

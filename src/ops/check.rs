@@ -53,16 +53,20 @@ impl Stamp {
     /// The stamp of `op` on `input` (at byte `offset` of its allocation) with `args`: anything
     /// else every rank must agree on (reduction, root, dims, splits' shapes, ...).
     pub(crate) fn new(op: &str, input: &Tensor, offset: usize, args: &[u64]) -> Stamp {
+        Stamp::of(op, input.dtype(), input.shape(), input.strides(), offset, args)
+    }
+
+    /// The stamp of `op` on a tensor of `dtype`, `shape` and `strides` (see [`Stamp::new`]).
+    pub(crate) fn of(op: &str, dtype: DType, shape: &[usize], strides: &[usize], offset: usize, args: &[u64]) -> Stamp {
         let mut w = [0u64; WORDS];
-        let shape = input.shape();
-        w[0] = u64::from(input.dtype().code());
+        w[0] = u64::from(dtype.code());
         w[1] = offset as u64;
         w[2] = shape.len() as u64;
         for (i, &d) in shape.iter().take(DIMS).enumerate() {
             w[3 + i] = d as u64;
         }
         let extra = shape.iter().skip(DIMS).map(|&d| d as u64);
-        let strides = input.strides().iter().map(|&s| s as u64);
+        let strides = strides.iter().map(|&s| s as u64);
         w[11] = fold(0xcbf2_9ce4_8422_2325, extra.chain(strides).chain(args.iter().copied()));
         let mut name = [0u8; 32];
         let n = op.len().min(NAME);

@@ -10,13 +10,13 @@
 //!   barrier(h)                         the epilogue: nobody reuses what a peer still reads
 //! ```
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use super::check::{Stamp, enter};
 use crate::error::{Error, Result};
 use crate::group::Group;
-use crate::symm::{self, SymmHandle};
+use crate::symm::{self, Device, SymmHandle};
 use crate::tensor::{DType, Tensor};
 
 pub(crate) fn timeout() -> Duration {
@@ -74,6 +74,52 @@ pub(crate) fn prologue(
     }
     enter_on(op, input, group, &h, args)?;
     Ok(Some(h))
+}
+
+/// The operators' symmetric workspace of a group: a matmul's partial products, or an ordinary
+/// input copied in ([`stage`]). One operator of a group uses it at a time (a group's operators
+/// are called by one thread, in the same order on every rank), and every operator that uses it
+/// ends with a barrier, so no peer still reads it when the next one writes it.
+struct Workspace {
+    tensor: Tensor,
+    handle: Arc<SymmHandle>,
+}
+
+/// The group's workspace, kept in the group (so it goes with it).
+#[derive(Default)]
+struct WorkspaceState(Mutex<Option<Workspace>>);
+
+/// The group's workspace (`u8`), grown to at least `bytes`, and its handle. Collective when it
+/// grows: every rank must ask for the same sizes in the same order (callers agree first).
+pub(crate) fn workspace(group: &Group, bytes: usize) -> Result<(Tensor, Arc<SymmHandle>)> {
+    let state = group.state::<WorkspaceState>();
+    let mut slot = state.0.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some(w) = &*slot
+        && w.tensor.nbytes() >= bytes
+    {
+        return Ok((w.tensor.clone(), w.handle.clone()));
+    }
+    // Collective: every rank grows its workspace at the same call (the sizes are symmetric).
+    let tensor = symm::empty(&[bytes.max(1).next_power_of_two()], DType::U8, Device::Cpu)?;
+    let handle = symm::rendezvous(&tensor, group)?;
+    *slot = Some(Workspace { tensor: tensor.clone(), handle: handle.clone() });
+    Ok((tensor, handle))
+}
+
+/// An ordinary (not symmetric) `input` of operator `op`, copied into the group's workspace: a
+/// contiguous symmetric tensor of the same shape and dtype at the workspace's start, as
+/// PyTorch's operators copy an ordinary input into their symmetric workspace. Collective: the
+/// ranks first agree on the call (`op`, the input's shape and dtype, `args`), since the
+/// workspace may grow.
+pub(crate) fn stage(op: &str, input: &Tensor, group: &Group, args: &[u64]) -> Result<Tensor> {
+    // The staged copy's layout, whatever the input's strides: ranks may lay theirs out
+    // differently.
+    let strides = crate::tensor::contiguous_strides(input.shape());
+    super::check::agree(group, &Stamp::of(op, input.dtype(), input.shape(), &strides, 0, args))?;
+    let (ws, _) = workspace(group, input.nbytes())?;
+    let staged = ws.reinterpret(input.dtype(), input.shape(), &strides, 0)?;
+    staged.copy_from(input)?;
+    Ok(staged)
 }
 
 /// The checked entry of [`prologue`] on a non-empty `input` whose checks and handle the caller

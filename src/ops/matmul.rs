@@ -7,15 +7,13 @@
 //! - `fused_matmul_reduce_scatter`: `A @ B` goes into a per-group symmetric workspace, then
 //!   every rank reduces its block from all workspaces in rank order (sum or avg).
 
-use std::sync::{Arc, Mutex};
-
 use half::{bf16, f16};
 
-use super::common::{bad, barrier, fetch, fetch_shared, symmetric, timeout};
+use super::common::{bad, barrier, fetch, fetch_shared, stage, symmetric, timeout, workspace};
 use super::reduce::{self, ReduceOp};
 use crate::error::Result;
 use crate::group::Group;
-use crate::symm::{self, Device, SymmHandle};
+use crate::symm::{self, SymmHandle};
 use crate::tensor::{DType, Tensor};
 
 /// `c (m×n, row stride ldc) (+)= a (m×k, lda) @ b (k×n, ldb)`, all row-major f32.
@@ -165,8 +163,10 @@ fn check_float(op: &str, d: DType) -> Result<()> {
 }
 
 /// `A = all_gather(A_shard, gather_dim)`, then `A @ B` for every `B`, each shard multiplied as
-/// soon as it is gathered. `A_shard` is a 2-D symmetric tensor; `gather_dim` 0 stacks the
-/// shards' rows, 1 (the last dimension) their columns. Returns `A` when `return_a`.
+/// soon as it is gathered. `A_shard` is a 2-D tensor: a symmetric one is read where it is, an
+/// ordinary one (any strides) is first copied into the group's workspace, as PyTorch's copies
+/// it into its symmetric workspace. `gather_dim` 0 stacks the shards' rows, 1 (the last
+/// dimension) their columns. Returns `A` when `return_a`.
 ///
 /// ```
 /// use symmem::symm::{self, Device};
@@ -213,6 +213,15 @@ pub fn fused_all_gather_matmul(
             ));
         }
     }
+    let staged;
+    let a_shard = if symm::is_symm_mem_tensor(a_shard) {
+        a_shard
+    } else {
+        let shapes = bs.iter().flat_map(|b| b.shape().iter().map(|&d| d as u64));
+        let args: Vec<u64> = [gather_dim as u64, bs.len() as u64].into_iter().chain(shapes).collect();
+        staged = stage(OP, a_shard, group, &args)?;
+        &staged
+    };
     let h = symmetric(OP, a_shard, group)?;
     let (dtype, es) = (a_shard.dtype(), a_shard.dtype().size());
     let gathered_shape = if gather_dim == 0 { [m * ws, k] } else { [m, k * ws] };
@@ -300,30 +309,6 @@ pub fn fused_all_gather_matmul(
     let travels = super::all_gather::Travels::All;
     super::all_gather::inputs_to_hosts(&[a_shard], group, &h, OP, None, &args, None, travels, finish, pulled)?;
     Ok((return_a.then_some(a), outs))
-}
-
-struct Workspace {
-    tensor: Tensor,
-    handle: Arc<SymmHandle>,
-}
-
-/// The group's matmul workspace (kept in the group, so it goes with it).
-#[derive(Default)]
-struct State(Mutex<Option<Workspace>>);
-
-fn workspace(group: &Group, bytes: usize) -> Result<(Tensor, Arc<SymmHandle>)> {
-    let state = group.state::<State>();
-    let mut slot = state.0.lock().unwrap_or_else(|p| p.into_inner());
-    if let Some(w) = &*slot
-        && w.tensor.nbytes() >= bytes
-    {
-        return Ok((w.tensor.clone(), w.handle.clone()));
-    }
-    // Collective: every rank grows its workspace at the same call (the sizes are symmetric).
-    let tensor = symm::empty(&[bytes.next_power_of_two()], DType::U8, Device::Cpu)?;
-    let handle = symm::rendezvous(&tensor, group)?;
-    *slot = Some(Workspace { tensor: tensor.clone(), handle: handle.clone() });
-    Ok((tensor, handle))
 }
 
 /// `A @ B`, reduce-scattered across ranks along `scatter_dim` (0: rows, 1: columns) with `sum`
@@ -459,4 +444,32 @@ pub fn select_mrs(bytes: usize, scatter_dim: usize, h: &SymmHandle) -> super::al
     let hosts = if h.all_local() { 1 } else { 2 };
     let select = if scatter_dim == 0 { super::reduce_scatter::select } else { super::reduce_scatter::select_whole };
     select(bytes, h.max_ranks_per_host(), hosts, h.link_backend())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// An ordinary shard, even a strided view, is copied into the group's workspace first (as
+    /// PyTorch's is into its symmetric workspace) and gives what a symmetric one would; the
+    /// caller's shard is left as it was.
+    #[test]
+    fn an_ordinary_shard_is_staged_through_the_workspace() {
+        crate::group::run_threads(2, |group| {
+            let r = group.rank() as f32 * 10.0;
+            let base = Tensor::from_slice(&[2, 4], &(0..8).map(|i| r + i as f32).collect::<Vec<_>>())?;
+            let shard = base.tile(0..2, 0..2)?;
+            assert!(!shard.is_contiguous() && !symm::is_symm_mem_tensor(&shard));
+            let b = Tensor::from_slice(&[2, 1], &[1.0f32, 1.0])?;
+            for _ in 0..2 {
+                let (a, outs) = fused_all_gather_matmul(&shard, std::slice::from_ref(&b), 0, &group, true)?;
+                let a = a.expect("return_a");
+                assert_eq!(a.to_vec::<f32>()?, [0.0, 1.0, 4.0, 5.0, 10.0, 11.0, 14.0, 15.0]);
+                assert_eq!(outs[0].to_vec::<f32>()?, [1.0, 9.0, 21.0, 29.0]);
+            }
+            assert_eq!(shard.to_vec::<f32>()?, [r, r + 1.0, r + 4.0, r + 5.0]);
+            Ok(())
+        })
+        .unwrap();
+    }
 }

@@ -843,12 +843,14 @@ def all_to_all_nd(input, out, scatter_dim, gather_dim, group_name=None):
 
 def fused_all_gather_matmul(A_shard, Bs, gather_dim, group_name=None, *, return_A=True):
     """``all_gather(A_shard, gather_dim) @ B`` for each ``B`` in ``Bs``. Returns
-    ``(A or None, [outputs])``. A 2-D ``A_shard`` multiplies shards as they arrive; an N-D one
-    (PyTorch's tests use ``[8, 64, 32]``) is gathered along any ``gather_dim`` and multiplied
-    as PyTorch's fallback does, with the same values and strides."""
+    ``(A or None, [outputs])``. ``A_shard`` may be symmetric or, as PyTorch allows, an ordinary
+    tensor, which is first copied into the group's symmetric workspace. A 2-D ``A_shard``
+    multiplies shards as they arrive; an N-D one (PyTorch's tests use ``[8, 64, 32]``) is
+    gathered along any ``gather_dim`` and multiplied as PyTorch's fallback does, with the same
+    values and strides."""
     if A_shard.dim() == 2 and gather_dim in (0, 1, -1, -2):
         a, outs = _native.fused_all_gather_matmul(
-            _native_tensor(A_shard, symmetric=True),
+            _native_tensor(A_shard),
             [_native_tensor(b) for b in Bs],
             gather_dim % 2,
             _group(group_name),
@@ -860,7 +862,14 @@ def fused_all_gather_matmul(A_shard, Bs, gather_dim, group_name=None, *, return_
     g = _group(group_name)
     ws = g.world_size
     gathered = torch.empty((ws * A_shard.numel(),), dtype=A_shard.dtype)
-    all_gather_into_tensor(A_shard.reshape(-1), g, gathered)
+    flat = A_shard.reshape(-1)
+    if not is_symm_mem_tensor(flat):
+        # An ordinary shard goes through the group's workspace first, as in PyTorch.
+        nbytes = flat.numel() * flat.element_size()
+        staged = _workspace(g, nbytes)[0][:nbytes].view(flat.dtype)
+        staged.copy_(flat)
+        flat = staged
+    all_gather_into_tensor(flat, g, gathered)
     # From here, PyTorch's fallback step by step, so values and strides are the same.
     A = gathered.view(ws * A_shard.shape[0], *A_shard.shape[1:])
     if gather_dim == A.ndim - 1 or gather_dim == -1:

@@ -47,6 +47,23 @@ for parity in (1, 0):
         assert torch.all(data == float(prev)), data[:4]
     hdl.barrier()
 
+# A view of a signal pad as the signal (PyTorch's test_nvshmem_put passes one), to the next
+# rank wherever it is: the word lands in the peer's pad, after the data. Channel 8's first
+# word, which no barrier here uses.
+data = symm.empty(1024, dtype=torch.float32)
+dh = symm.rendezvous(data)
+word = dh.get_signal_pad(rank)[8 * ws : 8 * ws + 1]
+for parity in (1, 0):
+    data.fill_(float(rank))
+    hdl.barrier()
+    if rank % 2 == parity:
+        symm.nvshmem_put_with_signal(data, word, 3 + parity, nxt)
+    elif prev % 2 == parity:
+        symm.nvshmem_wait_for_signal(word, 3 + parity, prev)
+        assert torch.all(data == float(prev)), data[:4]
+        word.fill_(0)
+    hdl.barrier()
+
 # Operators give the single-host results.
 y = symm.empty(3000, dtype=torch.float32)
 y.copy_(torch.arange(3000, dtype=torch.float32) * (rank + 1))

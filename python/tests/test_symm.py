@@ -201,3 +201,11 @@ def test_fused_all_gather_matmul_takes_an_ordinary_a_shard(nproc):
     assert out.returncode == 0, out.stdout + out.stderr
     for r in range(nproc):
         assert f"fused worker ok {r}" in out.stdout, out.stdout + out.stderr
+
+
+def test_get_signal_pad_is_uint32_and_a_signal_for_nvshmem_put_with_signal():
+    # Issue 52, item 4: PyTorch's test_get_signal_pad and test_nvshmem_put, on the CPU.
+    out = torchrun(2, os.path.join(os.path.dirname(__file__), "signal_pad_worker.py"))
+    assert out.returncode == 0, out.stdout + out.stderr
+    for r in range(2):
+        assert f"signal pad worker ok {r}" in out.stdout, out.stdout + out.stderr

@@ -151,7 +151,8 @@ impl Words {
 
     fn set_remote(&self, rank: usize, i: usize, e: u32, timeout: Duration, posted: bool) -> Result<Work> {
         let r = self.h.remote(rank).ok_or_else(|| Error::InvalidArgument(format!("rank {rank} is not remote")))?;
-        r.start_set(self.offset(i), 4, u64::from(e), timeout, posted).map_err(|err| r.link.error("signalling", &err))
+        r.start_set(false, self.offset(i), 4, u64::from(e), timeout, posted)
+            .map_err(|err| r.link.error("signalling", &err))
     }
 }
 

@@ -29,6 +29,7 @@ pub(crate) mod hostsync;
 mod pool;
 mod remote;
 mod segment;
+mod signal;
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
@@ -37,8 +38,8 @@ use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
 use crate::group::Group;
+use crate::sync::Patience;
 use crate::sync::slot::{self, Failure};
-use crate::sync::{Patience, Stop, wait_until};
 pub use crate::tensor::Device;
 use crate::tensor::{DType, Storage, Tensor};
 use crate::transport::{Memory, Work};
@@ -46,6 +47,7 @@ use crate::wire::symm::{PeerRecord, RECORD_VERSION};
 pub use pool::MemPool;
 use remote::{Link, Links, Mirror, Remote};
 use segment::{Pad, Segment};
+pub use signal::{nvshmem_put_with_signal, nvshmem_wait_for_signal};
 
 /// The name of the CPU shared-memory backend.
 pub const BACKEND: &str = "CPU";
@@ -283,6 +285,8 @@ struct PeerSet {
     group: String,
     own: Arc<Segment>,
     peers: Vec<Peer>,
+    /// The handles of this rank's allocation, for its signal pad views (`signal::PadView`).
+    cache: Weak<Mutex<Cache>>,
     /// The host of every rank, numbered in order of first appearance.
     host_of: Vec<usize>,
     /// The ranks of every host, in order (a host's first is its leader).
@@ -600,6 +604,7 @@ fn exchange(alloc: &Allocation, tensor: &Tensor, offset: usize, group: &Group, s
         group: name,
         own,
         peers,
+        cache: Arc::downgrade(&alloc.cache),
         host_of,
         ranks_of_host,
         sync: Default::default(),
@@ -1022,12 +1027,44 @@ impl SymmHandle {
         self.get_buffer(peer, sizes, dtype, self.offset / dtype.size())
     }
 
-    /// A `u32` view of `rank`'s signal pad; an error for a rank on another host.
+    /// A `u32` view of `rank`'s signal pad; an error for a rank on another host. A word of it
+    /// names the same word on every rank ([`nvshmem_put_with_signal`] takes it as the signal).
     pub fn get_signal_pad(&self, rank: usize) -> Result<Tensor> {
         self.check_rank(rank)?;
         let seg = self.local(rank).ok_or_else(|| self.not_addressable("get_signal_pad", rank))?.clone();
         let n = seg.pad_size() / 4;
-        Ok(Tensor::from_storage(Arc::new(Pad(seg)), &[n], DType::U32))
+        let view = signal::PadView { segment: seg, cache: self.peers.cache.clone() };
+        Ok(Tensor::from_storage(Arc::new(view), &[n], DType::U32))
+    }
+
+    /// The 8-byte word at byte `at` of `rank`'s signal pad (on this host), for words every
+    /// process touches only atomically (signals). Panics if the word is not inside the pad or
+    /// not 8-aligned, or the rank is on another host: a bug in the caller, never a matter of
+    /// input (callers check).
+    pub(crate) fn pad_word64(&self, rank: usize, at: usize) -> &AtomicU64 {
+        let p = self.pad_word_ptr(rank, at, 8);
+        // SAFETY: `pad_word_ptr` checked that the 8 bytes lie inside `rank`'s pad (mapped while
+        // `self` lives, so for the returned borrow) and are 8-aligned; the memory is shared,
+        // and every process and thread touches pad words only atomically.
+        unsafe { &*(p as *const AtomicU64) }
+    }
+
+    /// The 4-byte word at byte `at` of `rank`'s signal pad, as [`SymmHandle::pad_word64`].
+    pub(crate) fn pad_word32(&self, rank: usize, at: usize) -> &AtomicU32 {
+        let p = self.pad_word_ptr(rank, at, 4);
+        // SAFETY: as in pad_word64, for 4 bytes, 4-aligned.
+        unsafe { &*(p as *const AtomicU32) }
+    }
+
+    fn pad_word_ptr(&self, rank: usize, at: usize, width: usize) -> usize {
+        let seg = self.local(rank).expect("a signal pad word of a rank on another host");
+        let p = (seg.pad_ptr() as usize).checked_add(at).expect("word address overflows");
+        assert!(
+            at.checked_add(width).is_some_and(|end| end <= seg.pad_size()) && p.is_multiple_of(width),
+            "{width}-byte word at byte {at} of a {}-byte signal pad is out of place",
+            seg.pad_size()
+        );
+        p
     }
 
     pub(crate) fn patience(&self, timeout: Duration) -> Patience {
@@ -1472,127 +1509,6 @@ pub fn nvshmem_get_out(dst: &Tensor, hdl: &SymmHandle, offset: usize, size: usiz
         .checked_mul(dst.dtype().size())
         .ok_or_else(|| Error::InvalidArgument(format!("nvshmem_get_out: size {size} is too large")))?;
     get_bytes("nvshmem_get_out", dst, hdl, peer, offset, len)
-}
-
-fn signal_word(op: &str, sigpad: &Tensor) -> Result<(Arc<SymmHandle>, usize)> {
-    let width = sigpad.dtype().size();
-    if !matches!(sigpad.dtype(), DType::I64 | DType::I32 | DType::U32) || sigpad.numel() == 0 {
-        return Err(Error::InvalidArgument(format!(
-            "{op}: the signal must be a non-empty int64, int32 or uint32 symmetric tensor (got {} of {})",
-            sigpad.numel(),
-            sigpad.dtype()
-        )));
-    }
-    let h = handle_of(op, sigpad)?;
-    if !h.offset.is_multiple_of(width) {
-        return Err(Error::InvalidArgument(format!("{op}: the signal word is not {width}-byte aligned")));
-    }
-    Ok((h, width))
-}
-
-/// NVSHMEM's put with signal: puts the whole of `tensor` into the same symmetric tensor on
-/// `peer`, then sets the first element of `peer`'s `sigpad` (a symmetric int64/int32/uint32
-/// tensor) to `signal`. The peer sees the signal only after the data landed.
-///
-/// It returns once `tensor` may be reused, as NVSHMEM's and OpenSHMEM's blocking
-/// put-with-signal do: on this host the data and the signal are then in place; to a peer on
-/// another host, when `tensor` and `sigpad` were rendezvoused on the same group (one link),
-/// the data and the signal may still be on their way, the link landing the signal after the
-/// data (no round trip is waited for). A refusal of those writes by the peer ends the link
-/// with the reason.
-pub fn nvshmem_put_with_signal(tensor: &Tensor, sigpad: &Tensor, signal: u64, peer: usize) -> Result<()> {
-    const OP: &str = "nvshmem_put_with_signal";
-    let (sh, width) = signal_word(OP, sigpad)?;
-    let t = crate::config::op_timeout();
-    let h = handle_of(OP, tensor)?;
-    let len = check_put(OP, tensor, &h, peer, h.offset)?;
-    // The signal's group may be another, and smaller.
-    sh.check_rank(peer).map_err(|e| Error::InvalidArgument(format!("{OP}: the signal's peer: {e}")))?;
-    if let (Some(rd), Some(rs)) = (h.remote(peer), sh.remote(peer))
-        && Arc::ptr_eq(&rd.link, &rs.link)
-    {
-        return post_bytes(OP, tensor, rd, (h.offset, len), || {
-            rs.start_set(sh.offset, width, signal, t, true).map(Some)
-        });
-    }
-    nvshmem_put(tensor, peer)?;
-    match &sh.peers.peers[peer] {
-        Peer::Local(_) => {
-            if width == 8 {
-                // Release: pairs with the Acquire load in nvshmem_wait_for_signal, after the put.
-                sh.word64(peer, sh.offset).store(signal, Ordering::Release);
-            } else {
-                // Release: as above.
-                sh.word32(peer, sh.offset).store(signal as u32, Ordering::Release);
-            }
-            // The low half of a 64-bit word is the futex word sleepers wait on.
-            crate::sync::wake_word(sh.word32(peer, sh.offset), sh.sleepers(peer));
-            Ok(())
-        }
-        Peer::Remote(r) => r
-            .start_set(sh.offset, width, signal, t, false)
-            .and_then(|w| w.wait(None))
-            .map_err(|e| r.link.error("nvshmem_put_with_signal: signalling", &e)),
-    }
-}
-
-/// NVSHMEM's wait for signal: waits until the first element of this rank's `sigpad` equals
-/// `signal` (set by a peer's [`nvshmem_put_with_signal`]), at most the operator timeout
-/// (`SYMMEM_OP_TIMEOUT`). `peer` names who is expected to signal, for the error message.
-pub fn nvshmem_wait_for_signal(sigpad: &Tensor, signal: u64, peer: usize) -> Result<()> {
-    let (h, width) = signal_word("nvshmem_wait_for_signal", sigpad)?;
-    if peer >= h.world_size() {
-        return Err(Error::InvalidArgument(format!(
-            "nvshmem_wait_for_signal: peer {peer} must be smaller than world size {}",
-            h.world_size()
-        )));
-    }
-    let timeout = crate::config::op_timeout();
-    let me = h.rank();
-    let read = || {
-        // Acquire: pairs with the putter's Release store (local) or the transport thread's.
-        if width == 8 {
-            h.word64(me, h.offset).load(Ordering::Acquire)
-        } else {
-            u64::from(h.word32(me, h.offset).load(Ordering::Acquire))
-        }
-    };
-    let want = if width == 8 { signal } else { signal & 0xffff_ffff };
-    // Sleep on the word's low half (little-endian), which every putter wakes after storing.
-    let low = h.word32(me, h.offset);
-    // The peer's link when it is on another host: watched for its loss, and served while
-    // spinning (see `done`).
-    let remote = h.remote(peer);
-    let lost = || match remote.and_then(|r| r.link.lost().map(|why| (r, why))) {
-        Some((r, why)) => Err(Error::transfer(
-            crate::error::TransferKind::PeerLost,
-            format!("nvshmem_wait_for_signal: rank {} lost rank {peer} on host {}: {why}", h.rank(), r.link.host),
-        )),
-        None => Ok(()),
-    };
-    // A 64-bit signal that changes only its high half does not change the futex word, so its
-    // wake-up can slip past a sleeper that is about to sleep: nap briefly then.
-    let sleep = |seen: u32, nap: Duration| {
-        let nap = if width == 8 { nap.min(Duration::from_millis(1)) } else { nap };
-        crate::sync::sleep_on(low, seen, nap, h.sleepers(me))
-    };
-    // A signal from another host: while spinning, this thread applies it itself once it has
-    // arrived (no hand-off to the link's thread on the way).
-    let done = || {
-        read() == want
-            || remote.is_some_and(|r| {
-                r.link.transport.serve_arrived();
-                read() == want
-            })
-    };
-    match wait_until(low, done, &h.patience(timeout), lost, sleep) {
-        Ok(()) => Ok(()),
-        Err(Stop::Failed(e)) => Err(e),
-        Err(Stop::TimedOut) => Err(Error::timeout(
-            format!("nvshmem_wait_for_signal: rank {} waiting for signal {signal} from rank {peer}", h.rank()),
-            timeout,
-        )),
-    }
 }
 
 /// Rendezvouses `x` on `group` and returns every rank's copy of it.

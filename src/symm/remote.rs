@@ -409,10 +409,12 @@ impl Remote {
         self.link.start_atomic(&word, Atomic::SlotPut, 1, timeout, false)
     }
 
-    /// Starts storing `value` (4 or 8 bytes wide) at byte `at` of the peer's data buffer;
-    /// `posted`: its Work may complete once sent (the peer learns of it by watching the word).
+    /// Starts storing `value` (4 or 8 bytes wide) at byte `at` of the peer's signal pad (`pad`)
+    /// or data buffer; `posted`: its Work may complete once sent (the peer learns of it by
+    /// watching the word).
     pub(crate) fn start_set(
         &self,
+        pad: bool,
         at: usize,
         width: usize,
         value: u64,
@@ -420,7 +422,8 @@ impl Remote {
         posted: bool,
     ) -> Result<Work> {
         let op = if width == 8 { Atomic::Set64 } else { Atomic::Set32 };
-        let word = self.data.slice(at as u64, width as u64)?;
+        let region = if pad { &self.pad } else { &self.data };
+        let word = region.slice(at as u64, width as u64)?;
         self.link.start_atomic(&word, op, value, timeout, posted)
     }
 }

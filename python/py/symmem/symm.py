@@ -83,6 +83,9 @@ __all__ = [
 
 # Symmetric buffers by base address, so a tensor (or a view of one) finds its allocation.
 _buffers = weakref.WeakValueDictionary()
+# Signal pad views handed out by get_signal_pad, by identity (several may view one pad), so a
+# tensor viewing one finds it when passed as a signal.
+_pads = weakref.WeakValueDictionary()
 # The buffer found last, as (base, end, weak reference): operators are called on the same
 # tensors again and again, and scanning the weak dictionary costs microseconds.
 _last_found = (0, 0, None)
@@ -531,16 +534,18 @@ class SymmetricMemory:
         return _wrap(self._h.get_remote_tensor(self._rank(peer), sizes, _dtype_name(dtype)), dtype, tuple(sizes))
 
     def get_signal_pad(self, rank, sizes=None, dtype=None, storage_offset=0):
-        """Rank ``rank``'s signal pad, as PyTorch's: by default its uint32 words (int32 in torch,
-        the same bits); with ``sizes`` and ``dtype``, a tensor of them from element
-        ``storage_offset``."""
+        """Rank ``rank``'s signal pad, as PyTorch's: by default its uint32 words; with ``sizes``
+        and ``dtype``, a tensor of them from element ``storage_offset``. A uint32, int32 or
+        int64 view of it is a signal for :func:`nvshmem_put_with_signal` and
+        :func:`nvshmem_wait_for_signal` (its first element, the same word on every rank)."""
         buf = self._h.get_signal_pad(self._rank(rank))
+        _pads[id(buf)] = buf
         torch_like = _is_torch(self._tensor)
         if dtype is None:
             if torch_like:
                 import torch
 
-                dtype = torch.int32
+                dtype = torch.uint32
             else:
                 dtype = "uint32"
         whole = _wrap(buf, dtype, (buf.nbytes() // _itemsize(dtype),))
@@ -653,11 +658,28 @@ def nvshmem_get_out(dst, hdl, offset, size, peer):
     _native.nvshmem_get_out(_native_tensor(dst), hdl._h, offset, size, _peer(peer, "nvshmem_get_out"))
 
 
+def _signal(sigpad, op):
+    """The native tensor of a signal: a symmetric tensor, or a view of a signal pad from
+    ``get_signal_pad``."""
+    native, layout = _symmetric_lookup(sigpad)
+    if native is not None:
+        return native
+    addr, name, shape, strides, _, _ = layout
+    for buf in list(_pads.values()):
+        base = buf.address()
+        if base <= addr < base + buf.nbytes():
+            return buf.tensor(name, shape, strides, addr - base)
+    raise InvalidArgumentError(
+        f"{op}: the signal must be a symmetric tensor (symmem.symm.empty) or a view of a signal pad (get_signal_pad)"
+    )
+
+
 def nvshmem_put_with_signal(tensor, sigpad, signal, peer):
-    """Puts ``tensor`` into ``peer``'s copy, then sets ``peer``'s ``sigpad`` (int64) to ``signal``."""
+    """Puts ``tensor`` into ``peer``'s copy, then sets ``peer``'s copy of the first element of
+    ``sigpad`` (a symmetric int64/int32/uint32 tensor, or a signal pad view) to ``signal``."""
     _native.nvshmem_put_with_signal(
         _native_tensor(tensor, symmetric=True),
-        _native_tensor(sigpad, symmetric=True),
+        _signal(sigpad, "nvshmem_put_with_signal"),
         _nonnegative(signal, "nvshmem_put_with_signal: signal"),
         _peer(peer, "nvshmem_put_with_signal"),
     )
@@ -666,7 +688,8 @@ def nvshmem_put_with_signal(tensor, sigpad, signal, peer):
 def nvshmem_wait_for_signal(sigpad, signal, peer):
     """Waits until this rank's ``sigpad`` equals ``signal`` (set by ``peer``'s put with signal)."""
     signal = _nonnegative(signal, "nvshmem_wait_for_signal: signal")
-    _native.nvshmem_wait_for_signal(_native_tensor(sigpad, symmetric=True), signal, _peer(peer, "nvshmem_wait_for_signal"))
+    native = _signal(sigpad, "nvshmem_wait_for_signal")
+    _native.nvshmem_wait_for_signal(native, signal, _peer(peer, "nvshmem_wait_for_signal"))
 
 
 def _like(x, buf):

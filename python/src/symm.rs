@@ -133,7 +133,7 @@ impl PyTensor {
 }
 
 /// A group of ranks: the world of this process, from the launcher's environment.
-#[pyclass(name = "Group", module = "symmem._native", frozen)]
+#[pyclass(name = "Group", module = "symmem._native", frozen, weakref)]
 pub struct PyGroup(Arc<Group>);
 
 #[catch_panics]

@@ -209,3 +209,14 @@ def test_get_signal_pad_is_uint32_and_a_signal_for_nvshmem_put_with_signal():
     assert out.returncode == 0, out.stdout + out.stderr
     for r in range(2):
         assert f"signal pad worker ok {r}" in out.stdout, out.stdout + out.stderr
+
+
+@pytest.mark.parametrize("nproc", [3, 4])
+def test_a_recycled_group_name_is_a_new_group(nproc):
+    # Issue 52, item 5: PyTorch's test_rendezvous_after_group_name_recycled. A stale group
+    # would make ranks 1 and 2 wait for each other on different groups until the timeout.
+    env = dict(os.environ, SYMMEM_OP_TIMEOUT="15")
+    out = torchrun(nproc, os.path.join(os.path.dirname(__file__), "recycle_worker.py"), env=env)
+    assert out.returncode == 0, out.stdout + out.stderr
+    for r in range(nproc):
+        assert f"recycle worker ok {r}" in out.stdout, out.stdout + out.stderr

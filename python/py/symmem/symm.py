@@ -273,6 +273,11 @@ def world():
 
 # Groups made by new_group, by name, so operators accept a group name as PyTorch's do.
 _groups = {}
+# symmem's group of each torch.distributed process group, by the process group itself, held
+# weakly: it goes with the process group, and a name torch gives out again after
+# destroy_process_group (the first new_group of a new world is "1" again, maybe with other
+# ranks) is a new group, never the one kept under the old name.
+_torch_groups = weakref.WeakKeyDictionary()
 
 
 def new_group(ranks):
@@ -306,9 +311,9 @@ def _from_torch(pg):
     the members only: a split exchanges nothing)."""
     import torch.distributed as dist
 
-    key = ("torch", pg.group_name)
-    if key in _groups:
-        return _groups[key]
+    g = _torch_groups.get(pg)
+    if g is not None:
+        return g
     w = world()
     ranks = dist.get_process_group_ranks(pg)
     if ranks == list(range(w.world_size)):
@@ -317,7 +322,7 @@ def _from_torch(pg):
         g = w.split(ranks)
         if g is None:
             raise ValueError(f"this rank ({w.rank}) is not in process group {pg.group_name!r} (ranks {ranks})")
-    _groups[key] = g
+    _torch_groups[pg] = g
     return g
 
 
@@ -460,15 +465,16 @@ def _workspace(g, size):
     grows: every rank asks for the same sizes in the same order)."""
     import torch
 
-    held = _workspaces.get(g.group_name)
+    held = _workspaces.get(g)
     if held is None or held[0].numel() < size:
         t = empty(max(size, 1), dtype=torch.uint8)
         held = (t, rendezvous(t, g))
-        _workspaces[g.group_name] = held
+        _workspaces[g] = held
     return held
 
 
-_workspaces = {}
+# Each group's workspace, held weakly by the group: it goes with the group.
+_workspaces = weakref.WeakKeyDictionary()
 
 
 def is_nvshmem_available():

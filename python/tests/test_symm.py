@@ -220,3 +220,29 @@ def test_a_recycled_group_name_is_a_new_group(nproc):
     assert out.returncode == 0, out.stdout + out.stderr
     for r in range(nproc):
         assert f"recycle worker ok {r}" in out.stdout, out.stdout + out.stderr
+
+
+def test_signal_pad_size_and_group_checks_are_configured_as_pytorchs():
+    # Issue 52, item 6: set_signal_pad_size after an allocation, torch's getter reflecting it, and
+    # is_symm_mem_enabled_for_group for known and unknown names, under torchrun.
+    out = torchrun(2, os.path.join(os.path.dirname(__file__), "config_worker.py"))
+    assert out.returncode == 0, out.stdout + out.stderr
+    for r in range(2):
+        assert f"config worker ok {r}" in out.stdout, out.stdout + out.stderr
+
+
+def test_is_symm_mem_enabled_for_group_is_false_in_a_plain_process():
+    # Issue 52, item 6: no launcher, no process group: False, as PyTorch's, and no attempt to
+    # join a world (which needs RANK).
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    code = """
+import torch.distributed._symmetric_memory as symm_mem
+import symmem.symm
+symmem.symm.install()
+for name in ("0", "1", "world", "no-such-group"):
+    assert symm_mem.is_symm_mem_enabled_for_group(name) is False, name
+    assert symmem.symm.is_symm_mem_enabled_for_group(name) is False, name
+print("ok")
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stdout + out.stderr

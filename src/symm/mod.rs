@@ -55,14 +55,13 @@ pub const BACKEND: &str = "CPU";
 /// PyTorch's default signal pad: 32 channels × 72 ranks × 4 bytes.
 pub const DEFAULT_SIGNAL_PAD_SIZE: usize = 9216;
 
-/// Process-wide settings: the signal pad size, which every allocation of every group shares.
+/// Process-wide settings: the signal pad size of the allocations to come.
 struct Globals {
     signal_pad_size: usize,
-    allocated: bool,
 }
 
 fn globals() -> MutexGuard<'static, Globals> {
-    static G: Mutex<Globals> = Mutex::new(Globals { signal_pad_size: DEFAULT_SIGNAL_PAD_SIZE, allocated: false });
+    static G: Mutex<Globals> = Mutex::new(Globals { signal_pad_size: DEFAULT_SIGNAL_PAD_SIZE });
     // The settings stay consistent even if a holder panicked.
     G.lock().unwrap_or_else(|p| p.into_inner())
 }
@@ -145,20 +144,15 @@ pub fn get_backend(device: Device) -> Option<&'static str> {
     matches!(device, Device::Cpu).then_some(BACKEND)
 }
 
-/// Sets the signal pad size of future allocations, in bytes (a positive multiple of 4). An
-/// error once anything has been allocated, since ranks must agree on it.
+/// Sets the signal pad size of future allocations, in bytes (a positive multiple of 4), as
+/// PyTorch's: allocations made before keep theirs (a pool's block keeps the pad it was made
+/// with). Ranks must agree on the pad of each allocation: a rendezvous of pads of different
+/// sizes fails on every rank, naming both.
 pub fn set_signal_pad_size(size: usize) -> Result<()> {
     if size == 0 || !size.is_multiple_of(4) {
         return Err(Error::InvalidArgument(format!("signal pad size {size} must be a positive multiple of 4 bytes")));
     }
-    let mut g = globals();
-    if g.allocated && g.signal_pad_size != size {
-        return Err(Error::InvalidArgument(format!(
-            "signal pad size cannot change after the first symmetric allocation (it is {} bytes)",
-            g.signal_pad_size
-        )));
-    }
-    g.signal_pad_size = size;
+    globals().signal_pad_size = size;
     Ok(())
 }
 
@@ -177,11 +171,7 @@ pub struct Allocation {
 
 impl Allocation {
     fn new(data_size: usize) -> Result<Allocation> {
-        let pad = {
-            let mut g = globals();
-            g.allocated = true;
-            g.signal_pad_size
-        };
+        let pad = globals().signal_pad_size;
         Ok(Allocation { segment: Arc::new(Segment::create(pad, data_size)?), cache: Arc::default() })
     }
 

@@ -143,11 +143,18 @@ def install():
     torch_symm.rendezvous = rendezvous
     for f in _dispatching(torch_symm, symm, on_cpu):
         setattr(torch_symm, f.__name__, f)
+    @functools.wraps(torch_symm.set_signal_pad_size)
+    def set_signal_pad_size(size):
+        symm.set_signal_pad_size(size)
+        # torch's own getter (`_SymmetricMemory.signal_pad_size`, which PyTorch's tests read)
+        # tells the same size.
+        torch_symm._SymmetricMemory.signal_pad_size = size
+
+    torch_symm.set_signal_pad_size = set_signal_pad_size
     for name in (
         "is_symm_mem_tensor",
         "set_backend",
         "get_backend",
-        "set_signal_pad_size",
         "get_signal_pad_size",
         "get_mem_pool",
         "get_symm_mem_workspace",

@@ -405,8 +405,9 @@ def get_backend(device="cpu"):
 
 
 def set_signal_pad_size(size):
-    """Sets the signal pad size of future allocations, in bytes; every rank must agree, so it
-    cannot change after the first allocation."""
+    """Sets the signal pad size of future allocations, in bytes, as PyTorch's: earlier
+    allocations keep theirs. Ranks must agree on each allocation's pad (a rendezvous of pads of
+    different sizes fails on every rank, naming both)."""
     _native.set_signal_pad_size(_nonnegative(size, "signal pad size"))
 
 
@@ -440,18 +441,25 @@ def get_mempool_allocator(device="cpu"):
     )
 
 
-# Groups symmetric memory was enabled for (PyTorch's registry; every group works here).
-_enabled = set()
-
-
 def enable_symm_mem_for_group(group_name):
-    """Marks ``group_name`` for symmetric memory (as PyTorch's; nothing else is needed here)."""
-    _enabled.add(_group(group_name).group_name)
+    """PyTorch's deprecated switch, which nothing needs any more (here neither): checks that
+    ``group_name`` names a group of this process, and makes nothing (a group is made at its
+    first collective use, by its members)."""
+    if not is_symm_mem_enabled_for_group(group_name):
+        raise InvalidArgumentError(f"enable_symm_mem_for_group: unknown group {group_name!r}")
 
 
 def is_symm_mem_enabled_for_group(group_name):
-    """Whether symmetric memory works for ``group_name``: every group's does here."""
-    return _group(group_name) is not None
+    """Whether symmetric memory can be used with ``group_name``, as PyTorch answers it: True for a
+    group this process has (symmem's world once joined, a group from :func:`new_group`, or a
+    ``torch.distributed`` process group, by name or object), False otherwise, and so False in a
+    process without any. It joins and makes nothing."""
+    if isinstance(group_name, _native.Group):
+        return True
+    if isinstance(group_name, str):
+        if group_name in _groups or (_world is not None and group_name == _world.group_name):
+            return True
+    return _torch_process_group(group_name) is not None
 
 
 def get_symm_mem_workspace(group_name, min_size):

@@ -432,6 +432,22 @@ fn nvshmem_wait_for_signal(py: Python<'_>, sigpad: &PyTensor, signal: u64, peer:
     py.detach(|| symm::nvshmem_wait_for_signal(&sigpad.0, signal, peer)).map_err(err)
 }
 
+/// PyTorch's NCCL put with signal: `tensor` into `peer`'s copy, then the first 8 bytes of
+/// `peer`'s signal pad of its allocation set to `signal`.
+#[catch_panics]
+#[pyfunction]
+fn nccl_put_with_signal(py: Python<'_>, tensor: &PyTensor, signal: u64, peer: usize) -> PyResult<()> {
+    py.detach(|| symm::nccl_put_with_signal(&tensor.0, signal, peer)).map_err(err)
+}
+
+/// Waits until the first 8 bytes of this rank's signal pad of `sigpad`'s allocation hold at
+/// least `signal`.
+#[catch_panics]
+#[pyfunction]
+fn nccl_wait_for_signal(py: Python<'_>, sigpad: &PyTensor, signal: u64) -> PyResult<()> {
+    py.detach(|| symm::nccl_wait_for_signal(&sigpad.0, signal)).map_err(err)
+}
+
 /// Runs an operator with the GIL released.
 fn run(py: Python<'_>, f: impl FnOnce() -> symmem::Result<()> + Send) -> PyResult<()> {
     py.detach(f).map_err(err)
@@ -509,6 +525,27 @@ fn reduce_scatter_out(
 #[pyfunction]
 fn all_gather_into(py: Python<'_>, input: &PyTensor, group: &PyGroup, out: &PyTensor) -> PyResult<()> {
     run(py, || ops::all_gather_into(&input.0, &group.0, &out.0))
+}
+
+/// PyTorch's low-contention all-gather of `input` (symmetric or not) into a new buffer.
+#[catch_panics]
+#[pyfunction]
+fn low_contention_all_gather(py: Python<'_>, input: &PyTensor, group: &PyGroup) -> PyResult<PyBuffer> {
+    Ok(PyBuffer(py.detach(|| ops::low_contention_all_gather(&input.0, &group.0)).map_err(err)?))
+}
+
+/// PyTorch's low-contention reduce-scatter of `input` (symmetric or not) along its first
+/// dimension into a new buffer.
+#[catch_panics]
+#[pyfunction]
+fn low_contention_reduce_scatter(
+    py: Python<'_>,
+    input: &PyTensor,
+    reduce_op: &str,
+    group: &PyGroup,
+) -> PyResult<PyBuffer> {
+    let op = op(reduce_op)?;
+    Ok(PyBuffer(py.detach(|| ops::low_contention_reduce_scatter(&input.0, op, &group.0)).map_err(err)?))
 }
 
 /// Broadcast of `root`'s symmetric `input` to every rank, in place.
@@ -753,6 +790,8 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(nvshmem_get_out, m)?)?;
     m.add_function(wrap_pyfunction!(nvshmem_put_with_signal, m)?)?;
     m.add_function(wrap_pyfunction!(nvshmem_wait_for_signal, m)?)?;
+    m.add_function(wrap_pyfunction!(nccl_put_with_signal, m)?)?;
+    m.add_function(wrap_pyfunction!(nccl_wait_for_signal, m)?)?;
     m.add_function(wrap_pyfunction!(one_shot_all_reduce, m)?)?;
     m.add_function(wrap_pyfunction!(one_shot_all_reduce_out, m)?)?;
     m.add_function(wrap_pyfunction!(two_shot_all_reduce_, m)?)?;
@@ -760,6 +799,8 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(all_reduce, m)?)?;
     m.add_function(wrap_pyfunction!(reduce_scatter_out, m)?)?;
     m.add_function(wrap_pyfunction!(all_gather_into, m)?)?;
+    m.add_function(wrap_pyfunction!(low_contention_all_gather, m)?)?;
+    m.add_function(wrap_pyfunction!(low_contention_reduce_scatter, m)?)?;
     m.add_function(wrap_pyfunction!(broadcast_, m)?)?;
     m.add_function(wrap_pyfunction!(all_to_all, m)?)?;
     m.add_function(wrap_pyfunction!(all_to_all_vdev, m)?)?;

@@ -246,3 +246,13 @@ print("ok")
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stdout + out.stderr
+
+
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_cpu_kernels_of_low_contention_collectives_and_nccl_one_sided_ops(nproc):
+    # Issue 52, item 7: _low_contention_all_gather/_reduce_scatter, nccl_put_with_signal,
+    # nccl_wait_for_signal, nccl_put and nccl_get, as PyTorch's tests call them.
+    out = torchrun(nproc, os.path.join(os.path.dirname(__file__), "kernels_worker.py"))
+    assert out.returncode == 0, out.stdout + out.stderr
+    for r in range(nproc):
+        assert f"kernels worker ok {r}" in out.stdout, out.stdout + out.stderr

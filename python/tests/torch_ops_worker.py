@@ -124,6 +124,32 @@ if rank == 0:
     assert torch.equal(pay, torch.full((4,), 1.0)), pay
 called.update({"nvshmem_get", "nvshmem_put", "nvshmem_put_with_signal", "nvshmem_wait_for_signal"})
 dist.barrier()
+# NCCL's names: the same puts and gets, and its signal in the first 8 bytes of the pad.
+n = sym(8, fill=float(rank))
+dist.barrier()
+if rank == 1:
+    use("nccl_put_with_signal")(n, 3, 0)
+if rank == 0:
+    use("nccl_wait_for_signal")(n, 3)
+    assert torch.equal(n, torch.full((8,), 1.0)), n
+    symm_mem.rendezvous(n, dist.group.WORLD).get_signal_pad(0).fill_(0)
+    n.fill_(0.0)
+    use("nccl_get")(n, 1)
+    assert torch.equal(n, torch.full((8,), 1.0)), n
+dist.barrier()
+if rank == 1:
+    n.fill_(6.0)
+    use("nccl_put")(n, 0)
+dist.barrier()
+if rank == 0:
+    assert torch.equal(n, torch.full((8,), 6.0)), n
+called.update({"nccl_put_with_signal", "nccl_wait_for_signal", "nccl_get", "nccl_put"})
+dist.barrier()
+# The low-contention collectives, on ordinary tensors.
+lc = use("_low_contention_all_gather")(torch.full((2, 3), float(rank)), g)
+assert lc.shape == (2 * ws, 3) and torch.equal(lc[::2, 0], torch.arange(ws, dtype=torch.float32)), lc
+lr = use("_low_contention_reduce_scatter")(torch.ones(ws * 2, 4), "avg", g)
+assert lr.shape == (2, 4) and torch.equal(lr, torch.ones(2, 4)), lr
 # Remote tensors, and the fused matmuls.
 rt = sym(4, fill=float(rank))
 dist.barrier()  # every rank's fill lands before anyone reads

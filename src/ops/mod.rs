@@ -5,8 +5,10 @@
 //! ```text
 //!   all_reduce/      one_shot, two_shot, small (one synchronization per call), host_push
 //!                    and chain (across hosts); all_reduce() picks by all_reduce::select_for
-//!   reduce_scatter   reduce_scatter_out (two-shot's first half), reduce_scatter_offset
-//!   all_gather/      all_gather_into (pull, or host_push across hosts: all_gather::select)
+//!   reduce_scatter   reduce_scatter_out (two-shot's first half), reduce_scatter_offset,
+//!                    low_contention_reduce_scatter
+//!   all_gather/      all_gather_into (pull, or host_push across hosts: all_gather::select),
+//!                    low_contention_all_gather
 //!   broadcast        broadcast_ (pull, or host_push across hosts: the all-gather's select)
 //!   all_to_all/      all_to_all (pull, or host_push across hosts: all_to_all::select),
 //!                    all_to_all_nd, the vdev family (vdev.rs)
@@ -42,7 +44,7 @@ mod reduce;
 pub mod reduce_scatter;
 pub mod tile;
 
-pub use all_gather::all_gather_into;
+pub use all_gather::{all_gather_into, low_contention_all_gather};
 pub use all_reduce::{
     ONE_SHOT_MAX, all_reduce, one_shot_all_reduce, one_shot_all_reduce_out, two_shot_all_reduce_,
     two_shot_all_reduce_out,
@@ -54,7 +56,7 @@ pub use all_to_all::{
 pub use broadcast::broadcast_;
 pub use matmul::{fused_all_gather_matmul, fused_matmul_reduce_scatter};
 pub use reduce::ReduceOp;
-pub use reduce_scatter::{reduce_scatter_offset, reduce_scatter_out};
+pub use reduce_scatter::{low_contention_reduce_scatter, reduce_scatter_offset, reduce_scatter_out};
 pub use tile::{multi_root_tile_reduce, tile_reduce};
 
 use crate::error::Result;
@@ -98,6 +100,10 @@ operators! {
         "symm::nvshmem_put_with_signal", "one-sided";
     "nvshmem_wait_for_signal", Some("nvshmem_wait_for_signal"), Some("nvshmem_wait_for_signal"),
         "symm::nvshmem_wait_for_signal", "one-sided";
+    "nccl_put_with_signal", Some("nccl_put_with_signal"), Some("nccl_put_with_signal"), "symm::nccl_put_with_signal",
+        "one-sided";
+    "nccl_wait_for_signal", Some("nccl_wait_for_signal"), Some("nccl_wait_for_signal"), "symm::nccl_wait_for_signal",
+        "one-sided";
     "one_shot_all_reduce", Some("one_shot_all_reduce"), Some("one_shot_all_reduce"), "ops::one_shot_all_reduce",
         "all_reduce";
     "one_shot_all_reduce_out", Some("one_shot_all_reduce_out"), Some("one_shot_all_reduce_out"),
@@ -113,6 +119,10 @@ operators! {
         "ops::reduce_scatter_offset", "reduce_scatter";
     "all_gather_into_tensor", Some("all_gather_into_tensor"), Some("all_gather_into"), "ops::all_gather_into",
         "all_gather";
+    "_low_contention_all_gather", Some("low_contention_all_gather"), Some("low_contention_all_gather"),
+        "ops::low_contention_all_gather", "all_gather";
+    "_low_contention_reduce_scatter", Some("low_contention_reduce_scatter"), Some("low_contention_reduce_scatter"),
+        "ops::low_contention_reduce_scatter", "reduce_scatter";
     "nvshmem_broadcast", Some("broadcast"), Some("broadcast_"), "ops::broadcast_", "broadcast";
     "nvshmem_all_to_all", Some("all_to_all"), Some("all_to_all"), "ops::all_to_all", "all_to_all";
     "all_to_all_nd", Some("all_to_all_nd"), Some("all_to_all_nd"), "ops::all_to_all_nd", "all_to_all";

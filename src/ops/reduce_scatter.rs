@@ -68,6 +68,51 @@ fn host_sig(input: &Tensor, op: ReduceOp, split_last_dim: bool, offset: usize) -
     [n, code | u64::from(split_last_dim) << 15]
 }
 
+/// PyTorch's `_low_contention_reduce_scatter`: block r of `ws` along the first dimension of
+/// the sum (or mean) of every rank's `input`, for rank r, in a new tensor `[d0 / ws, ...]`.
+/// `input` may be ordinary or symmetric: an ordinary (or non-contiguous) one is first copied
+/// into the group's workspace, as PyTorch's pushes it into its symmetric workspace. A CPU has
+/// no copy engines to spare compute with, so this is [`reduce_scatter_out`] (in rank order, so
+/// every rank's blocks are bitwise what a one-rank sum would be).
+///
+/// ```
+/// use symmem::{DType, ReduceOp, Tensor, ops};
+///
+/// symmem::group::run_threads(2, |group| {
+///     let x = Tensor::from_slice(&[2, 2], &[1.0f32, 2.0, 3.0, 4.0])?; // not symmetric
+///     let out = ops::low_contention_reduce_scatter(&x, ReduceOp::Sum, &group)?;
+///     let want = if group.rank() == 0 { [2.0, 4.0] } else { [6.0, 8.0] };
+///     assert_eq!((out.shape(), out.to_vec::<f32>()?), (&[1, 2][..], want.to_vec()));
+///     Ok(())
+/// })?;
+/// # Ok::<(), symmem::Error>(())
+/// ```
+pub fn low_contention_reduce_scatter(input: &Tensor, op: ReduceOp, group: &Group) -> Result<Tensor> {
+    const OP: &str = "_low_contention_reduce_scatter";
+    if !matches!(op, ReduceOp::Sum | ReduceOp::Avg) {
+        return Err(bad(OP, format!("reduce_op ({op:?}) is not supported (sum, avg)")));
+    }
+    let ws = group.world_size();
+    let Some(&d0) = input.shape().first() else {
+        return Err(bad(OP, "the input has no first dimension to scatter"));
+    };
+    if d0 % ws != 0 {
+        return Err(bad(OP, format!("the first dimension ({d0}) must be divisible by the world size ({ws})")));
+    }
+    let staged;
+    let input = if crate::symm::is_symm_mem_tensor(input) && input.is_contiguous() {
+        input
+    } else {
+        staged = stage(OP, input, group, &[op.code()])?;
+        &staged
+    };
+    let mut out_shape = input.shape().to_vec();
+    out_shape[0] /= ws;
+    let out = Tensor::zeros(&out_shape, input.dtype())?;
+    reduce_scatter_out(&input.view(&[input.numel()])?, op, group, false, &out.view(&[out.numel()])?)?;
+    Ok(out)
+}
+
 /// Reduce-scatter: rank r's `out` receives slice r of the reduction. Without
 /// `split_last_dim`, `input` and `out` are 1-D and slice r is the r-th 1/ws of `input`; with
 /// it, slice r is the r-th block of columns of the last dimension.

@@ -47,7 +47,7 @@ use crate::wire::symm::{PeerRecord, RECORD_VERSION};
 pub use pool::MemPool;
 use remote::{Link, Links, Mirror, Remote};
 use segment::{Pad, Segment};
-pub use signal::{nvshmem_put_with_signal, nvshmem_wait_for_signal};
+pub use signal::{nccl_put_with_signal, nccl_wait_for_signal, nvshmem_put_with_signal, nvshmem_wait_for_signal};
 
 /// The name of the CPU shared-memory backend.
 pub const BACKEND: &str = "CPU";

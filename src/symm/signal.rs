@@ -94,6 +94,19 @@ impl SignalWord {
         Ok(SignalWord { h: pad_handle(op, view)?, pad: true, at, width })
     }
 
+    /// The first 8 bytes of the signal pad of `tensor`'s allocation (PyTorch's NCCL backend's
+    /// signal), on the group `tensor` was rendezvoused on.
+    pub(crate) fn first_of_pad(op: &str, tensor: &Tensor) -> Result<SignalWord> {
+        let h = handle_of(op, tensor)?;
+        if h.signal_pad_size() < 8 {
+            return Err(Error::InvalidArgument(format!(
+                "{op}: a signal pad of {} bytes holds no 8-byte signal",
+                h.signal_pad_size()
+            )));
+        }
+        Ok(SignalWord { h, pad: true, at: 0, width: 8 })
+    }
+
     /// The word on `rank` (on this host), as a 32-bit atomic: the whole of a 4-byte word, the
     /// low half (the futex word, little-endian) of an 8-byte one.
     pub(crate) fn word32(&self, rank: usize) -> &AtomicU32 {
@@ -134,11 +147,14 @@ impl SignalWord {
     }
 
     /// Waits (up to the operator timeout) until this rank's word satisfies `reached` (given
-    /// the value), `peer` being the rank expected to signal: its link is watched for its loss,
-    /// and served while spinning. `what` names the wait in the timeout's message.
-    pub(crate) fn wait(&self, op: &str, peer: usize, what: &str, reached: impl Fn(u64) -> bool) -> Result<()> {
+    /// the value). `peer`, when known, is the rank expected to signal: its link (to another
+    /// host) is watched for its loss, and served while spinning. `what` names the wait in the
+    /// timeout's message.
+    pub(crate) fn wait(&self, op: &str, peer: Option<usize>, what: &str, reached: impl Fn(u64) -> bool) -> Result<()> {
         let h = &self.h;
-        if peer >= h.world_size() {
+        if let Some(peer) = peer
+            && peer >= h.world_size()
+        {
             return Err(Error::InvalidArgument(format!(
                 "{op}: peer {peer} must be smaller than world size {}",
                 h.world_size()
@@ -150,11 +166,12 @@ impl SignalWord {
         let low = self.word32(me);
         // The peer's link when it is on another host: watched for its loss, and served while
         // spinning (see `done`).
-        let remote = h.remote(peer);
+        let remote = peer.and_then(|p| h.remote(p));
+        let from = peer.map_or_else(String::new, |p| format!(" from rank {p}"));
         let lost = || match remote.and_then(|r| r.link.lost().map(|why| (r, why))) {
             Some((r, why)) => Err(Error::transfer(
                 crate::error::TransferKind::PeerLost,
-                format!("{op}: rank {me} lost rank {peer} on host {}: {why}", r.link.host),
+                format!("{op}: rank {me} lost rank {} on host {}: {why}", r.link.peer, r.link.host),
             )),
             None => Ok(()),
         };
@@ -177,9 +194,7 @@ impl SignalWord {
         match wait_until(low, done, &h.patience(timeout), lost, sleep) {
             Ok(()) => Ok(()),
             Err(Stop::Failed(e)) => Err(e),
-            Err(Stop::TimedOut) => {
-                Err(Error::timeout(format!("{op}: rank {me} waiting for {what} from rank {peer}"), timeout))
-            }
+            Err(Stop::TimedOut) => Err(Error::timeout(format!("{op}: rank {me} waiting for {what}{from}"), timeout)),
         }
     }
 }
@@ -252,7 +267,27 @@ pub fn nvshmem_wait_for_signal(sigpad: &Tensor, signal: u64, peer: usize) -> Res
     const OP: &str = "nvshmem_wait_for_signal";
     let word = SignalWord::of(OP, sigpad)?;
     let want = if word.width == 8 { signal } else { signal & 0xffff_ffff };
-    word.wait(OP, peer, &format!("signal {signal}"), |v| v == want)
+    word.wait(OP, Some(peer), &format!("signal {signal}"), |v| v == want)
+}
+
+/// PyTorch's NCCL backend's put with signal: puts the whole of symmetric `tensor` into the same
+/// tensor on `peer`, then sets the first 8 bytes of the signal pad of `tensor`'s allocation on
+/// `peer` to `signal` (a uint64, after the data). As there, that word is also where the
+/// allocation's barriers on channel 0 keep their first slots: between uses it must be zero
+/// again before a barrier on the allocation (PyTorch's contract for user signals in the pad).
+pub fn nccl_put_with_signal(tensor: &Tensor, signal: u64, peer: usize) -> Result<()> {
+    const OP: &str = "nccl_put_with_signal";
+    let word = SignalWord::first_of_pad(OP, tensor)?;
+    put_then_signal(OP, tensor, &word, signal, peer)
+}
+
+/// PyTorch's NCCL backend's wait for signal: waits until the first 8 bytes of this rank's
+/// signal pad of `sigpad`'s allocation (a symmetric tensor; see [`nccl_put_with_signal`]) hold
+/// at least `signal`, at most the operator timeout (`SYMMEM_OP_TIMEOUT`).
+pub fn nccl_wait_for_signal(sigpad: &Tensor, signal: u64) -> Result<()> {
+    const OP: &str = "nccl_wait_for_signal";
+    let word = SignalWord::first_of_pad(OP, sigpad)?;
+    word.wait(OP, None, &format!("a signal of at least {signal}"), |v| v >= signal)
 }
 
 #[cfg(test)]
@@ -290,6 +325,30 @@ mod tests {
                 nvshmem_put_with_signal(&data, &theirs, 4, 1)?;
             } else {
                 nvshmem_wait_for_signal(&pad.narrow(0, 3, 1)?, 4, 0)?;
+                pad.fill(0u32)?;
+            }
+            group.barrier(Duration::from_secs(30))?;
+            Ok(())
+        })
+        .unwrap();
+    }
+
+    /// PyTorch's NCCL signal: the first 8 bytes of the tensor's pad, waited for until they hold
+    /// at least the value.
+    #[test]
+    fn the_nccl_signal_is_the_pads_first_word_and_waits_for_at_least() {
+        crate::group::run_threads(2, |group| {
+            let me = group.rank();
+            let data = symm::empty(&[8], DType::I64, Device::Cpu)?;
+            data.fill(me as i64 + 1)?;
+            let h = symm::rendezvous(&data, &group)?;
+            if me == 0 {
+                nccl_put_with_signal(&data, 9, 1)?;
+            } else {
+                nccl_wait_for_signal(&data, 7)?;
+                assert_eq!(data.to_vec::<i64>()?, vec![1; 8]);
+                let pad = h.get_signal_pad(1)?;
+                assert_eq!(pad.narrow(0, 0, 3)?.to_vec::<u32>()?, [9, 0, 0]);
                 pad.fill(0u32)?;
             }
             group.barrier(Duration::from_secs(30))?;

@@ -3,8 +3,9 @@
 
 Each kernel takes the operator's exact PyTorch schema (torch 2.15) and runs symmem's
 operator; those that mutate return what the schema says. Operators PyTorch defines only with
-a handle argument (``nvshmem_get_out``, ``nccl_put_signal``, ...) or for GPU hardware
-(multimem, FP8) are not registered here: on the CPU they keep PyTorch's own "no kernel" error.
+a handle argument (``nvshmem_get_out``, ``nccl_put_signal``, ``_barrier``, ...: a TorchBind
+handle, which only a C++ backend can make) or for GPU hardware (multimem, FP8) are not
+registered here: on the CPU they keep PyTorch's own "no kernel" error.
 """
 
 import functools
@@ -38,6 +39,8 @@ def _kernels(symm):
         "nvshmem_get",
         "nvshmem_put_with_signal",
         "nvshmem_wait_for_signal",
+        "nccl_put_with_signal",
+        "nccl_wait_for_signal",
         "fused_all_gather_matmul",
         "fused_matmul_reduce_scatter",
     )
@@ -47,6 +50,10 @@ def _kernels(symm):
         nvshmem_all_to_all=symm.all_to_all,
         nccl_reduce_scatter_offset=symm.reduce_scatter_offset,
         nccl_all_to_all_nd=symm.all_to_all_nd,
+        nccl_put=symm.nvshmem_put,
+        nccl_get=symm.nvshmem_get,
+        _low_contention_all_gather=symm.low_contention_all_gather,
+        _low_contention_reduce_scatter=symm.low_contention_reduce_scatter,
         get_remote_tensors=get_remote_tensors,
     )
     return kernels

@@ -61,7 +61,11 @@ __all__ = [
     "fused_matmul_reduce_scatter",
     "get",
     "is_symm_mem_tensor",
+    "low_contention_all_gather",
+    "low_contention_reduce_scatter",
     "multi_root_tile_reduce",
+    "nccl_put_with_signal",
+    "nccl_wait_for_signal",
     "new_group",
     "nvshmem_get",
     "nvshmem_get_out",
@@ -706,6 +710,25 @@ def nvshmem_wait_for_signal(sigpad, signal, peer):
     _native.nvshmem_wait_for_signal(native, signal, _peer(peer, "nvshmem_wait_for_signal"))
 
 
+def nccl_put_with_signal(tensor, signal, peer):
+    """PyTorch's NCCL put with signal: puts symmetric ``tensor`` into ``peer``'s copy, then sets
+    the first 8 bytes (a uint64) of ``peer``'s signal pad of its allocation to ``signal``. That
+    word holds channel 0's first barrier slots too: zero it after use, as PyTorch asks of any
+    signal a user keeps in the pad."""
+    _native.nccl_put_with_signal(
+        _native_tensor(tensor, symmetric=True),
+        _nonnegative(signal, "nccl_put_with_signal: signal"),
+        _peer(peer, "nccl_put_with_signal"),
+    )
+
+
+def nccl_wait_for_signal(sigpad, signal):
+    """PyTorch's NCCL wait for signal: waits until the first 8 bytes of this rank's signal pad of
+    symmetric ``sigpad``'s allocation hold at least ``signal`` (see :func:`nccl_put_with_signal`)."""
+    signal = _nonnegative(signal, "nccl_wait_for_signal: signal")
+    _native.nccl_wait_for_signal(_native_tensor(sigpad, symmetric=True), signal)
+
+
 def _like(x, buf):
     return _wrap(buf, x.dtype, tuple(x.shape))
 
@@ -777,6 +800,21 @@ def all_gather_into_tensor(input, group_name, out):
         return out
     _native.all_gather_into(_native_tensor(input, symmetric=True), _group(group_name), _native_tensor(out))
     return out
+
+
+def low_contention_all_gather(tensor, group_name=None):
+    """PyTorch's ``_low_contention_all_gather``: every rank's ``tensor`` (symmetric or not: an
+    ordinary one is first copied into the group's workspace), in rank order, in a new tensor of
+    ``ws * tensor.shape[0]`` rows."""
+    return _result(_native.low_contention_all_gather(_native_tensor(tensor), _group(group_name)), tensor)
+
+
+def low_contention_reduce_scatter(tensor, reduce_op, group_name=None):
+    """PyTorch's ``_low_contention_reduce_scatter``: this rank's block (of ``ws`` along the first
+    dimension) of the ``reduce_op`` ("sum" or "avg") of every rank's ``tensor`` (symmetric or
+    not), in a new tensor."""
+    native = _native.low_contention_reduce_scatter(_native_tensor(tensor), reduce_op, _group(group_name))
+    return _result(native, tensor)
 
 
 def broadcast(input, root, group_name=None):

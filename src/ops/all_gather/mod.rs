@@ -126,6 +126,40 @@ pub fn all_gather_into(input: &Tensor, group: &Group, out: &Tensor) -> Result<()
     })
 }
 
+/// PyTorch's `_low_contention_all_gather`: every rank's `input`, in rank order, in a new tensor
+/// `[ws · d0, ...]` (`[ws]` for a 0-d input). `input` may be ordinary or symmetric: an ordinary
+/// (or non-contiguous) one is first copied into the group's workspace, as PyTorch's copies it
+/// into its symmetric workspace. PyTorch's version spares the GPU's compute units by copying
+/// with the copy engines; a CPU has none to spare, so this is [`all_gather_into`].
+///
+/// ```
+/// use symmem::{DType, Tensor, ops};
+///
+/// symmem::group::run_threads(2, |group| {
+///     let x = Tensor::from_slice(&[1, 2], &[group.rank() as i32; 2])?; // not symmetric
+///     let out = ops::low_contention_all_gather(&x, &group)?;
+///     assert_eq!((out.shape(), out.to_vec::<i32>()?), (&[2, 2][..], vec![0, 0, 1, 1]));
+///     Ok(())
+/// })?;
+/// # Ok::<(), symmem::Error>(())
+/// ```
+pub fn low_contention_all_gather(input: &Tensor, group: &Group) -> Result<Tensor> {
+    const OP: &str = "_low_contention_all_gather";
+    let shape = if input.shape().is_empty() { vec![1] } else { input.shape().to_vec() };
+    let staged;
+    let input = if crate::symm::is_symm_mem_tensor(input) && input.is_contiguous() {
+        input.view(&shape)?
+    } else {
+        staged = stage(OP, input, group, &[])?;
+        staged.view(&shape)?
+    };
+    let mut out_shape = shape;
+    out_shape[0] *= group.world_size();
+    let out = Tensor::zeros(&out_shape, input.dtype())?;
+    all_gather_into(&input, group, &out)?;
+    Ok(out)
+}
+
 /// The pull path of [`all_gather_into`], once the ranks entered: every rank's input read (the
 /// other hosts' shared out among a host's ranks), copied into `out`, then a barrier. A rank
 /// alone on its host reads the other hosts' inputs straight into `out` (no host's rank to

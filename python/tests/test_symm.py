@@ -256,3 +256,29 @@ def test_cpu_kernels_of_low_contention_collectives_and_nccl_one_sided_ops(nproc)
     assert out.returncode == 0, out.stdout + out.stderr
     for r in range(nproc):
         assert f"kernels worker ok {r}" in out.stdout, out.stdout + out.stderr
+
+
+def test_torchs_internal_cpp_path_stays_cuda_only_as_the_readme_says():
+    # Issue 52, item 7: torch registers symmetric-memory backends from C++ only, and symmem ships
+    # no C++ backend (README, "Where symmem.symm differs"). If a torch release lets Python
+    # register one, or this starts working, the README's reasons need a second look.
+    code = """
+import torch
+import torch._C._distributed_c10d as c10d
+import symmem.symm
+symmem.symm.install()
+assert not [n for n in dir(c10d) if "alloc" in n.lower()], dir(c10d)
+assert not [n for n in dir(c10d._SymmetricMemory) if "register" in n.lower()]
+for call in (
+    lambda: c10d._SymmetricMemory.empty_strided_p2p((4,), (1,), torch.float32, torch.device("cpu"), "0"),
+    lambda: torch.ops.symm_mem._rendezvous(torch.empty(4), "0"),
+):
+    try:
+        call()
+        raise SystemExit("the internal path ran on the CPU")
+    except RuntimeError as e:
+        assert "does not support device type cpu" in str(e), e
+print("ok")
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stdout + out.stderr

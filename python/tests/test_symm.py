@@ -258,6 +258,16 @@ def test_cpu_kernels_of_low_contention_collectives_and_nccl_one_sided_ops(nproc)
         assert f"kernels worker ok {r}" in out.stdout, out.stdout + out.stderr
 
 
+@pytest.mark.parametrize("nproc", [2])
+def test_torch_compile_with_the_eager_and_aot_eager_backends_runs_symmems_kernels(nproc):
+    # Issue 52: inductor's lowering of these operators is CUDA-only upstream (not in scope), but
+    # a program compiled with the eager or aot_eager backend keeps working on the CPU.
+    out = torchrun(nproc, os.path.join(os.path.dirname(__file__), "compile_worker.py"))
+    assert out.returncode == 0, out.stdout + out.stderr
+    for r in range(nproc):
+        assert f"compile worker ok {r}" in out.stdout, out.stdout + out.stderr
+
+
 def test_torchs_internal_cpp_path_stays_cuda_only_as_the_readme_says():
     # Issue 52, item 7: torch registers symmetric-memory backends from C++ only, and symmem ships
     # no C++ backend (README, "Where symmem.symm differs"). If a torch release lets Python

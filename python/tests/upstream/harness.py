@@ -179,9 +179,35 @@ class subtest:  # noqa: N801 - PyTorch's name
         self.arg_values, self.name, self.decorators = arg_values, name, list(decorators)
 
 
+class MissingOp:
+    """A ``torch.ops.symm_mem`` operator this torch does not have, named in a parametrize list
+    (upstream's lists may name operators newer than the installed torch)."""
+
+    def __init__(self, name):
+        self.name = name
+
+    def __repr__(self):
+        return f"torch.ops.symm_mem.{self.name} (not in this torch)"
+
+
+def optional_op(name):
+    """``torch.ops.symm_mem.<name>``, or a ``MissingOp`` when this torch has no such operator:
+    ``instantiate_parametrized_tests`` then skips the cases that use it, the others still run."""
+    try:
+        return getattr(torch.ops.symm_mem, name)
+    except (AttributeError, RuntimeError):
+        return MissingOp(name)
+
+
+def _missing_ops(value):
+    values = value if isinstance(value, (tuple, list)) else (value,)
+    return [v.name for v in values if isinstance(v, MissingOp)]
+
+
 def instantiate_parametrized_tests(cls):
     """Replaces each parametrized test of ``cls`` with one test per combination of values, named
-    as PyTorch names them (``test_x_dim_0``; a value without a readable name goes by index)."""
+    as PyTorch names them (``test_x_dim_0``; a value without a readable name goes by index). A
+    combination with an operator this torch lacks (``optional_op``) is skipped, saying which."""
     for attr, fn in list(vars(cls).items()):
         params = getattr(fn, "_harness_params", None)
         if not attr.startswith("test") or not params:
@@ -196,6 +222,11 @@ def instantiate_parametrized_tests(cls):
                     label, value = value.name, value.arg_values
                 else:
                     label = None
+                missing = _missing_ops(value)
+                if missing:
+                    version = torch.__version__.split("+")[0]
+                    ops = ", ".join(f"torch.ops.symm_mem.{m}" for m in missing)
+                    decorators.append(unittest.skip(f"not applicable on torch {version}: no {ops}"))
                 values = value if len(names) > 1 else (value,)
                 for name, v in zip(names, values):
                     kwargs[name] = v
@@ -230,6 +261,22 @@ def _bind(fn, kwargs, name):
     test.__name__ = name
     test.__dict__.pop("_harness_params", None)
     return test
+
+
+def gloo_all_to_all(output_tensor_list, input_tensor_list, group=None):
+    """``dist.all_to_all`` for gloo, whose all_to_all takes equal sizes only (NCCL's takes any):
+    the same exchange through ``all_to_all_single`` with split sizes, written back into
+    ``output_tensor_list``."""
+    import torch.distributed as dist
+
+    out_sizes = [t.numel() for t in output_tensor_list]
+    in_sizes = [t.numel() for t in input_tensor_list]
+    first = output_tensor_list[0]
+    received = torch.empty(sum(out_sizes), dtype=first.dtype, device=first.device)
+    sent = torch.cat([t.reshape(-1) for t in input_tensor_list])
+    dist.all_to_all_single(received, sent, out_sizes, in_sizes, group=group)
+    for out, chunk in zip(output_tensor_list, received.split(out_sizes)):
+        out.copy_(chunk.view_as(out))
 
 
 def collect(module):

@@ -79,6 +79,14 @@ fn every_operation(store: &dyn Store) {
     assert!(store.check(&["b/1/0"]).unwrap(), "the arrival was set before the wait");
     assert_eq!(store.get("k1").unwrap(), b"v2", "usable after a timed-out arrival");
 
+    // Several deletions at once; absent keys are skipped, the others go, the rest stays.
+    store.multi_set(&[("d/1", b"1"), ("d/2", b"2"), ("d/3", b"3")]).unwrap();
+    store.delete_many(&["d/1", "d/absent", "d/3"]).unwrap();
+    assert!(!store.check(&["d/1"]).unwrap() && !store.check(&["d/3"]).unwrap());
+    assert_eq!(store.get("d/2").unwrap(), b"2");
+    store.delete_many(&[]).unwrap();
+    assert_eq!(store.get("k1").unwrap(), b"v2", "usable after deleting many");
+
     // Values are arbitrary bytes.
     let bin: Vec<u8> = (0..=255).collect();
     store.set("bin", &bin).unwrap();
@@ -109,6 +117,12 @@ fn prefix_store_scopes_keys() {
     a.multi_set(&[("y", b"1"), ("z", b"2")]).unwrap();
     assert_eq!(base.multi_get(&["a/y", "a/z"]).unwrap(), vec![b"1".to_vec(), b"2".to_vec()]);
     assert!(!b.check(&["y"]).unwrap());
+    // Deleting through a prefix deletes that prefix's keys only.
+    b.set("y", b"b's").unwrap();
+    a.delete_many(&["x", "y"]).unwrap();
+    assert!(!base.check(&["a/x"]).unwrap() && !base.check(&["a/y"]).unwrap());
+    assert_eq!(b.multi_get(&["x", "y"]).unwrap(), vec![b"from b".to_vec(), b"b's".to_vec()]);
+    assert_eq!(a.get("z").unwrap(), b"2");
 }
 
 #[test]

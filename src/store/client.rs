@@ -412,6 +412,24 @@ impl<C: Conn> StoreClient<C> {
         Ok(self.call_i64(Request::DeleteKey { key: wire_key(key) }, "DELETE_KEY").await? > 0)
     }
 
+    /// Deletes every key of `keys`: every request in one write, then their replies.
+    pub async fn delete_many(&mut self, keys: &[&str]) -> Result<()> {
+        let reqs: Vec<Request> = keys.iter().map(|k| Request::DeleteKey { key: wire_key(k) }).collect();
+        self.send_all(&reqs, self.deadline()).await?;
+        for _ in keys {
+            match self.read_reply(ReplyShape::I64, self.deadline(), "DELETE_KEY").await {
+                Ok(Reply::I64(_)) => {}
+                Ok(other) => return Err(self.bad_reply("DELETE_KEY", &other)),
+                Err(e) => {
+                    // Replies may still be due: the connection is out of step.
+                    self.broken = true;
+                    return Err(e);
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// The number of keys in the store, of every prefix (as torch counts them).
     pub async fn num_keys(&mut self) -> Result<i64> {
         self.call_i64(Request::GetNumKeys, "GETNUMKEYS").await
@@ -759,6 +777,10 @@ impl Store for TcpStore {
 
     fn delete(&self, key: &str) -> Result<bool> {
         self.with(async |c| c.delete(key).await)
+    }
+
+    fn delete_many(&self, keys: &[&str]) -> Result<()> {
+        self.with(async |c| c.delete_many(keys).await)
     }
 
     fn num_keys(&self) -> Result<i64> {

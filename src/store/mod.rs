@@ -120,6 +120,15 @@ pub trait Store: Send + Sync + std::fmt::Debug {
         self.wait_timeout(all, timeout)
     }
 
+    /// Deletes every key of `keys` (those that do not exist are skipped). A TCP store sends
+    /// every deletion at once and then reads the replies: one round trip.
+    fn delete_many(&self, keys: &[&str]) -> Result<()> {
+        for k in keys {
+            self.delete(k)?;
+        }
+        Ok(())
+    }
+
     /// [`Store::get_timeout`] with the default timeout.
     fn get(&self, key: &str) -> Result<Vec<u8>> {
         self.get_timeout(key, self.timeout())
@@ -345,6 +354,10 @@ impl Store for PrefixStore {
 
     fn delete(&self, key: &str) -> Result<bool> {
         self.inner.delete(&self.key(key))
+    }
+
+    fn delete_many(&self, keys: &[&str]) -> Result<()> {
+        self.inner.delete_many(&refs(&self.keys(keys)))
     }
 
     fn num_keys(&self) -> Result<i64> {

@@ -201,7 +201,8 @@ fn meet(mine: &str, chosen: bool, theirs: &str) -> Meet {
 /// Connects this rank to each of `remote` (ranks of `group` on other hosts; `hosts[r]` names
 /// rank r's host). Collective over the ranks of the group that have remote peers.
 ///
-/// Each rank binds one transport per peer on its link backend and publishes its URL. Where a
+/// Each rank binds one transport per peer on its link backend, publishes their URLs in one
+/// store request and reads its peers' in one (two round trips, whatever the peers). Where a
 /// host picked ucx by itself (it has a fabric) and its peer's host tcp (it has none, or
 /// `SYMMEM_XHOST_BACKEND=tcp` there), the pair meets on tcp: the ucx side binds a tcp
 /// transport too and publishes it under `.../tcp`, which the tcp side reads (only that side
@@ -213,18 +214,36 @@ pub(crate) fn connect(group: &Group, step: u64, remote: &[usize], hosts: &[Strin
     options.insert("timeout".into(), format!("{}", timeout.as_secs_f64()));
     let store = group.store();
     let (backend, chosen) = link_backend()?;
+    // Every link's URL goes out in one request and every peer's comes back in one (a wait for
+    // all of them, then their values): two store round trips per rank whatever the number of
+    // peers, not two per peer.
     let mut bound = Vec::with_capacity(remote.len());
+    let mut mine = Vec::with_capacity(remote.len());
     for &peer in remote {
         let t = new_transport(&backend, None, &options)?;
         let url = t.bind(Some(timeout))?;
-        store.set(&format!("symm-net/{step}/{me}/{peer}"), &url)?;
+        mine.push((format!("symm-net/{step}/{me}/{peer}"), url));
         bound.push((peer, t));
     }
+    let pairs: Vec<(&str, &[u8])> = mine.iter().map(|(k, v)| (k.as_str(), v.as_slice())).collect();
+    store.multi_set(&pairs)?;
+    let keys: Vec<String> = remote.iter().map(|peer| format!("symm-net/{step}/{peer}/{me}")).collect();
+    let urls = store.multi_get_timeout(&keys.iter().map(String::as_str).collect::<Vec<_>>(), timeout).map_err(|e| {
+        // Name the ranks whose links are missing: the wait ends at the first timeout, so ask
+        // which keys exist (one more round trip, only on this error path).
+        let missing: Vec<String> = remote
+            .iter()
+            .zip(&keys)
+            .filter(|(_, k)| !store.check(&[k.as_str()]).unwrap_or(false))
+            .map(|(&peer, _)| format!("rank {peer} on host {}", hosts[peer]))
+            .collect();
+        if missing.is_empty() {
+            return Error::Rendezvous(format!("reading the links of ranks {remote:?} failed: {e}"));
+        }
+        Error::Rendezvous(format!("{} did not publish its link: {e}", missing.join(", ")))
+    })?;
     let mut links = Links::new();
-    for (peer, mut transport) in bound {
-        let url = store.get_timeout(&format!("symm-net/{step}/{peer}/{me}"), timeout).map_err(|e| {
-            Error::Rendezvous(format!("rank {peer} on host {} did not publish its link: {e}", hosts[peer]))
-        })?;
+    for ((peer, mut transport), url) in bound.into_iter().zip(urls) {
         let theirs = scheme(&String::from_utf8_lossy(&url)).to_string();
         let url = match meet(&backend, chosen, &theirs) {
             Meet::Same => url,
@@ -261,17 +280,16 @@ pub(crate) fn connect(group: &Group, step: u64, remote: &[usize], hosts: &[Strin
 }
 
 /// Deletes the link URLs this rank published at rendezvous `step`, once every peer has
-/// connected.
+/// connected: one store round trip.
 pub(crate) fn forget(group: &Group, step: u64, remote: &[usize]) -> Result<()> {
     let me = group.rank();
     // A rank that picked another backend by itself may have published a tcp link besides.
     let besides = link_backend().is_ok_and(|(backend, chosen)| !chosen && backend != COMMON);
-    for &peer in remote {
-        group.store().delete(&format!("symm-net/{step}/{me}/{peer}"))?;
-        if besides {
-            group.store().delete(&format!("symm-net/{step}/{me}/{peer}/{COMMON}"))?;
-        }
+    let mut keys: Vec<String> = remote.iter().map(|peer| format!("symm-net/{step}/{me}/{peer}")).collect();
+    if besides {
+        keys.extend(remote.iter().map(|peer| format!("symm-net/{step}/{me}/{peer}/{COMMON}")));
     }
+    group.store().delete_many(&keys.iter().map(String::as_str).collect::<Vec<_>>())?;
     Ok(())
 }
 

@@ -64,9 +64,17 @@ impl Algo {
 /// KiB, 715-785 vs 1057-1078 us; 2 ranks over tcp, host push even at 1 MiB and two-shot 2.5x
 /// ahead at 2 MiB; over ucx, host push to 1 MiB: 0.70-0.81x two-shot's time at 640-768 KiB, a
 /// tie at 1 MiB, 1.24x at 1.5 MiB).
+///
+/// A leader receives a host's inputs from each of the `hosts - 1` other hosts, so from three
+/// hosts on the limit on a host's inputs is the two-host one divided by `hosts - 1`: what a
+/// leader receives stays within what two hosts measured (8 ranks on 8 played hosts over tcp,
+/// host push against two-shot, 2 runs: 64 KiB 2,336-2,547 vs 4,569-4,660 us, 256 KiB
+/// 8,176-8,640 vs 6,446-6,592, 1 MiB 28,119-29,930 vs 13,197-13,332; 4 on 4: 512 KiB 3,151
+/// vs 3,823, 1 MiB 10,377 vs 5,027).
 pub fn select(bytes: usize, crowded: bool, ranks_per_host: usize, hosts: usize, link: Option<&str>) -> Algo {
     if hosts > 1 {
-        return if hostpush::fits_size(bytes, ranks_per_host, link) { Algo::HostPush } else { Algo::TwoShot };
+        let max = hostpush::host_block_max(link, ranks_per_host) / (hosts - 1);
+        return if hostpush::fits_host(bytes, ranks_per_host, max) { Algo::HostPush } else { Algo::TwoShot };
     }
     let max = if crowded { ONE_SHOT_MAX } else { 1024 };
     if bytes <= max { Algo::Small } else { Algo::TwoShot }
@@ -78,9 +86,8 @@ pub fn select(bytes: usize, crowded: bool, ranks_per_host: usize, hosts: usize, 
 /// consecutive ranks, at least 2 each, and partials exact in the element type: see
 /// `chain.rs`). The same on every rank that passes the same arguments.
 pub fn select_for(tensor: &Tensor, op: ReduceOp, h: &symm::SymmHandle) -> Algo {
-    let hosts = if h.all_local() { 1 } else { 2 };
-    match select(tensor.nbytes(), h.crowded(), h.max_ranks_per_host(), hosts, h.link_backend()) {
-        Algo::TwoShot if hosts > 1 && chain::suits(tensor.dtype(), op, h) => Algo::Chain,
+    match select(tensor.nbytes(), h.crowded(), h.max_ranks_per_host(), h.hosts(), h.link_backend()) {
+        Algo::TwoShot if h.hosts() > 1 && chain::suits(tensor.dtype(), op, h) => Algo::Chain,
         algo => algo,
     }
 }
@@ -370,5 +377,15 @@ mod tests {
             assert_eq!(select(1 << 20, false, 1, 2, link), Algo::HostPush, "1 MiB over {link:?}");
             assert_eq!(select((1 << 20) + 16, false, 1, 2, link), Algo::TwoShot, "1 MiB + 16 over {link:?}");
         }
+        // More hosts: a leader receives a host's inputs from each other host, within the same
+        // total.
+        // (1 MiB / 3 = 349,525 bytes a host: 349,520 a rank; / 7 = 149,796; / 3 / 2 = 174,762;
+        // / 15 / 8 = 8,738; each rounded down to 16 bytes.)
+        for (hosts, rph, fits) in [(4, 1, 349_520), (8, 1, 149_792), (4, 2, 174_752), (16, 8, 8_736)] {
+            let at = |b: usize| select(b, false, rph, hosts, Some("tcp"));
+            assert_eq!(at(fits), Algo::HostPush, "{fits} bytes, {rph} x {hosts}");
+            assert_eq!(at(fits + 16), Algo::TwoShot, "{fits} + 16 bytes, {rph} x {hosts}");
+        }
+        assert_eq!(select(8, false, 8, 1024, Some("tcp")), Algo::HostPush, "8 B at a thousand hosts");
     }
 }

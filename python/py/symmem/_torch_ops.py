@@ -43,6 +43,8 @@ def _kernels(symm):
         "nccl_wait_for_signal",
         "fused_all_gather_matmul",
         "fused_matmul_reduce_scatter",
+        "memset32_",
+        "stream_write_value32_",
     )
     kernels = {name: getattr(symm, name) for name in same}
     kernels.update(

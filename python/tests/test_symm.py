@@ -339,3 +339,32 @@ def test_torchs_internal_entry_points_and_stream_writes_run_on_cpu(nproc):
     assert out.returncode == 0, out.stdout + out.stderr
     for r in range(nproc):
         assert f"internal worker ok {r}" in out.stdout, out.stdout + out.stderr
+
+
+def test_is_symm_mem_enabled_for_group_follows_the_process_groups_and_torchs_test_mode():
+    # Issue 52, item 3 (PyTorch's test_is_symm_mem_enabled_for_group): True for the world of a
+    # "fake" process group, False for unknown names; torch's _test_mode(group_names=...)
+    # decides while it is on, and torch's own code reading the function sees the same.
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    code = """
+import torch.distributed as dist
+import torch.distributed._symmetric_memory as symm_mem
+from torch.testing._internal.distributed.fake_pg import FakeStore
+import symmem.symm
+symmem.symm.install()
+enabled = symm_mem.is_symm_mem_enabled_for_group
+assert enabled("0") is False and enabled("unregistered_group") is False
+dist.init_process_group(backend="fake", rank=0, world_size=2, store=FakeStore())
+name = dist.group.WORLD.group_name
+assert enabled(name) is True and enabled("unregistered_group") is False
+with symm_mem._test_mode(group_names={"mocked_group"}):
+    assert enabled("mocked_group") is True and enabled(name) is False
+with symm_mem._test_mode():
+    assert enabled("anything") is True
+assert enabled(name) is True and enabled("mocked_group") is False
+dist.destroy_process_group()
+assert enabled(name) is False
+print("ok")
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stdout + out.stderr

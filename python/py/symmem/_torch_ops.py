@@ -284,10 +284,19 @@ def install():
         "get_mem_pool",
         "get_symm_mem_workspace",
         "enable_symm_mem_for_group",
-        "is_symm_mem_enabled_for_group",
         "is_nvshmem_available",
     ):
         setattr(torch_symm, name, getattr(symm, name))
+
+    @functools.wraps(torch_symm.is_symm_mem_enabled_for_group)
+    def is_symm_mem_enabled_for_group(group_name):
+        # torch's `_test_mode(group_names=...)` context decides while it is on, as in torch.
+        if getattr(torch_symm, "_is_test_mode", False):
+            mocked = getattr(torch_symm, "_mocked_group_names", None)
+            return mocked is None or group_name in mocked
+        return symm.is_symm_mem_enabled_for_group(group_name)
+
+    torch_symm.is_symm_mem_enabled_for_group = is_symm_mem_enabled_for_group
     for f in _internal(torch, torch_symm._SymmetricMemory, symm):
         setattr(torch_symm._SymmetricMemory, f.__name__, staticmethod(f))
     _installed = True

@@ -65,6 +65,10 @@ def _():
         pad[0] = 42
         assert pad[0].item() == 42
         pad.fill_(0)
+        # Every rank is done writing its own pad before any peer signals into it: a peer's
+        # barrier signal landing before this rank's fill_ would be wiped out, and this rank
+        # would wait for it until the timeout.
+        dist.barrier()
         # The earlier allocation keeps its pad; both synchronize.
         assert first_hdl.signal_pad_size == original
         hdl.barrier(channel=custom // 4 // ws - 1)

@@ -127,8 +127,6 @@ for call, need in (
     (lambda: symm.multimem_one_shot_all_reduce(hw, "sum", world.group_name), "multicast"),
     (lambda: symm.multimem_all_gather_out(hw, world.group_name, torch.empty(16 * ws)), "multicast"),
     (lambda: symm.multimem_one_shot_reduce_out(hw, "sum", 0, world.group_name, torch.empty(16)), "multicast"),
-    (lambda: symm.memset32_(hw, 0, 1, 4), "CUDA stream"),
-    (lambda: symm.stream_write_value32_(hw, 0, 1), "CUDA stream"),
     (lambda: symm.memcpy_to_multicast_(hw, torch.ones(16), 0, world.group_name), "multicast"),
     (lambda: symm.fused_all_gather_scaled_matmul(hw, [], None, [], 0, world.group_name), "FP8"),
     (lambda: symm.fused_scaled_matmul_reduce_scatter(hw, hw, None, None, "sum", 0, 0, world.group_name), "FP8"),

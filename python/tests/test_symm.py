@@ -268,27 +268,103 @@ def test_torch_compile_with_the_eager_and_aot_eager_backends_runs_symmems_kernel
         assert f"compile worker ok {r}" in out.stdout, out.stdout + out.stderr
 
 
-def test_torchs_internal_cpp_path_stays_cuda_only_as_the_readme_says():
-    # Issue 52, item 7: torch registers symmetric-memory backends from C++ only, and symmem ships
-    # no C++ backend (README, "Where symmem.symm differs"). If a torch release lets Python
-    # register one, or this starts working, the README's reasons need a second look.
+def test_torchs_internal_path_runs_on_cpu_as_far_as_python_reaches_as_the_readme_says():
+    # Issue 52, item 7: install() routes _SymmetricMemory's static methods for the CPU (README,
+    # "Where symmem.symm differs"); what needs torch's C++ handle still refuses, because torch
+    # registers backends from C++ only. If a torch release lets Python register one, or the
+    # handle ops start working, the README's reasons need a second look.
     code = """
+import warnings
 import torch
+import torch.distributed as dist
 import torch._C._distributed_c10d as c10d
 import symmem.symm
+S = c10d._SymmetricMemory
+torch_own = {n: S.__dict__[n] for n in ("empty_strided_p2p", "rendezvous", "is_symm_mem_tensor")}
 symmem.symm.install()
 assert not [n for n in dir(c10d) if "alloc" in n.lower()], dir(c10d)
-assert not [n for n in dir(c10d._SymmetricMemory) if "register" in n.lower()]
-for call in (
-    lambda: c10d._SymmetricMemory.empty_strided_p2p((4,), (1,), torch.float32, torch.device("cpu"), "0"),
-    lambda: torch.ops.symm_mem._rendezvous(torch.empty(4), "0"),
+assert not [n for n in dir(S) if "register" in n.lower()]
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+cpu = torch.device("cpu")
+# Routed: allocation, rendezvous (its allocation-time group name), the predicate.
+t = S.empty_strided_p2p((4,), (1,), torch.float32, cpu, "0")
+assert S.is_symm_mem_tensor(t) and not S.is_symm_mem_tensor(torch.empty(4))
+hdl = S.rendezvous(t)
+assert isinstance(hdl, symmem.symm.SymmetricMemory) and hdl.world_size == 1
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    assert S.rendezvous(torch.empty(4), "0") is None
+# torch's own for other devices (and its own message).
+for name, call in (
+    ("empty_strided_p2p", lambda: S.empty_strided_p2p((4,), (1,), torch.float32, torch.device("meta"))),
 ):
     try:
         call()
-        raise SystemExit("the internal path ran on the CPU")
+        raise SystemExit(name + " ran on meta")
     except RuntimeError as e:
-        assert "does not support device type cpu" in str(e), e
+        assert "does not support device type meta" in str(e), e
+# Still refused: the TorchBind handle's ops.
+try:
+    torch.ops.symm_mem._rendezvous(t, "0")
+    raise SystemExit("_rendezvous ran on the CPU")
+except RuntimeError as e:
+    assert "does not support device type cpu" in str(e), e
+for name, call in (
+    ("_barrier", lambda: torch.ops.symm_mem._barrier(hdl)),
+    ("nvshmem_get_out", lambda: torch.ops.symm_mem.nvshmem_get_out(torch.empty(4), hdl, 0, 4, 0)),
+    ("nccl_get_out", lambda: torch.ops.symm_mem.nccl_get_out(torch.empty(4), hdl, 0, 4, 0)),
+    ("nccl_put_signal", lambda: torch.ops.symm_mem.nccl_put_signal(t, hdl, 0)),
+    ("nccl_wait_signal", lambda: torch.ops.symm_mem.nccl_wait_signal(hdl, 0)),
+):
+    try:
+        call()
+        raise SystemExit(name + " took symmem's handle")
+    except RuntimeError as e:
+        assert "c10d.SymmetricMemory" in str(e), (name, e)
+dist.destroy_process_group()
 print("ok")
 """
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    with socket_port() as port:
+        env = dict(os.environ, RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stdout + out.stderr
+
+
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_torchs_internal_entry_points_and_stream_writes_run_on_cpu(nproc):
+    # Issue 52, items 1 and 2: _SymmetricMemory.empty_strided_p2p (group name, persistent
+    # alloc_id), rendezvous, is_symm_mem_tensor, get_backend; memset32 and stream_write_value32
+    # with PyTorch's checks, and a stream write as a signal between ranks.
+    out = torchrun(nproc, os.path.join(os.path.dirname(__file__), "internal_worker.py"))
+    assert out.returncode == 0, out.stdout + out.stderr
+    for r in range(nproc):
+        assert f"internal worker ok {r}" in out.stdout, out.stdout + out.stderr
+
+
+def test_is_symm_mem_enabled_for_group_follows_the_process_groups_and_torchs_test_mode():
+    # Issue 52, item 3 (PyTorch's test_is_symm_mem_enabled_for_group): True for the world of a
+    # "fake" process group, False for unknown names; torch's _test_mode(group_names=...)
+    # decides while it is on, and torch's own code reading the function sees the same.
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    code = """
+import torch.distributed as dist
+import torch.distributed._symmetric_memory as symm_mem
+from torch.testing._internal.distributed.fake_pg import FakeStore
+import symmem.symm
+symmem.symm.install()
+enabled = symm_mem.is_symm_mem_enabled_for_group
+assert enabled("0") is False and enabled("unregistered_group") is False
+dist.init_process_group(backend="fake", rank=0, world_size=2, store=FakeStore())
+name = dist.group.WORLD.group_name
+assert enabled(name) is True and enabled("unregistered_group") is False
+with symm_mem._test_mode(group_names={"mocked_group"}):
+    assert enabled("mocked_group") is True and enabled(name) is False
+with symm_mem._test_mode():
+    assert enabled("anything") is True
+assert enabled(name) is True and enabled("mocked_group") is False
+dist.destroy_process_group()
+assert enabled(name) is False
+print("ok")
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stdout + out.stderr

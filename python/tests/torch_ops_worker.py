@@ -161,6 +161,11 @@ A, outs = use("fused_all_gather_matmul")(shard, [B], 0, g, return_A=True)
 assert A.shape == (2 * ws, 3) and torch.equal(outs[0], A @ B)
 mm = use("fused_matmul_reduce_scatter")(torch.ones(ws * 2, 3), torch.ones(3, 4), "sum", 0, g)
 assert mm.shape == (2, 4) and torch.equal(mm, torch.full((2, 4), 3.0 * ws))
+# The stream writes, on a symmetric flag array and an ordinary one.
+flags = sym(8, dtype=torch.uint32, fill=0)
+assert use("memset32_")(flags, 2, 7, 3) is flags and flags.tolist() == [0, 0, 7, 7, 7, 0, 0, 0], flags
+plain = torch.zeros(4, dtype=torch.uint32)
+assert use("stream_write_value32_")(plain, 3, 9) is plain and plain.tolist() == [0, 0, 0, 9], plain
 
 missing = set(_kernels(symmem.symm)) - called
 assert not missing, f"kernels never called here: {sorted(missing)}"

@@ -13,6 +13,7 @@
 //!   all_to_all/      all_to_all (pull, or host_push across hosts: all_to_all::select),
 //!                    all_to_all_nd, the vdev family (vdev.rs)
 //!   tile, matmul     tile reductions; the fused all-gather-matmul and matmul-reduce-scatter
+//!   stream           stream_write_value32_ and memset32_: CUDA's stream writes as host stores
 //!   common           the prologue every operator shares (checks, rendezvous, checked entry),
 //!                    peers' pointers, fetches from other hosts, the closing barrier
 //!   check            the entry check: every rank called the same operator alike
@@ -42,6 +43,7 @@ mod hostpush;
 pub mod matmul;
 mod reduce;
 pub mod reduce_scatter;
+mod stream;
 pub mod tile;
 
 pub use all_gather::{all_gather_into, low_contention_all_gather};
@@ -57,6 +59,7 @@ pub use broadcast::broadcast_;
 pub use matmul::{fused_all_gather_matmul, fused_matmul_reduce_scatter};
 pub use reduce::ReduceOp;
 pub use reduce_scatter::{low_contention_reduce_scatter, reduce_scatter_offset, reduce_scatter_out};
+pub use stream::{memset32_, stream_write_value32_};
 pub use tile::{multi_root_tile_reduce, tile_reduce};
 
 use crate::error::Result;
@@ -142,9 +145,10 @@ operators! {
     "multimem_all_gather_out", Some("multimem_all_gather_out"), Some("multimem_all_gather_out"), "ops::multimem_all_gather_out", "gpu";
     "multimem_one_shot_all_reduce", Some("multimem_one_shot_all_reduce"), Some("multimem_one_shot_all_reduce"), "ops::multimem_one_shot_all_reduce", "gpu";
     "multimem_one_shot_reduce_out", Some("multimem_one_shot_reduce_out"), Some("multimem_one_shot_reduce_out"), "ops::multimem_one_shot_reduce_out", "gpu";
-    "memset32_", Some("memset32_"), Some("memset32_"), "ops::memset32_", "gpu";
+    "memset32_", Some("memset32_"), Some("memset32_"), "ops::memset32_", "stream";
     "memcpy_to_multicast_", Some("memcpy_to_multicast_"), Some("memcpy_to_multicast_"), "ops::memcpy_to_multicast_", "gpu";
-    "stream_write_value32_", Some("stream_write_value32_"), Some("stream_write_value32_"), "ops::stream_write_value32_", "gpu";
+    "stream_write_value32_", Some("stream_write_value32_"), Some("stream_write_value32_"),
+        "ops::stream_write_value32_", "stream";
     "fused_all_gather_scaled_matmul", Some("fused_all_gather_scaled_matmul"), Some("fused_all_gather_scaled_matmul"), "ops::fused_all_gather_scaled_matmul", "gpu";
     "fused_scaled_matmul_reduce_scatter", Some("fused_scaled_matmul_reduce_scatter"), Some("fused_scaled_matmul_reduce_scatter"), "ops::fused_scaled_matmul_reduce_scatter", "gpu";
 }
@@ -189,18 +193,8 @@ pub fn multimem_one_shot_reduce_out(
 }
 
 /// See [`multimem_all_reduce_`].
-pub fn memset32_(_input: &Tensor, _offset: usize, _value: u32, _count: usize) -> Result<()> {
-    Err(unsupported("memset32_", "a CUDA stream"))
-}
-
-/// See [`multimem_all_reduce_`].
 pub fn memcpy_to_multicast_(_out: &Tensor, _src: &Tensor, _byte_offset: usize, _group: &Group) -> Result<()> {
     Err(unsupported("memcpy_to_multicast_", "a multicast object (CUDA, NVLink SHARP)"))
-}
-
-/// See [`multimem_all_reduce_`].
-pub fn stream_write_value32_(_input: &Tensor, _offset: usize, _value: u32) -> Result<()> {
-    Err(unsupported("stream_write_value32_", "a CUDA stream"))
 }
 
 /// See [`multimem_all_reduce_`].

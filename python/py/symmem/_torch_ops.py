@@ -6,12 +6,30 @@ operator; those that mutate return what the schema says. Operators PyTorch defin
 a handle argument (``nvshmem_get_out``, ``nccl_put_signal``, ``_barrier``, ...: a TorchBind
 handle, which only a C++ backend can make) or for GPU hardware (multimem, FP8) are not
 registered here: on the CPU they keep PyTorch's own "no kernel" error.
+
+torch's internal entry points, the static methods of ``torch._C._distributed_c10d._SymmetricMemory``
+(``empty_strided_p2p``, ``rendezvous``, ``is_symm_mem_tensor``, ``get_backend``, ...), are
+replaced by functions that route a CPU device or tensor to symmem and call torch's own for any
+other; ``_originals`` keeps torch's. Its ``memset32`` and ``stream_write_value32`` reach the CPU
+kernels through the dispatcher.
 """
 
 import functools
+import warnings
+import weakref
 
 _installed = False
 _lib = None
+# torch's own static methods of _SymmetricMemory that install() replaced, by name.
+_originals = {}
+# Persistent allocations (empty_strided_p2p with an alloc_id), by id: (symmetric buffer, its
+# size in bytes, weak reference to the memoryview the tensor handed out last holds). As in
+# PyTorch, they live as long as the process, and an id gets its same memory back once the
+# tensor (and every view) of its last allocation is gone.
+_persistent = {}
+# The group name given to empty_strided_p2p, by symmetric buffer, for a later rendezvous
+# without one (PyTorch's allocation-time group name).
+_alloc_groups = weakref.WeakKeyDictionary()
 
 
 def _kernels(symm):
@@ -43,6 +61,8 @@ def _kernels(symm):
         "nccl_wait_for_signal",
         "fused_all_gather_matmul",
         "fused_matmul_reduce_scatter",
+        "memset32_",
+        "stream_write_value32_",
     )
     kernels = {name: getattr(symm, name) for name in same}
     kernels.update(
@@ -111,6 +131,104 @@ def _dispatching(torch_symm, symm, on_cpu):
     return get, put_signal, wait_signal, reduce_scatter_offset, all_to_all_nd, get_mempool_allocator
 
 
+def _internal(torch, S, symm):
+    """Replacements for the static methods of ``_SymmetricMemory`` (``S``) a CPU caller reaches:
+    symmem's for a CPU device or tensor, torch's (kept in ``_originals``) otherwise."""
+    names = ("empty_strided_p2p", "rendezvous", "is_symm_mem_tensor", "get_backend", "get_mempool_allocator")
+    original = {name: getattr(S, name) for name in names}
+    _originals.update(original)
+
+    def cpu(device):
+        return torch.device(device).type == "cpu"
+
+    @functools.wraps(original["empty_strided_p2p"])
+    def empty_strided_p2p(size, stride, dtype, device, group_name=None, alloc_id=None):
+        if not cpu(device):
+            return original["empty_strided_p2p"](size, stride, dtype, device, group_name, alloc_id)
+        return _empty_strided_p2p(torch, symm, tuple(size), tuple(stride), dtype, group_name, alloc_id)
+
+    @functools.wraps(original["rendezvous"])
+    def rendezvous(tensor, group_name=None):
+        if tensor.device.type != "cpu":
+            return original["rendezvous"](tensor, group_name)
+        found = symm._find(tensor.data_ptr()) if tensor.numel() else None
+        if found is None:
+            # PyTorch's answer for memory outside any symmetric allocation.
+            warnings.warn(
+                "Pointer not within any SymmetricMemory allocation, is the tensor allocated from SymmetricMemory?",
+                stacklevel=2,
+            )
+            return None
+        return symm.rendezvous(tensor, group_name or _alloc_groups.get(found[1]))
+
+    @functools.wraps(original["is_symm_mem_tensor"])
+    def is_symm_mem_tensor(tensor):
+        if tensor.device.type != "cpu":
+            return original["is_symm_mem_tensor"](tensor)
+        return symm.is_symm_mem_tensor(tensor)
+
+    @functools.wraps(original["get_backend"])
+    def get_backend(device):
+        if cpu(device):
+            return symm.get_backend("cpu")
+        return original["get_backend"](device)
+
+    @functools.wraps(original["get_mempool_allocator"])
+    def get_mempool_allocator(device):
+        if cpu(device):
+            return symm.get_mempool_allocator("cpu")
+        return original["get_mempool_allocator"](device)
+
+    return empty_strided_p2p, rendezvous, is_symm_mem_tensor, get_backend, get_mempool_allocator
+
+
+def _empty_strided_p2p(torch, symm, size, stride, dtype, group_name, alloc_id):
+    """PyTorch's ``empty_strided_p2p`` on the CPU: a symmetric tensor of ``size`` and
+    ``stride``; with ``alloc_id``, a persistent one (see ``_persistent``)."""
+    if len(size) != len(stride):
+        raise RuntimeError(f"empty_strided_p2p: size {list(size)} and stride {list(stride)} differ in length")
+    if any(d < 0 for d in size) or any(s < 0 for s in stride):
+        raise RuntimeError(f"empty_strided_p2p: negative size or stride ({list(size)}, {list(stride)})")
+    # The elements the strides reach (PyTorch allocates numel; a stride with gaps needs more).
+    n = 0 if 0 in size else 1 + sum((d - 1) * s for d, s in zip(size, stride))
+    nbytes = n * dtype.itemsize
+    if alloc_id is None or nbytes == 0:
+        flat = symm.empty(n, dtype=dtype)
+        buf = symm._find(flat.data_ptr())[1] if nbytes else None
+    else:
+        flat, buf = _persistent_allocation(torch, symm, int(alloc_id), nbytes, dtype)
+    if buf is not None and group_name is not None:
+        _alloc_groups[buf] = group_name
+    return flat.as_strided(size, stride)
+
+
+def _persistent_allocation(torch, symm, alloc_id, nbytes, dtype):
+    """(flat tensor of ``dtype``, its symmetric buffer) of allocation ``alloc_id``: the same
+    memory every time, refused while a tensor of the last one lives, as PyTorch's."""
+    held = _persistent.get(alloc_id)
+    if held is not None:
+        buf, size, issued = held
+        if issued() is not None:
+            raise RuntimeError(
+                f"empty_strided_p2p: can not allocate with alloc_id == {alloc_id} because a previous allocation "
+                "with the same alloc_id is still active."
+            )
+        if size != nbytes:
+            raise RuntimeError(
+                f"empty_strided_p2p: requested allocation size ({nbytes}) is different from the size of a previous "
+                f"allocation with the same alloc_id ({size})"
+            )
+    else:
+        # The buffer, held here for good, keeps its address in symmem's lookup.
+        t = symm.empty(nbytes, dtype=torch.uint8)
+        buf = symm._find(t.data_ptr())[1]
+    # A fresh memoryview per allocation: the tensor's storage holds it (torch.frombuffer keeps
+    # the exporter), so it dies exactly when the tensor and all its views have.
+    view = memoryview(buf)
+    _persistent[alloc_id] = (buf, nbytes, weakref.ref(view))
+    return torch.frombuffer(view, dtype=dtype), buf
+
+
 def install():
     """Registers the CPU kernels (once) and points ``torch.distributed._symmetric_memory``'s
     ``empty``, ``rendezvous``, configuration functions and every function that dispatches on
@@ -166,8 +284,19 @@ def install():
         "get_mem_pool",
         "get_symm_mem_workspace",
         "enable_symm_mem_for_group",
-        "is_symm_mem_enabled_for_group",
         "is_nvshmem_available",
     ):
         setattr(torch_symm, name, getattr(symm, name))
+
+    @functools.wraps(torch_symm.is_symm_mem_enabled_for_group)
+    def is_symm_mem_enabled_for_group(group_name):
+        # torch's `_test_mode(group_names=...)` context decides while it is on, as in torch.
+        if getattr(torch_symm, "_is_test_mode", False):
+            mocked = getattr(torch_symm, "_mocked_group_names", None)
+            return mocked is None or group_name in mocked
+        return symm.is_symm_mem_enabled_for_group(group_name)
+
+    torch_symm.is_symm_mem_enabled_for_group = is_symm_mem_enabled_for_group
+    for f in _internal(torch, torch_symm._SymmetricMemory, symm):
+        setattr(torch_symm._SymmetricMemory, f.__name__, staticmethod(f))
     _installed = True

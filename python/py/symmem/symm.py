@@ -986,8 +986,42 @@ def fused_matmul_reduce_scatter(A, B, reduce_op, scatter_dim, group_name=None):
     return out.view(front.shape[0] // g.world_size, *front.shape[1:]).movedim(0, dim).contiguous()
 
 
+def memset32_(input, offset, val, count=1):
+    """Sets words ``offset .. offset + count`` of ``input`` (a flat, contiguous uint32 tensor,
+    symmetric or not) to ``val``, each with a Release store and a wake of whoever waits on it:
+    PyTorch's ``memset32_`` (a ``cuMemsetD32Async`` on the stream there), with its checks and
+    messages. Returns ``input``."""
+    offset, val, count = operator.index(offset), operator.index(val), operator.index(count)
+    if offset < 0:
+        raise InvalidArgumentError(f"memset32_: offset must be greater than or equal to 0 (got {offset})")
+    if count <= 0:
+        raise InvalidArgumentError(f"memset32_: count must be a positive integer (got {count})")
+    _check_u32("memset32_", val)
+    _native.memset32_(_native_tensor(input), offset, val, count)
+    return input
 
-# Operators that need GPU hardware (NVLink SHARP multicast, CUDA streams, FP8 tensor cores):
+
+def _check_u32(op, val):
+    if not 0 <= val <= 0xFFFFFFFF:
+        raise InvalidArgumentError(f"{op}: val must be in the range of [0, 4294967295] (uint32_t) (got {val})")
+
+
+def stream_write_value32_(input, offset, val):
+    """Stores ``val`` into word ``offset`` of ``input`` (a flat, contiguous uint32 tensor,
+    symmetric or not) with a Release store, then wakes whoever waits on it: PyTorch's
+    ``stream_write_value32_`` (a ``cuStreamWriteValue32`` there), with its checks and messages.
+    Returns ``input``."""
+    offset, val = operator.index(offset), operator.index(val)
+    if offset < 0:
+        raise InvalidArgumentError(
+            f"stream_write_value32_: offset must be greater than or equal to 0 (got {offset})"
+        )
+    _check_u32("stream_write_value32_", val)
+    _native.stream_write_value32_(_native_tensor(input), offset, val)
+    return input
+
+
+# Operators that need GPU hardware (NVLink SHARP multicast, FP8 tensor cores):
 # PyTorch's schemas, answering NotImplementedError (a RuntimeError) with what they need.
 
 
@@ -1012,20 +1046,10 @@ def multimem_one_shot_reduce_out(input, reduce_op, root, group_name, out):
     _native.multimem_one_shot_reduce_out(_native_tensor(input), reduce_op, _nonnegative(root, "root"), g, _native_tensor(out))
 
 
-def memset32_(input, offset, val, count):
-    """Needs a CUDA stream: raises NotImplementedError here."""
-    _native.memset32_(_native_tensor(input), _nonnegative(offset, "offset"), val, _nonnegative(count, "count"))
-
-
 def memcpy_to_multicast_(symm_mem_out, src, byte_offset, group_name):
     """Needs a multicast object (CUDA, NVLink SHARP): raises NotImplementedError here."""
     g = _group(group_name)
     _native.memcpy_to_multicast_(_native_tensor(symm_mem_out), _native_tensor(src), _nonnegative(byte_offset, "byte_offset"), g)
-
-
-def stream_write_value32_(input, offset, val):
-    """Needs a CUDA stream: raises NotImplementedError here."""
-    _native.stream_write_value32_(_native_tensor(input), _nonnegative(offset, "offset"), val)
 
 
 def fused_all_gather_scaled_matmul(*args, **kwargs):

@@ -163,7 +163,17 @@ fn rank_ops() {
                 ops::all_reduce(&x, op, &g).unwrap();
                 check("all_reduce", &x, 0..n);
 
-                if n % (ws * (4 / dtype.size()).max(1)) == 0 {
+                // PyTorch counts in its vector width: 16, 8 or 4 bytes, the largest dividing the
+                // input's size (its offset is 0), at least the element.
+                let bytes = n * dtype.size();
+                let vector = [16, 8, 4].into_iter().find(|a| bytes.is_multiple_of(*a)).unwrap_or(4).max(dtype.size());
+                let divisible = n % (ws * vector / dtype.size()) == 0;
+                if !divisible {
+                    let rs = Tensor::zeros(&[n / ws], dtype).unwrap();
+                    let e = ops::reduce_scatter_out(&x, op, &g, false, &rs).unwrap_err();
+                    assert!(e.to_string().contains("divisible by world_size"), "{e}");
+                }
+                if divisible {
                     tensor_of(dtype, &x, &mine);
                     let per = n / ws;
                     let rs = Tensor::zeros(&[per], dtype).unwrap();

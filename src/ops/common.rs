@@ -39,6 +39,17 @@ pub(crate) fn symmetric(op: &str, input: &Tensor, group: &Group) -> Result<Arc<S
     symm::rendezvous(input, group)
 }
 
+/// PyTorch's vector alignment of a symmetric `input` (`get_and_verify_alignment`): 16, 8 or 4
+/// bytes, the largest that divides both its byte offset in its allocation and its size, and at
+/// least [`alignment`] (which [`check_symmetric`] checked). PyTorch's kernels move that many
+/// bytes at a time, and their divisibility checks count in it; symmem's kernels need only
+/// [`alignment`], but refuse what PyTorch refuses.
+pub(crate) fn vector_alignment(input: &Tensor) -> usize {
+    let offset = symm::allocation_of(input).map_or(0, |(_, o)| o);
+    let both = offset | input.nbytes();
+    [16, 8, 4].into_iter().find(|a| both.is_multiple_of(*a)).unwrap_or(4).max(alignment(input.dtype()))
+}
+
 /// The checks of [`symmetric`], for a caller that already holds the handle.
 pub(crate) fn check_symmetric(op: &str, input: &Tensor) -> Result<()> {
     if !symm::is_symm_mem_tensor(input) {

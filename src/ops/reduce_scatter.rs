@@ -146,7 +146,9 @@ pub fn reduce_scatter_out(
     }
     disjoint(OP, input, out)?;
     let ws = group.world_size();
-    let per_align = alignment(input.dtype()) / input.dtype().size();
+    // Counted in PyTorch's vector width (16 bytes where the offset and size allow), as its
+    // checks count: a bf16 input of 48 elements on 4 ranks is refused there, so here too.
+    let per_align = vector_alignment(input) / input.dtype().size();
     if split_last_dim {
         let (is, os) = (input.shape(), out.shape());
         let last = *is.last().ok_or_else(|| bad(OP, "input has no dimensions"))?;
@@ -476,6 +478,35 @@ pub fn select_offset(input: &Tensor, dim: usize, offsets: &[usize], dst: &[usize
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn divisibility_counts_in_pytorchs_vector_width() {
+        use crate::symm::{self, Device};
+        use crate::{DType, Tensor};
+        crate::group::run_threads(4, |g| {
+            let t = symm::empty(&[256], DType::BF16, Device::Cpu)?;
+            symm::rendezvous(&t, &g)?;
+            // 48 bf16 from offset 0: 96 bytes, 16-byte vectors of 8 elements, 32 for 4 ranks.
+            let out = Tensor::zeros(&[12], DType::BF16)?;
+            let e = reduce_scatter_out(&t.narrow(0, 0, 48)?, ReduceOp::Sum, &g, false, &out).unwrap_err();
+            assert!(e.to_string().contains("divisible by world_size * 8"), "{e}");
+            let m = t.narrow(0, 0, 96)?.view(&[2, 48])?;
+            let out = Tensor::zeros(&[2, 12], DType::BF16)?;
+            let e = reduce_scatter_out(&m, ReduceOp::Sum, &g, true, &out).unwrap_err();
+            assert!(e.to_string().contains("last dimension must be divisible by world_size * 8"), "{e}");
+            // 64 elements: whole vectors on every rank.
+            t.fill(half::bf16::from_f32(1.0))?;
+            let out = Tensor::zeros(&[16], DType::BF16)?;
+            reduce_scatter_out(&t.narrow(0, 0, 64)?, ReduceOp::Sum, &g, false, &out)?;
+            assert_eq!(out.to_vec::<half::bf16>()?, vec![half::bf16::from_f32(4.0); 16]);
+            // From 4 bytes in, vectors are 4 bytes: 40 elements are 5 vectors of 2 a rank.
+            let out = Tensor::zeros(&[10], DType::BF16)?;
+            reduce_scatter_out(&t.narrow(0, 2, 40)?, ReduceOp::Sum, &g, false, &out)?;
+            assert_eq!(out.to_vec::<half::bf16>()?, vec![half::bf16::from_f32(4.0); 10]);
+            Ok(())
+        })
+        .unwrap();
+    }
 
     #[test]
     fn a_hosts_span_runs_from_its_first_block_to_its_last() {

@@ -46,7 +46,7 @@ use std::time::Duration;
 use crate::error::Result;
 use crate::group::Group;
 use crate::ops::common::*;
-use crate::ops::hostpush::lock;
+use crate::ops::hostpush::{Named, landed, lock, send_from_tensor};
 use crate::ops::reduce::{self, ReduceOp};
 use crate::symm::hostsync::{Sent, Words, settle};
 use crate::symm::{self, Device, SymmHandle};
@@ -73,8 +73,9 @@ struct Chain {
     sent: Sent,
 }
 
+/// Word indices: PARTIAL of piece j at `PARTIAL + j`, DONE of piece j at `DONE + j`.
 const PARTIAL: usize = 0;
-const DONE: usize = 1;
+const DONE: usize = MAX_PIECES;
 
 /// The group's chain words, made collectively at its first chain call (every rank is in it:
 /// the checked entry passed on all).
@@ -87,13 +88,20 @@ fn chain_words(group: &Group, t: Duration) -> Result<Arc<Mutex<Chain>>> {
     if let Some(c) = &*slot {
         return Ok(c.clone());
     }
-    let tensor = symm::empty(&[2], DType::U32, Device::Cpu)?;
+    let tensor = symm::empty(&[2 * MAX_PIECES], DType::U32, Device::Cpu)?;
     let h = symm::rendezvous(&tensor, group)?;
     h.barrier(0, t)?;
     let c = Arc::new(Mutex::new(Chain { _tensor: tensor, words: Words::new(h, 0), epoch: 0, sent: Vec::new() }));
     *slot = Some(c.clone());
     Ok(c)
 }
+
+/// The most pieces a rank's slice is cut into, and the least bytes a piece holds: hosts work
+/// on different pieces at once (host h folds piece p while host h+1 folds piece p-1 and the
+/// result of piece p-2 travels back), so the chain takes about (2·(k-1) + pieces - 1) piece
+/// times instead of 2·(k-1) slice times.
+const MAX_PIECES: usize = 16;
+const PIECE_MIN: usize = 64 << 10;
 
 /// In-place all-reduce of `tensor` (symmetric, behind `h`) by the chain; the caller checked
 /// [`suits`].
@@ -117,53 +125,96 @@ pub(crate) fn all_reduce(tensor: &Tensor, op: ReduceOp, group: &Group, h: &SymmH
     let (host, last) = (h.host_of(h.rank()), h.hosts() - 1);
     let i = h.rank() - locals[0];
     let chain = |k: usize| h.ranks_on(k)[i];
-    let (start, len) = slice(tensor.numel(), locals.len(), i, alignment(dtype) / es);
-    let (at, bytes) = (start * es, len * es);
+    let align = alignment(dtype) / es;
+    let (start, len) = slice(tensor.numel(), locals.len(), i, align);
+    let pieces = (len * es / PIECE_MIN).clamp(1, MAX_PIECES);
     // Sums fold without dividing until the last host: an average divides once, at the end.
     let fold = if op == ReduceOp::Avg { ReduceOp::Sum } else { op };
-    let all = peers(h, at);
-    let mut srcs: Vec<*const u8> = Vec::with_capacity(locals.len() + 1);
-    if host > 0 {
-        // The previous host's partial is final once its PARTIAL word reaches this call (its
-        // rank wrote it before raising the word; the read below follows).
-        c.words.wait_for(PARTIAL, e, chain(host - 1), &p, t)?;
-        fetch(h, |r| if r == chain(host - 1) { (at, bytes) } else { (0, 0) })?;
-        srcs.push(all[chain(host - 1)]);
-    }
-    srcs.extend(locals.iter().map(|&r| all[r]));
-    if host < last {
-        let own = all[h.rank()].cast_mut();
-        // SAFETY: slice i of this host's tensors is read and written in this call by this rank
-        // only (and this rank's slice i read by the next host's rank i once signalled below);
-        // every rank is in the call (the checked entry is a barrier), the previous host's
-        // partial is final (its word, above) and in this host's mirror; the pointers address
-        // `len` elements inside mapped buffers (rendezvous checked the shapes), and `reduce`
-        // allows a destination that is also a source.
-        unsafe { reduce::reduce(dtype, fold, &srcs, &[own], len, ws)? };
-        let next = chain(host + 1);
-        c.sent.push((next, e, c.words.start_remote(next, PARTIAL, e, t)?));
-        // The result lands in this rank's slice i before the last host's DONE word.
-        c.words.wait_for(DONE, e, chain(last), &p, t)?;
-        for &r in locals.iter().filter(|&&r| r != h.rank()) {
-            // SAFETY: this rank's slice i holds the result (its word, above); slice i of the
-            // host's other tensors is written by this rank only, and read by nobody until the
-            // host's barrier below.
-            unsafe { std::ptr::copy_nonoverlapping(all[h.rank()], all[r].cast_mut(), bytes) };
+    let own = h.rank();
+    let mut writes = Named::new();
+    let r = (|| -> Result<()> {
+        for j in 0..pieces {
+            let (s, l) = slice(len, pieces, j, align);
+            let (at, bytes) = ((start + s) * es, l * es);
+            let all = peers(h, at);
+            let mut srcs: Vec<*const u8> = Vec::with_capacity(locals.len() + 1);
+            if host > 0 {
+                // The previous host's partial of this piece is final once its word reaches this
+                // call (its rank wrote it before raising the word; the read below follows).
+                c.words.wait_for(PARTIAL + j, e, chain(host - 1), &p, t)?;
+                fetch(h, |r| if r == chain(host - 1) { (at, bytes) } else { (0, 0) })?;
+                srcs.push(all[chain(host - 1)]);
+            }
+            srcs.extend(locals.iter().map(|&r| all[r]));
+            if host < last {
+                // SAFETY: piece j of slice i of this host's tensors is read and written in this
+                // call by this rank only (and this rank's piece read by the next host's rank i
+                // once signalled below); every rank is in the call (the checked entry is a
+                // barrier), the previous host's partial is final (its word, above) and in this
+                // host's mirror; the pointers address `l` elements inside mapped buffers
+                // (rendezvous checked the shapes), and `reduce` allows a destination that is
+                // also a source.
+                unsafe { reduce::reduce(dtype, fold, &srcs, &[all[own].cast_mut()], l, ws)? };
+                let next = chain(host + 1);
+                c.sent.push((next, e, c.words.start_remote(next, PARTIAL + j, e, t)?));
+            } else {
+                let dsts: Vec<*mut u8> = locals.iter().map(|&r| all[r].cast_mut()).collect();
+                // SAFETY: as above; the result goes to piece j of slice i of every tensor of
+                // this host, which no other rank reads or writes in this call.
+                unsafe { reduce::reduce(dtype, op, &srcs, &dsts, l, ws)? };
+                if last > 0 {
+                    send_result(h, c, chain(0), at, bytes, j, e, t, &mut writes)?;
+                }
+            }
         }
-    } else {
-        let dsts: Vec<*mut u8> = locals.iter().map(|&r| all[r].cast_mut()).collect();
-        // SAFETY: as above; the result goes to slice i of every tensor of this host, which no
-        // other rank reads or writes in this call.
-        unsafe { reduce::reduce(dtype, op, &srcs, &dsts, len, ws)? };
-        let others: Vec<usize> = (0..last).map(chain).collect();
-        if bytes > 0 {
-            // Returns once every write landed, so each word below follows its data.
-            h.push(&others, h.offset() + at, bytes, h.offset() + at, t)?;
+        if host < last {
+            // The result comes back along the chain, piece by piece: from the last host to the
+            // first, then host after host; each rank hands it to its host and to the next.
+            let from = if host == 0 { chain(last) } else { chain(host - 1) };
+            for j in 0..pieces {
+                let (s, l) = slice(len, pieces, j, align);
+                let (at, bytes) = ((start + s) * es, l * es);
+                c.words.wait_for(DONE + j, e, from, &p, t)?;
+                if host + 1 < last {
+                    send_result(h, c, chain(host + 1), at, bytes, j, e, t, &mut writes)?;
+                }
+                let all = peers(h, at);
+                for &r in locals.iter().filter(|&&r| r != own) {
+                    // SAFETY: this rank's piece holds the result (its word, above); piece j of
+                    // slice i of the host's other tensors is written by this rank only, and read
+                    // by nobody until the host's barrier below.
+                    unsafe { std::ptr::copy_nonoverlapping(all[own], all[r].cast_mut(), l * es) };
+                }
+            }
         }
-        for r in others {
-            c.sent.push((r, e, c.words.start_remote(r, DONE, e, t)?));
-        }
-    }
+        Ok(())
+    })();
+    // The tensor is the caller's again only once the writes from it left.
+    let landed = landed(h, &mut writes, t);
+    r.and(landed)?;
     // Nobody leaves while a rank of its host still writes its slice into their tensors.
     h.local_barrier(0, t)
+}
+
+/// Sends piece `j` of the result (`bytes` at `at` of this rank's tensor) to the same place of
+/// `to`'s, then raises `to`'s DONE word of the piece, which lands after it. `to`'s piece is
+/// free: its partial was read by the next host before the result of the piece existed.
+#[allow(clippy::too_many_arguments, reason = "one piece of the chain's way back")]
+fn send_result(
+    h: &SymmHandle,
+    c: &mut Chain,
+    to: usize,
+    at: usize,
+    bytes: usize,
+    j: usize,
+    e: u32,
+    t: Duration,
+    writes: &mut Named,
+) -> Result<()> {
+    if bytes > 0 {
+        let from = h.offset() + at;
+        send_from_tensor(h, to, bytes, |a, n| h.start_push(to, from + a, n, from + a, t), writes)?;
+    }
+    c.sent.push((to, e, c.words.start_remote(to, DONE + j, e, t)?));
+    Ok(())
 }

@@ -482,7 +482,7 @@ mod tests {
     #[test]
     fn divisibility_counts_in_pytorchs_vector_width() {
         use crate::symm::{self, Device};
-        use crate::{DType, Tensor};
+        use crate::tensor::{DType, Tensor};
         crate::group::run_threads(4, |g| {
             let t = symm::empty(&[256], DType::BF16, Device::Cpu)?;
             symm::rendezvous(&t, &g)?;

@@ -109,7 +109,8 @@ pub fn low_contention_reduce_scatter(input: &Tensor, op: ReduceOp, group: &Group
     let mut out_shape = input.shape().to_vec();
     out_shape[0] /= ws;
     let out = Tensor::zeros(&out_shape, input.dtype())?;
-    reduce_scatter_out(&input.view(&[input.numel()])?, op, group, false, &out.view(&[out.numel()])?)?;
+    let (flat, out_flat) = (input.view(&[input.numel()])?, out.view(&[out.numel()])?);
+    scatter_out(&flat, op, group, false, &out_flat, alignment(input.dtype()))?;
     Ok(out)
 }
 
@@ -122,11 +123,12 @@ pub fn low_contention_reduce_scatter(input: &Tensor, op: ReduceOp, group: &Group
 /// use symmem::{DType, ReduceOp, Tensor, ops};
 ///
 /// symmem::group::run_threads(2, |group| {
-///     let x = symm::empty(&[4], DType::F32, Device::Cpu)?;
-///     x.copy_from_slice(&[1.0f32, 2.0, 3.0, 4.0])?;
-///     let out = Tensor::zeros(&[2], DType::F32)?; // slice `rank` of the sum
+///     // Whole 16-byte vectors per rank, as PyTorch's kernels take them: 8 f32 on 2 ranks.
+///     let x = symm::empty(&[8], DType::F32, Device::Cpu)?;
+///     x.copy_from_slice(&[1.0f32, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0])?;
+///     let out = Tensor::zeros(&[4], DType::F32)?; // slice `rank` of the sum
 ///     ops::reduce_scatter_out(&x, ReduceOp::Sum, &group, false, &out)?;
-///     let want = if group.rank() == 0 { [2.0, 4.0] } else { [6.0, 8.0] };
+///     let want = if group.rank() == 0 { [2.0, 4.0, 6.0, 8.0] } else { [10.0, 12.0, 14.0, 16.0] };
 ///     assert_eq!(out.to_vec::<f32>()?, want);
 ///     Ok(())
 /// })?;
@@ -139,6 +141,22 @@ pub fn reduce_scatter_out(
     split_last_dim: bool,
     out: &Tensor,
 ) -> Result<()> {
+    // Counted in PyTorch's vector width (16 bytes where the offset and size allow), as its
+    // checks count: a bf16 input of 48 elements on 4 ranks is refused there, so here too.
+    scatter_out(input, op, group, split_last_dim, out, vector_alignment(input))
+}
+
+/// [`reduce_scatter_out`], its divisibility counted in units of `align` bytes (PyTorch's
+/// vector width for the operator itself; the element alignment for the operators built on it,
+/// whose PyTorch counterparts ask only that the first dimension divide).
+fn scatter_out(
+    input: &Tensor,
+    op: ReduceOp,
+    group: &Group,
+    split_last_dim: bool,
+    out: &Tensor,
+    align: usize,
+) -> Result<()> {
     const OP: &str = "reduce_scatter_out";
     reducible(OP, input)?;
     if out.dtype() != input.dtype() || !out.is_contiguous() {
@@ -146,9 +164,7 @@ pub fn reduce_scatter_out(
     }
     disjoint(OP, input, out)?;
     let ws = group.world_size();
-    // Counted in PyTorch's vector width (16 bytes where the offset and size allow), as its
-    // checks count: a bf16 input of 48 elements on 4 ranks is refused there, so here too.
-    let per_align = vector_alignment(input) / input.dtype().size();
+    let per_align = align / input.dtype().size();
     if split_last_dim {
         let (is, os) = (input.shape(), out.shape());
         let last = *is.last().ok_or_else(|| bad(OP, "input has no dimensions"))?;

@@ -976,7 +976,7 @@ fn two_hosts_linked_by_ucx_match_one_host_bit_for_bit() {
 
 #[test]
 fn two_network_namespaces_match_one_host_bit_for_bit() {
-    let hosts = match Hosts::create() {
+    let hosts = match Hosts::create(2) {
         Ok(h) => h,
         Err(why) => {
             eprintln!("SKIPPED: cannot create network namespaces here ({why})");
@@ -993,7 +993,7 @@ fn two_network_namespaces_linked_by_ucx_match_one_host_bit_for_bit() {
     if !have_ucx() {
         return;
     }
-    let hosts = match Hosts::create() {
+    let hosts = match Hosts::create(2) {
         Ok(h) => h,
         Err(why) => {
             eprintln!("SKIPPED: cannot create network namespaces here ({why})");
@@ -1184,7 +1184,7 @@ fn a_vanished_host_linked_by_ucx_fails_the_others_naming_its_ranks() {
 
 #[test]
 fn cutting_the_link_fails_every_rank_within_its_timeout() {
-    let hosts = match Hosts::create() {
+    let hosts = match Hosts::create(2) {
         Ok(h) => h,
         Err(why) => {
             eprintln!("SKIPPED: cannot create network namespaces here ({why})");

@@ -116,6 +116,8 @@ fn digests(outs: &[Output], world: usize) -> BTreeMap<usize, BTreeMap<String, St
         for line in String::from_utf8_lossy(&o.stdout).lines() {
             let Some((prefix, rest)) = line.split_once("] ") else { continue };
             let Ok(rank) = prefix.trim_start_matches('[').parse::<usize>() else { continue };
+            // The first line a rank prints follows the test harness's "test rank_x ... ".
+            let rest = rest.strip_prefix("test ").and_then(|t| t.split_once(" ... ")).map_or(rest, |(_, r)| r);
             if let Some(d) = rest.strip_prefix("digest ") {
                 let (name, hex) = d.split_once(' ').unwrap();
                 all.entry(rank).or_insert_with(BTreeMap::new).insert(name.to_string(), hex.to_string());

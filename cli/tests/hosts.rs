@@ -32,9 +32,9 @@ enum Layout<'a> {
     OneHost,
     /// Two launchers on loopback, told they are different hosts.
     Loopback,
-    /// Three of them.
-    Loopback3,
-    /// One launcher in each of two network namespaces.
+    /// So many of them.
+    LoopbackN(usize),
+    /// One launcher in each of the network namespaces.
     Netns(&'a Hosts),
 }
 
@@ -55,8 +55,9 @@ fn launch_with(
     let rank_args = ["--exact", scenario, "--include-ignored", "--nocapture", "--test-threads=1"];
     let hosts = match layout {
         Layout::OneHost => 1,
-        Layout::Loopback3 => 3,
-        _ => 2,
+        Layout::Loopback => 2,
+        Layout::LoopbackN(k) => k,
+        Layout::Netns(h) => h.names.len(),
     };
     let n = per_host.to_string();
     let total = (per_host * hosts).to_string();
@@ -77,11 +78,11 @@ fn launch_with(
         c.args(["run", "-n", &n, "--timeout", "120"]);
         match layout {
             Layout::OneHost => {}
-            Layout::Loopback | Layout::Loopback3 => {
+            Layout::Loopback | Layout::LoopbackN(_) => {
                 c.args(["--nnodes", &hosts.to_string(), "--node-rank", &i.to_string(), "--master-port", &port]);
             }
             Layout::Netns(_) => {
-                c.args(["--nnodes", "2", "--node-rank", &i.to_string(), "--master-addr", "10.213.0.1"]);
+                c.args(["--nnodes", &hosts.to_string(), "--node-rank", &i.to_string(), "--master-addr", "10.213.0.1"]);
                 c.args(["--master-port", "29500"]);
             }
         }
@@ -899,7 +900,7 @@ fn rank_all_reduces() {
 
 #[test]
 fn three_hosts_match_one_host_bit_for_bit() {
-    all_reduces_match_one_host(Layout::Loopback3, 3, 2);
+    all_reduces_match_one_host(Layout::LoopbackN(3), 3, 2);
 }
 
 /// One rank per host: a host's leader alone, reducing straight into its tensor from 64 KiB.

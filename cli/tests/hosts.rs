@@ -653,7 +653,9 @@ fn operators(j: &Job) {
     let (cap, cols) = (16384, 12);
     assert!(cap * cols * 4 > ops::VDEV_CARRY_MAX && cap * cols * 4 <= ops::VDEV_PUSH_MAX);
     let input = sym(&[cap, cols], DType::F32);
-    let split = |src: usize, dst: usize| 3000 + ((src * 37 + dst * 101) % 500) as i64;
+    // Splits that fit the input's rows: these for 4 ranks or fewer, in proportion for more.
+    let scale = |v: usize| (v * 4 / ws.max(4)) as i64;
+    let split = |src: usize, dst: usize| scale(3000) + ((src * 37 + dst * 101) as i64 % scale(500));
     let big_splits = i64_sym(&(0..ws).map(|d| split(me, d)).collect::<Vec<_>>());
     for (name, out) in [
         ("a2av_direct", Tensor::zeros(&[cap * ws, cols], DType::F32).unwrap()),
@@ -668,7 +670,7 @@ fn operators(j: &Job) {
     }
     // 2-D dispatch and combine written into symmetric outs (the combine's input has gaps).
     fill(&input, |i| val(me, i));
-    let s2: Vec<i64> = (0..ws * ne).map(|i| 900 + ((me * 7 + i * 3) % 200) as i64).collect();
+    let s2: Vec<i64> = (0..ws * ne).map(|i| scale(900) + ((me * 7 + i * 3) as i64 % scale(200))).collect();
     let in2 = i64_sym(&s2);
     let out2 = sym(&[cap * ws, cols], DType::F32);
     ops::all_to_all_vdev_2d(&input, &out2, &in2, &oso2, g, Some(16)).unwrap();

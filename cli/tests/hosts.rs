@@ -1,10 +1,10 @@
 //! Symmetric memory across hosts: every one-sided call and operator on a group that spans two
-//! hosts, with results equal bit for bit to the same job on one host; and what happens when a
-//! host is lost.
+//! or four hosts, and a short scenario on sixteen, with results equal bit for bit to the same
+//! job on one host; and what happens when a host is lost.
 //!
-//! Two hosts are played three ways: two launchers on loopback with different `SYMMEM_HOST_ID`s
-//! (runs everywhere), and two network namespaces joined by a veth pair, one launcher in each
-//! (where namespaces can be created; skipped with a message elsewhere).
+//! Hosts are played two ways: launchers on loopback with different `SYMMEM_HOST_ID`s (runs
+//! everywhere), and network namespaces joined by a switch, one launcher in each (where
+//! namespaces can be created; skipped with a message elsewhere).
 
 #![allow(clippy::print_stdout, clippy::print_stderr, reason = "rank programs and skip notices print")]
 
@@ -12,6 +12,7 @@ mod common;
 
 use std::collections::BTreeMap;
 use std::process::{Child, Command, Output, Stdio};
+use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 use std::time::{Duration, Instant};
 
 use common::Hosts;
@@ -874,18 +875,36 @@ fn rank_hosts() {
     println!("rank {} ok", j.me);
 }
 
-/// The single-host digests every cross-host run must reproduce.
-fn reference() -> BTreeMap<usize, BTreeMap<String, String>> {
-    static REF: std::sync::OnceLock<BTreeMap<usize, BTreeMap<String, String>>> = std::sync::OnceLock::new();
-    REF.get_or_init(|| digests(&launch(Layout::OneHost, 4, "rank_hosts", &[]), 4)).clone()
+type Digests = BTreeMap<usize, BTreeMap<String, String>>;
+
+/// The single-host digests of `rank_hosts` on `world` ranks, which every cross-host run of as
+/// many ranks must reproduce.
+fn reference(world: usize) -> Digests {
+    reference_of("rank_hosts", world)
 }
 
-fn assert_same(got: &BTreeMap<usize, BTreeMap<String, String>>, want: &BTreeMap<usize, BTreeMap<String, String>>) {
-    assert_eq!(want.len(), 4, "every rank reported");
+/// The single-host digests of `scenario` on `world` ranks, made once per test binary.
+fn reference_of(scenario: &'static str, world: usize) -> Digests {
+    type Made = BTreeMap<(&'static str, usize), Arc<OnceLock<Digests>>>;
+    static REF: Mutex<Made> = Mutex::new(BTreeMap::new());
+    let cell = REF.lock().unwrap_or_else(PoisonError::into_inner).entry((scenario, world)).or_default().clone();
+    // The tests wanting the same digests wait for one run.
+    cell.get_or_init(|| digests(&launch(Layout::OneHost, world, scenario, &[]), world)).clone()
+}
+
+/// Checks `got` has every digest of `rank_hosts`'s `want`.
+fn assert_same(got: &Digests, want: &Digests) {
+    assert_digests(got, want, 61, "");
+}
+
+/// Checks `got` has every digest of `want`, which has at least `at_least` a rank; `what` begins
+/// each complaint.
+fn assert_digests(got: &Digests, want: &Digests, at_least: usize, what: &str) {
+    assert!(want.len() >= 4, "every rank reported");
     for (r, w) in want {
-        assert!(w.len() > 60, "rank {r} digested every operator ({} digests)", w.len());
+        assert!(w.len() >= at_least, "rank {r} digested every operator ({} digests)", w.len());
         for (name, d) in w {
-            assert_eq!(got[r].get(name), Some(d), "rank {r}: {name} differs from the single-host result");
+            assert_eq!(got[r].get(name), Some(d), "{what}rank {r}: {name} differs from the single-host result");
         }
     }
 }
@@ -939,7 +958,7 @@ fn all_reduces_match_one_host(layout: Layout, hosts: usize, per_host: usize) {
 #[test]
 fn two_hosts_on_loopback_match_one_host_bit_for_bit() {
     let got = digests(&launch(Layout::Loopback, 2, "rank_hosts", &[]), 4);
-    assert_same(&got, &reference());
+    assert_same(&got, &reference(4));
 }
 
 /// The same with one rank's links running late (its requests leave 5 ms after they were
@@ -954,7 +973,7 @@ fn two_hosts_with_a_late_rank_match_one_host_bit_for_bit() {
         for late in ["1:5", "2:5"] {
             let env = [("SYMMEM_TEST_LATE", late), ("SYMMEM_XHOST_BACKEND", backend)];
             let got = digests(&launch(Layout::Loopback, 2, "rank_hosts", &env), 4);
-            assert_same(&got, &reference());
+            assert_same(&got, &reference(4));
         }
     }
 }
@@ -976,7 +995,7 @@ fn two_hosts_linked_by_ucx_match_one_host_bit_for_bit() {
         return;
     }
     let got = digests(&launch(Layout::Loopback, 2, "rank_hosts", &[("SYMMEM_XHOST_BACKEND", "ucx")]), 4);
-    assert_same(&got, &reference());
+    assert_same(&got, &reference(4));
 }
 
 #[test]
@@ -990,7 +1009,7 @@ fn two_network_namespaces_match_one_host_bit_for_bit() {
     };
     // Rendezvous exchanges go through rank 0 here (the path for large groups), across the link.
     let got = digests(&launch(Layout::Netns(&hosts), 2, "rank_hosts", &[("SYMMEM_RENDEZVOUS", "gather")]), 4);
-    assert_same(&got, &reference());
+    assert_same(&got, &reference(4));
 }
 
 #[test]
@@ -1010,7 +1029,139 @@ fn two_network_namespaces_linked_by_ucx_match_one_host_bit_for_bit() {
     // the veth link by itself.
     let env = [("SYMMEM_XHOST_BACKEND", "ucx"), ("UCX_TLS", "tcp")];
     let got = digests(&launch(Layout::Netns(&hosts), 2, "rank_hosts", &env), 4);
-    assert_same(&got, &reference());
+    assert_same(&got, &reference(4));
+}
+
+/// `k` network namespaces on a switch, or `None` having said SKIPPED with the reason.
+fn namespaces(k: usize) -> Option<Hosts> {
+    match Hosts::create(k) {
+        Ok(h) => Some(h),
+        Err(why) => {
+            eprintln!("SKIPPED: cannot create network namespaces here ({why})");
+            None
+        }
+    }
+}
+
+/// Every one-sided call and operator on four namespaces of one rank each, and the short
+/// scenario on four of two ranks each (the chain between hosts), with `env`: equal bit for bit
+/// to as many ranks on one host.
+fn four_namespaces_match_one_host(env: &[(&str, &str)]) {
+    let Some(hosts) = namespaces(4) else { return };
+    let t = Instant::now();
+    let got = digests(&launch(Layout::Netns(&hosts), 1, "rank_hosts", env), 4);
+    eprintln!("4 hosts x 1, every operator: {:.1} s", t.elapsed().as_secs_f64());
+    assert_same(&got, &reference(4));
+    let t = Instant::now();
+    let got = digests(&launch(Layout::Netns(&hosts), 2, "rank_short", env), 8);
+    eprintln!("4 hosts x 2, short: {:.1} s", t.elapsed().as_secs_f64());
+    assert_digests(&got, &reference_of("rank_short", 8), SHORT, "4 hosts x 2: ");
+}
+
+#[test]
+fn four_network_namespaces_match_one_host_bit_for_bit() {
+    // Rendezvous exchanges go through rank 0, as in the two namespaces'.
+    four_namespaces_match_one_host(&[("SYMMEM_RENDEZVOUS", "gather")]);
+}
+
+#[test]
+fn four_network_namespaces_linked_by_ucx_match_one_host_bit_for_bit() {
+    if !have_ucx() {
+        return;
+    }
+    // On UCX's tcp, as between the two namespaces above.
+    four_namespaces_match_one_host(&[("SYMMEM_XHOST_BACKEND", "ucx"), ("UCX_TLS", "tcp")]);
+}
+
+/// Every one-sided call and operator on four namespaces of two ranks each, over tcp and ucx:
+/// equal bit for bit to eight ranks on one host. One to three minutes on two cores, most of it
+/// eight ranks on one host; the tests above run the short scenario on this layout.
+#[test]
+#[ignore = "long: cargo test --test hosts -- --ignored four_network_namespaces_of_two"]
+fn four_network_namespaces_of_two_ranks_match_one_host_bit_for_bit() {
+    let Some(hosts) = namespaces(4) else { return };
+    let want = reference(8);
+    let mut envs = vec![vec![("SYMMEM_RENDEZVOUS", "gather")]];
+    if have_ucx() {
+        envs.push(vec![("SYMMEM_XHOST_BACKEND", "ucx"), ("UCX_TLS", "tcp")]);
+    }
+    for env in envs {
+        let got = digests(&launch(Layout::Netns(&hosts), 2, "rank_hosts", &env), 8);
+        assert_digests(&got, &want, 61, &format!("{env:?}: "));
+    }
+}
+
+/// How many digests `rank_short` reports a rank.
+const SHORT: usize = 15;
+
+/// A few of each operator, small and large, short enough to play many hosts on one machine.
+#[test]
+#[ignore = "a rank program; run by sixteen_played_hosts_match_one_host_bit_for_bit"]
+fn rank_short() {
+    let Some(j) = Job::start() else { return };
+    let (me, ws, g) = (j.me, j.ws, &j.g);
+    // All-reduces host-pushed (up to 40 000 f32) and past host push's limit (f32 and i32 sums,
+    // a bf16 sum), and one-shot's and two-shot's own.
+    for (dtype, n, op) in [
+        (DType::F32, 5, ReduceOp::Sum),
+        (DType::F32, 3000, ReduceOp::Avg),
+        (DType::F32, 40_000, ReduceOp::Sum),
+        (DType::F32, 200_003, ReduceOp::Sum),
+        (DType::I32, 150_001, ReduceOp::Max),
+        (DType::BF16, 300_002, ReduceOp::Sum),
+    ] {
+        let x = sym(&[n], dtype);
+        fill(&x, |i| val(me, i));
+        ops::all_reduce(&x, op, g).unwrap();
+        j.report(&format!("all_reduce/{dtype}/{n}/{op:?}"), &x);
+    }
+    let x = sym(&[3000], DType::F32);
+    fill(&x, |i| val(me, i));
+    j.report("one_shot", &ops::one_shot_all_reduce(&x, ReduceOp::Sum, g).unwrap());
+    ops::two_shot_all_reduce_(&x, ReduceOp::Sum, g).unwrap();
+    j.report("two_shot", &x);
+    // All-gathers host-pushed (gathered by the leader, each rank's own message); a
+    // reduce-scatter; broadcasts pushed and pulled.
+    for n in [3000, 40_000] {
+        let x = sym(&[n], DType::F32);
+        fill(&x, |i| val(me, i));
+        let out = Tensor::zeros(&[n * ws], DType::F32).unwrap();
+        ops::all_gather_into(&x, g, &out).unwrap();
+        x.fill(-1.0f32).unwrap();
+        j.report(&format!("all_gather/{n}"), &out);
+    }
+    let x = sym(&[1024 * ws], DType::F32);
+    fill(&x, |i| val(me, i));
+    let rs = Tensor::zeros(&[1024], DType::F32).unwrap();
+    ops::reduce_scatter_out(&x, ReduceOp::Sum, g, false, &rs).unwrap();
+    j.report("reduce_scatter", &rs);
+    for (n, root) in [(5000, ws - 1), (200_000, 1)] {
+        let b = sym(&[n], DType::F64);
+        fill(&b, |i| val(me, i));
+        ops::broadcast_(&b, root, g).unwrap();
+        j.report(&format!("broadcast/{n}/{root}"), &b);
+    }
+    // All-to-alls host-pushed and pulled.
+    for block in [1024, ops::ALL_TO_ALL_PUSH_MAX / 4 / ws + 16] {
+        let x = sym(&[block * ws], DType::F32);
+        fill(&x, |i| val(me, i));
+        let out = Tensor::zeros(&[block * ws], DType::F32).unwrap();
+        ops::all_to_all(&x, &out, g).unwrap();
+        j.report(&format!("all_to_all/{block}"), &out);
+    }
+    g.barrier(T).unwrap();
+    println!("rank {me} ok");
+}
+
+/// Sixteen played hosts of one rank each, linked by tcp: a short scenario equal bit for bit to
+/// one host's.
+#[test]
+fn sixteen_played_hosts_match_one_host_bit_for_bit() {
+    let want = reference_of("rank_short", 16);
+    let t = Instant::now();
+    let got = digests(&launch(Layout::LoopbackN(16), 1, "rank_short", &[("SYMMEM_XHOST_BACKEND", "tcp")]), 16);
+    eprintln!("16 played hosts: {:.1} s", t.elapsed().as_secs_f64());
+    assert_digests(&got, &want, SHORT, "");
 }
 
 /// All-reduces (host-pushed and chained), all-to-alls large enough that every rank reads from

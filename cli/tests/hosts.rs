@@ -1,10 +1,10 @@
 //! Symmetric memory across hosts: every one-sided call and operator on a group that spans two
-//! hosts, with results equal bit for bit to the same job on one host; and what happens when a
-//! host is lost.
+//! or four hosts, and a short scenario on sixteen, with results equal bit for bit to the same
+//! job on one host; and what happens when a host is lost.
 //!
-//! Two hosts are played three ways: two launchers on loopback with different `SYMMEM_HOST_ID`s
-//! (runs everywhere), and two network namespaces joined by a veth pair, one launcher in each
-//! (where namespaces can be created; skipped with a message elsewhere).
+//! Hosts are played two ways: launchers on loopback with different `SYMMEM_HOST_ID`s (runs
+//! everywhere), and network namespaces joined by a switch, one launcher in each (where
+//! namespaces can be created; skipped with a message elsewhere).
 
 #![allow(clippy::print_stdout, clippy::print_stderr, reason = "rank programs and skip notices print")]
 
@@ -12,6 +12,7 @@ mod common;
 
 use std::collections::BTreeMap;
 use std::process::{Child, Command, Output, Stdio};
+use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 use std::time::{Duration, Instant};
 
 use common::Hosts;
@@ -32,9 +33,9 @@ enum Layout<'a> {
     OneHost,
     /// Two launchers on loopback, told they are different hosts.
     Loopback,
-    /// Three of them.
-    Loopback3,
-    /// One launcher in each of two network namespaces.
+    /// So many of them.
+    LoopbackN(usize),
+    /// One launcher in each of the network namespaces.
     Netns(&'a Hosts),
 }
 
@@ -55,8 +56,9 @@ fn launch_with(
     let rank_args = ["--exact", scenario, "--include-ignored", "--nocapture", "--test-threads=1"];
     let hosts = match layout {
         Layout::OneHost => 1,
-        Layout::Loopback3 => 3,
-        _ => 2,
+        Layout::Loopback => 2,
+        Layout::LoopbackN(k) => k,
+        Layout::Netns(h) => h.names.len(),
     };
     let n = per_host.to_string();
     let total = (per_host * hosts).to_string();
@@ -77,11 +79,11 @@ fn launch_with(
         c.args(["run", "-n", &n, "--timeout", "120"]);
         match layout {
             Layout::OneHost => {}
-            Layout::Loopback | Layout::Loopback3 => {
+            Layout::Loopback | Layout::LoopbackN(_) => {
                 c.args(["--nnodes", &hosts.to_string(), "--node-rank", &i.to_string(), "--master-port", &port]);
             }
             Layout::Netns(_) => {
-                c.args(["--nnodes", "2", "--node-rank", &i.to_string(), "--master-addr", "10.213.0.1"]);
+                c.args(["--nnodes", &hosts.to_string(), "--node-rank", &i.to_string(), "--master-addr", "10.213.0.1"]);
                 c.args(["--master-port", "29500"]);
             }
         }
@@ -116,6 +118,8 @@ fn digests(outs: &[Output], world: usize) -> BTreeMap<usize, BTreeMap<String, St
         for line in String::from_utf8_lossy(&o.stdout).lines() {
             let Some((prefix, rest)) = line.split_once("] ") else { continue };
             let Ok(rank) = prefix.trim_start_matches('[').parse::<usize>() else { continue };
+            // The first line a rank prints follows the test harness's "test rank_x ... ".
+            let rest = rest.strip_prefix("test ").and_then(|t| t.split_once(" ... ")).map_or(rest, |(_, r)| r);
             if let Some(d) = rest.strip_prefix("digest ") {
                 let (name, hex) = d.split_once(' ').unwrap();
                 all.entry(rank).or_insert_with(BTreeMap::new).insert(name.to_string(), hex.to_string());
@@ -650,7 +654,9 @@ fn operators(j: &Job) {
     let (cap, cols) = (16384, 12);
     assert!(cap * cols * 4 > ops::VDEV_CARRY_MAX && cap * cols * 4 <= ops::VDEV_PUSH_MAX);
     let input = sym(&[cap, cols], DType::F32);
-    let split = |src: usize, dst: usize| 3000 + ((src * 37 + dst * 101) % 500) as i64;
+    // Splits that fit the input's rows: these for 4 ranks or fewer, in proportion for more.
+    let scale = |v: usize| (v * 4 / ws.max(4)) as i64;
+    let split = |src: usize, dst: usize| scale(3000) + ((src * 37 + dst * 101) as i64 % scale(500));
     let big_splits = i64_sym(&(0..ws).map(|d| split(me, d)).collect::<Vec<_>>());
     for (name, out) in [
         ("a2av_direct", Tensor::zeros(&[cap * ws, cols], DType::F32).unwrap()),
@@ -665,7 +671,7 @@ fn operators(j: &Job) {
     }
     // 2-D dispatch and combine written into symmetric outs (the combine's input has gaps).
     fill(&input, |i| val(me, i));
-    let s2: Vec<i64> = (0..ws * ne).map(|i| 900 + ((me * 7 + i * 3) % 200) as i64).collect();
+    let s2: Vec<i64> = (0..ws * ne).map(|i| scale(900) + ((me * 7 + i * 3) as i64 % scale(200))).collect();
     let in2 = i64_sym(&s2);
     let out2 = sym(&[cap * ws, cols], DType::F32);
     ops::all_to_all_vdev_2d(&input, &out2, &in2, &oso2, g, Some(16)).unwrap();
@@ -869,18 +875,36 @@ fn rank_hosts() {
     println!("rank {} ok", j.me);
 }
 
-/// The single-host digests every cross-host run must reproduce.
-fn reference() -> BTreeMap<usize, BTreeMap<String, String>> {
-    static REF: std::sync::OnceLock<BTreeMap<usize, BTreeMap<String, String>>> = std::sync::OnceLock::new();
-    REF.get_or_init(|| digests(&launch(Layout::OneHost, 4, "rank_hosts", &[]), 4)).clone()
+type Digests = BTreeMap<usize, BTreeMap<String, String>>;
+
+/// The single-host digests of `rank_hosts` on `world` ranks, which every cross-host run of as
+/// many ranks must reproduce.
+fn reference(world: usize) -> Digests {
+    reference_of("rank_hosts", world)
 }
 
-fn assert_same(got: &BTreeMap<usize, BTreeMap<String, String>>, want: &BTreeMap<usize, BTreeMap<String, String>>) {
-    assert_eq!(want.len(), 4, "every rank reported");
+/// The single-host digests of `scenario` on `world` ranks, made once per test binary.
+fn reference_of(scenario: &'static str, world: usize) -> Digests {
+    type Made = BTreeMap<(&'static str, usize), Arc<OnceLock<Digests>>>;
+    static REF: Mutex<Made> = Mutex::new(BTreeMap::new());
+    let cell = REF.lock().unwrap_or_else(PoisonError::into_inner).entry((scenario, world)).or_default().clone();
+    // The tests wanting the same digests wait for one run.
+    cell.get_or_init(|| digests(&launch(Layout::OneHost, world, scenario, &[]), world)).clone()
+}
+
+/// Checks `got` has every digest of `rank_hosts`'s `want`.
+fn assert_same(got: &Digests, want: &Digests) {
+    assert_digests(got, want, 61, "");
+}
+
+/// Checks `got` has every digest of `want`, which has at least `at_least` a rank; `what` begins
+/// each complaint.
+fn assert_digests(got: &Digests, want: &Digests, at_least: usize, what: &str) {
+    assert!(want.len() >= 4, "every rank reported");
     for (r, w) in want {
-        assert!(w.len() > 60, "rank {r} digested every operator ({} digests)", w.len());
+        assert!(w.len() >= at_least, "rank {r} digested every operator ({} digests)", w.len());
         for (name, d) in w {
-            assert_eq!(got[r].get(name), Some(d), "rank {r}: {name} differs from the single-host result");
+            assert_eq!(got[r].get(name), Some(d), "{what}rank {r}: {name} differs from the single-host result");
         }
     }
 }
@@ -897,7 +921,7 @@ fn rank_all_reduces() {
 
 #[test]
 fn three_hosts_match_one_host_bit_for_bit() {
-    all_reduces_match_one_host(Layout::Loopback3, 3, 2);
+    all_reduces_match_one_host(Layout::LoopbackN(3), 3, 2);
 }
 
 /// One rank per host: a host's leader alone, reducing straight into its tensor from 64 KiB.
@@ -934,7 +958,7 @@ fn all_reduces_match_one_host(layout: Layout, hosts: usize, per_host: usize) {
 #[test]
 fn two_hosts_on_loopback_match_one_host_bit_for_bit() {
     let got = digests(&launch(Layout::Loopback, 2, "rank_hosts", &[]), 4);
-    assert_same(&got, &reference());
+    assert_same(&got, &reference(4));
 }
 
 /// The same with one rank's links running late (its requests leave 5 ms after they were
@@ -949,7 +973,7 @@ fn two_hosts_with_a_late_rank_match_one_host_bit_for_bit() {
         for late in ["1:5", "2:5"] {
             let env = [("SYMMEM_TEST_LATE", late), ("SYMMEM_XHOST_BACKEND", backend)];
             let got = digests(&launch(Layout::Loopback, 2, "rank_hosts", &env), 4);
-            assert_same(&got, &reference());
+            assert_same(&got, &reference(4));
         }
     }
 }
@@ -971,12 +995,12 @@ fn two_hosts_linked_by_ucx_match_one_host_bit_for_bit() {
         return;
     }
     let got = digests(&launch(Layout::Loopback, 2, "rank_hosts", &[("SYMMEM_XHOST_BACKEND", "ucx")]), 4);
-    assert_same(&got, &reference());
+    assert_same(&got, &reference(4));
 }
 
 #[test]
 fn two_network_namespaces_match_one_host_bit_for_bit() {
-    let hosts = match Hosts::create() {
+    let hosts = match Hosts::create(2) {
         Ok(h) => h,
         Err(why) => {
             eprintln!("SKIPPED: cannot create network namespaces here ({why})");
@@ -985,7 +1009,7 @@ fn two_network_namespaces_match_one_host_bit_for_bit() {
     };
     // Rendezvous exchanges go through rank 0 here (the path for large groups), across the link.
     let got = digests(&launch(Layout::Netns(&hosts), 2, "rank_hosts", &[("SYMMEM_RENDEZVOUS", "gather")]), 4);
-    assert_same(&got, &reference());
+    assert_same(&got, &reference(4));
 }
 
 #[test]
@@ -993,7 +1017,7 @@ fn two_network_namespaces_linked_by_ucx_match_one_host_bit_for_bit() {
     if !have_ucx() {
         return;
     }
-    let hosts = match Hosts::create() {
+    let hosts = match Hosts::create(2) {
         Ok(h) => h,
         Err(why) => {
             eprintln!("SKIPPED: cannot create network namespaces here ({why})");
@@ -1005,7 +1029,139 @@ fn two_network_namespaces_linked_by_ucx_match_one_host_bit_for_bit() {
     // the veth link by itself.
     let env = [("SYMMEM_XHOST_BACKEND", "ucx"), ("UCX_TLS", "tcp")];
     let got = digests(&launch(Layout::Netns(&hosts), 2, "rank_hosts", &env), 4);
-    assert_same(&got, &reference());
+    assert_same(&got, &reference(4));
+}
+
+/// `k` network namespaces on a switch, or `None` having said SKIPPED with the reason.
+fn namespaces(k: usize) -> Option<Hosts> {
+    match Hosts::create(k) {
+        Ok(h) => Some(h),
+        Err(why) => {
+            eprintln!("SKIPPED: cannot create network namespaces here ({why})");
+            None
+        }
+    }
+}
+
+/// Every one-sided call and operator on four namespaces of one rank each, and the short
+/// scenario on four of two ranks each (the chain between hosts), with `env`: equal bit for bit
+/// to as many ranks on one host.
+fn four_namespaces_match_one_host(env: &[(&str, &str)]) {
+    let Some(hosts) = namespaces(4) else { return };
+    let t = Instant::now();
+    let got = digests(&launch(Layout::Netns(&hosts), 1, "rank_hosts", env), 4);
+    eprintln!("4 hosts x 1, every operator: {:.1} s", t.elapsed().as_secs_f64());
+    assert_same(&got, &reference(4));
+    let t = Instant::now();
+    let got = digests(&launch(Layout::Netns(&hosts), 2, "rank_short", env), 8);
+    eprintln!("4 hosts x 2, short: {:.1} s", t.elapsed().as_secs_f64());
+    assert_digests(&got, &reference_of("rank_short", 8), SHORT, "4 hosts x 2: ");
+}
+
+#[test]
+fn four_network_namespaces_match_one_host_bit_for_bit() {
+    // Rendezvous exchanges go through rank 0, as in the two namespaces'.
+    four_namespaces_match_one_host(&[("SYMMEM_RENDEZVOUS", "gather")]);
+}
+
+#[test]
+fn four_network_namespaces_linked_by_ucx_match_one_host_bit_for_bit() {
+    if !have_ucx() {
+        return;
+    }
+    // On UCX's tcp, as between the two namespaces above.
+    four_namespaces_match_one_host(&[("SYMMEM_XHOST_BACKEND", "ucx"), ("UCX_TLS", "tcp")]);
+}
+
+/// Every one-sided call and operator on four namespaces of two ranks each, over tcp and ucx:
+/// equal bit for bit to eight ranks on one host. One to three minutes on two cores, most of it
+/// eight ranks on one host; the tests above run the short scenario on this layout.
+#[test]
+#[ignore = "long: cargo test --test hosts -- --ignored four_network_namespaces_of_two"]
+fn four_network_namespaces_of_two_ranks_match_one_host_bit_for_bit() {
+    let Some(hosts) = namespaces(4) else { return };
+    let want = reference(8);
+    let mut envs = vec![vec![("SYMMEM_RENDEZVOUS", "gather")]];
+    if have_ucx() {
+        envs.push(vec![("SYMMEM_XHOST_BACKEND", "ucx"), ("UCX_TLS", "tcp")]);
+    }
+    for env in envs {
+        let got = digests(&launch(Layout::Netns(&hosts), 2, "rank_hosts", &env), 8);
+        assert_digests(&got, &want, 61, &format!("{env:?}: "));
+    }
+}
+
+/// How many digests `rank_short` reports a rank.
+const SHORT: usize = 15;
+
+/// A few of each operator, small and large, short enough to play many hosts on one machine.
+#[test]
+#[ignore = "a rank program; run by sixteen_played_hosts_match_one_host_bit_for_bit"]
+fn rank_short() {
+    let Some(j) = Job::start() else { return };
+    let (me, ws, g) = (j.me, j.ws, &j.g);
+    // All-reduces host-pushed (up to 40 000 f32) and past host push's limit (f32 and i32 sums,
+    // a bf16 sum), and one-shot's and two-shot's own.
+    for (dtype, n, op) in [
+        (DType::F32, 5, ReduceOp::Sum),
+        (DType::F32, 3000, ReduceOp::Avg),
+        (DType::F32, 40_000, ReduceOp::Sum),
+        (DType::F32, 200_003, ReduceOp::Sum),
+        (DType::I32, 150_001, ReduceOp::Max),
+        (DType::BF16, 300_002, ReduceOp::Sum),
+    ] {
+        let x = sym(&[n], dtype);
+        fill(&x, |i| val(me, i));
+        ops::all_reduce(&x, op, g).unwrap();
+        j.report(&format!("all_reduce/{dtype}/{n}/{op:?}"), &x);
+    }
+    let x = sym(&[3000], DType::F32);
+    fill(&x, |i| val(me, i));
+    j.report("one_shot", &ops::one_shot_all_reduce(&x, ReduceOp::Sum, g).unwrap());
+    ops::two_shot_all_reduce_(&x, ReduceOp::Sum, g).unwrap();
+    j.report("two_shot", &x);
+    // All-gathers host-pushed (gathered by the leader, each rank's own message); a
+    // reduce-scatter; broadcasts pushed and pulled.
+    for n in [3000, 40_000] {
+        let x = sym(&[n], DType::F32);
+        fill(&x, |i| val(me, i));
+        let out = Tensor::zeros(&[n * ws], DType::F32).unwrap();
+        ops::all_gather_into(&x, g, &out).unwrap();
+        x.fill(-1.0f32).unwrap();
+        j.report(&format!("all_gather/{n}"), &out);
+    }
+    let x = sym(&[1024 * ws], DType::F32);
+    fill(&x, |i| val(me, i));
+    let rs = Tensor::zeros(&[1024], DType::F32).unwrap();
+    ops::reduce_scatter_out(&x, ReduceOp::Sum, g, false, &rs).unwrap();
+    j.report("reduce_scatter", &rs);
+    for (n, root) in [(5000, ws - 1), (200_000, 1)] {
+        let b = sym(&[n], DType::F64);
+        fill(&b, |i| val(me, i));
+        ops::broadcast_(&b, root, g).unwrap();
+        j.report(&format!("broadcast/{n}/{root}"), &b);
+    }
+    // All-to-alls host-pushed and pulled.
+    for block in [1024, ops::ALL_TO_ALL_PUSH_MAX / 4 / ws + 16] {
+        let x = sym(&[block * ws], DType::F32);
+        fill(&x, |i| val(me, i));
+        let out = Tensor::zeros(&[block * ws], DType::F32).unwrap();
+        ops::all_to_all(&x, &out, g).unwrap();
+        j.report(&format!("all_to_all/{block}"), &out);
+    }
+    g.barrier(T).unwrap();
+    println!("rank {me} ok");
+}
+
+/// Sixteen played hosts of one rank each, linked by tcp: a short scenario equal bit for bit to
+/// one host's.
+#[test]
+fn sixteen_played_hosts_match_one_host_bit_for_bit() {
+    let want = reference_of("rank_short", 16);
+    let t = Instant::now();
+    let got = digests(&launch(Layout::LoopbackN(16), 1, "rank_short", &[("SYMMEM_XHOST_BACKEND", "tcp")]), 16);
+    eprintln!("16 played hosts: {:.1} s", t.elapsed().as_secs_f64());
+    assert_digests(&got, &want, SHORT, "");
 }
 
 /// All-reduces (host-pushed and chained), all-to-alls large enough that every rank reads from
@@ -1184,7 +1340,7 @@ fn a_vanished_host_linked_by_ucx_fails_the_others_naming_its_ranks() {
 
 #[test]
 fn cutting_the_link_fails_every_rank_within_its_timeout() {
-    let hosts = match Hosts::create() {
+    let hosts = match Hosts::create(2) {
         Ok(h) => h,
         Err(why) => {
             eprintln!("SKIPPED: cannot create network namespaces here ({why})");

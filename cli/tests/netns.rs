@@ -66,7 +66,7 @@ fn netns_rank() {
 
 #[test]
 fn ranks_in_two_namespaces_move_tensors_over_tcp() {
-    let hosts = match Hosts::create() {
+    let hosts = match Hosts::create(2) {
         Ok(h) => h,
         Err(why) => {
             eprintln!("SKIPPED: cannot create network namespaces here ({why})");

@@ -364,7 +364,7 @@ fn torchrun_on_two_machines_needs_no_symmem_settings() {
         eprintln!("SKIPPED: the symmem Python package is not installed in {py} (run python/test.sh)");
         return;
     }
-    let hosts = match common::Hosts::create() {
+    let hosts = match common::Hosts::create(2) {
         Ok(h) => h,
         Err(why) => {
             eprintln!("SKIPPED: cannot create network namespaces here ({why})");

@@ -1001,7 +1001,7 @@ fn a_stranger_reaches_neither_the_store_nor_rank_memory() {
         assert!(rank.contains("CHANGED 0"), "{rank}");
     }
     // Another "host": a network namespace, the same user, without the job's secret; then with it.
-    let hosts = match common::Hosts::create() {
+    let hosts = match common::Hosts::create(2) {
         Ok(h) => h,
         Err(why) => {
             eprintln!("SKIPPED the other-host half: cannot create network namespaces here ({why})");
@@ -1413,7 +1413,7 @@ fn link_attacker() {
 // what the relay adds or changes ends the connection and touches nothing.
 #[test]
 fn a_stranger_can_neither_reflect_nor_relay_a_tcp_link() {
-    let hosts = match common::Hosts::create() {
+    let hosts = match common::Hosts::create(2) {
         Ok(h) => h,
         Err(why) => {
             eprintln!("SKIPPED: cannot create network namespaces here ({why})");

@@ -1,8 +1,8 @@
 //! Every public entry that takes a size, an offset, a count or a split, given any values (huge,
 //! negative, overflowing): it answers `Ok` with something inside its memory, or a clear
 //! invalid-argument error; it never panics, wraps around, or touches memory outside. CI runs
-//! this file in release mode too (`cargo test --release --test checked`), where unchecked
-//! arithmetic would wrap instead of panicking.
+//! this file with overflow checks off too (`cargo test --profile checked --test checked`, as in
+//! release), where unchecked arithmetic would wrap instead of panicking.
 
 use std::sync::{Arc, OnceLock};
 

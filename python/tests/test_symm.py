@@ -174,7 +174,9 @@ def test_torchrun_leaves_its_log_directory_in_the_sessions_own_temporary_directo
     assert any(n.startswith("torchelastic_") for n in os.listdir(private_tmpdir)), os.listdir(private_tmpdir)
 
 
-@pytest.mark.parametrize("nproc", [2, 4])
+# 2 ranks in CI (10 s more at 4 on 2 cores); PyTorch's own tests run these paths at 2 and 4
+# (python/tests/upstream/run.py).
+@pytest.mark.parametrize("nproc", [2])
 def test_install_makes_torchs_own_dispatching_functions_run_on_cpu(nproc):
     # Issue 52, item 1: torch.distributed._symmetric_memory.get, put_signal, wait_signal,
     # reduce_scatter_offset, all_to_all_nd (and every other function of it that dispatches on
@@ -194,7 +196,9 @@ def test_pytorchs_exception_types_for_timeouts_channels_ranks_and_get():
         assert f"errors worker ok {r}" in out.stdout, out.stdout + out.stderr
 
 
-@pytest.mark.parametrize("nproc", [2, 4])
+# 2 ranks in CI (10 s more at 4 on 2 cores); PyTorch's own tests run these paths at 2 and 4
+# (python/tests/upstream/run.py).
+@pytest.mark.parametrize("nproc", [2])
 def test_fused_all_gather_matmul_takes_an_ordinary_a_shard(nproc):
     # Issue 52, item 3: PyTorch copies an ordinary A_shard into symmetric memory; so does symmem.
     out = torchrun(nproc, os.path.join(os.path.dirname(__file__), "fused_worker.py"))

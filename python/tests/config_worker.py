@@ -6,7 +6,6 @@ the groups this process has and False for unknown names. Run under torchrun (glo
 prints "config worker ok RANK", or each failed section and exits 1."""
 
 import sys
-import traceback
 
 import torch
 import torch.distributed as dist
@@ -18,21 +17,7 @@ import symmem.symm
 symmem.symm.install()
 dist.init_process_group("gloo")
 rank, ws = dist.get_rank(), dist.get_world_size()
-failed = []
-
-
-def section(name):
-    """Runs the decorated section at once, records its failure, and lines the ranks up again."""
-
-    def run(body):
-        try:
-            body()
-        except Exception:  # noqa: BLE001 - every failure is reported at the end
-            failed.append(name)
-            print(f"FAILED {name} (rank {rank}):\n{traceback.format_exc()}", flush=True)
-        dist.barrier()
-
-    return run
+from sections import failed, section  # noqa: E402
 
 
 first = symm_mem.empty(64, device="cpu")

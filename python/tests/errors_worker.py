@@ -8,7 +8,6 @@ end, or each failed section and exits 1."""
 
 import re
 import sys
-import traceback
 
 import torch
 import torch.distributed as dist
@@ -23,21 +22,7 @@ assert ws == 2, "the errors worker runs on two ranks"
 peer = 1 - rank
 t = symm_mem.empty(64, device="cpu")
 hdl = symm_mem.rendezvous(t, dist.group.WORLD)
-failed = []
-
-
-def section(name):
-    """Runs the decorated section at once, records its failure, and lines the ranks up again."""
-
-    def run(body):
-        try:
-            body()
-        except Exception:  # noqa: BLE001 - every failure is reported at the end
-            failed.append(name)
-            print(f"FAILED {name} (rank {rank}):\n{traceback.format_exc()}", flush=True)
-        dist.barrier()
-
-    return run
+from sections import failed, section  # noqa: E402
 
 
 def raises(types, pattern, call):

@@ -6,7 +6,6 @@ section and exits 1."""
 
 import inspect
 import sys
-import traceback
 
 import torch
 import torch.distributed as dist
@@ -29,21 +28,7 @@ symmem.symm.install()
 dist.init_process_group("gloo")
 rank, ws = dist.get_rank(), dist.get_world_size()
 group_name = dist.group.WORLD.group_name
-failed = []
-
-
-def section(name):
-    """Runs the decorated section at once, records its failure, and lines the ranks up again."""
-
-    def run(body):
-        try:
-            body()
-        except Exception:  # noqa: BLE001 - every failure is reported at the end
-            failed.append(name)
-            print(f"FAILED {name} (rank {rank}):\n{traceback.format_exc()}", flush=True)
-        dist.barrier()
-
-    return run
+from sections import failed, section  # noqa: E402
 
 
 @section("every dispatching function of torch's module is symmem's")

@@ -10,7 +10,6 @@ import gc
 import random
 import sys
 import time
-import traceback
 import warnings
 
 import torch
@@ -25,21 +24,7 @@ dist.init_process_group("gloo")
 rank, ws = dist.get_rank(), dist.get_world_size()
 group = dist.group.WORLD.group_name
 cpu = torch.device("cpu")
-failed = []
-
-
-def section(name):
-    """Runs the decorated section at once, records its failure, and lines the ranks up again."""
-
-    def run(body):
-        try:
-            body()
-        except Exception:  # noqa: BLE001 - every failure is reported at the end
-            failed.append(name)
-            print(f"FAILED {name} (rank {rank}):\n{traceback.format_exc()}", flush=True)
-        dist.barrier()
-
-    return run
+from sections import failed, section  # noqa: E402
 
 
 def raises(call, kind, *fragments):

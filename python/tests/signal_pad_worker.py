@@ -5,7 +5,6 @@ nvshmem_put_with_signal and nvshmem_wait_for_signal (PyTorch's test_nvshmem_put 
 worker ok RANK", or each failed section and exits 1."""
 
 import sys
-import traceback
 
 import torch
 import torch.distributed as dist
@@ -17,21 +16,7 @@ symmem.symm.install()
 dist.init_process_group("gloo")
 rank, ws = dist.get_rank(), dist.get_world_size()
 group_name = dist.group.WORLD.group_name
-failed = []
-
-
-def section(name):
-    """Runs the decorated section at once, records its failure, and lines the ranks up again."""
-
-    def run(body):
-        try:
-            body()
-        except Exception:  # noqa: BLE001 - every failure is reported at the end
-            failed.append(name)
-            print(f"FAILED {name} (rank {rank}):\n{traceback.format_exc()}", flush=True)
-        dist.barrier()
-
-    return run
+from sections import failed, section  # noqa: E402
 
 
 @section("get_signal_pad's dtypes and sizes, as PyTorch's test_get_signal_pad")

@@ -664,15 +664,16 @@ fn launch_bench(
 /// its own core: the hardware's floor) and unpinned (where the scheduler puts them, as a job
 /// runs unless it pins).
 ///
-/// With `hosts` > 1 the signal runs span played hosts (2 ranks: one per host), and the 2-rank
-/// ones also time NVSHMEM's put-with-signal and PyTorch's put_signal of 8 bytes across them.
+/// With `hosts` > 1 the signal runs span played hosts (2 ranks: one per host, on two of them;
+/// the barrier runs split their ranks over all of them), and the 2-rank ones also time NVSHMEM's put-with-signal and PyTorch's put_signal of 8 bytes across them.
 pub fn signal(options: &SignalBenchOptions, mut emit: impl FnMut(BenchResult)) -> Result<()> {
     let iters = options.iters.to_string();
     let hosts = options.hosts.max(1);
     let mut jobs: Vec<(usize, usize, Vec<&str>)> = vec![
         (2, 1, vec!["__bench-flag-rank", "--iters", &iters, "--pin"]),
         (2, 1, vec!["__bench-flag-rank", "--iters", &iters]),
-        (2, hosts, vec!["__bench-signal-rank", "--iters", &iters, "--pin"]),
+        // Two ranks span at most two hosts, one each.
+        (2, hosts.min(2), vec!["__bench-signal-rank", "--iters", &iters, "--pin"]),
     ];
     for &n in &options.ranks {
         jobs.push((n, hosts, vec!["__bench-signal-rank", "--iters", &iters]));

@@ -1164,6 +1164,61 @@ fn sixteen_played_hosts_match_one_host_bit_for_bit() {
     assert_digests(&got, &want, SHORT, "");
 }
 
+/// Ranks that disagree, across hosts enough that the leaders meet by dissemination and
+/// (rounds of 1, 2 and 4 hosts) some hear a host twice: every rank gets the error naming the
+/// first rank that differs from rank 0, then agreeing calls are exact.
+#[test]
+#[ignore = "a rank program; run by ranks_on_five_hosts_that_disagree_get_the_same_error"]
+fn rank_disagree_many() {
+    let Some(j) = Job::start() else { return };
+    let (me, ws, g) = (j.me, j.ws, &j.g);
+    // Ranks 2, 5, 8, ... pass something else; rank 2 is the first that differs.
+    let odd = me % 3 == 2;
+    let refused = |what: &str, r: symmem::Result<()>| match r {
+        Err(e @ symmem::Error::InvalidArgument(_)) => {
+            let e = e.to_string();
+            assert!(e.contains("disagree") && e.contains("rank 0 ") && e.contains("rank 2 "), "{what}: {e}");
+        }
+        other => panic!("{what}: expected every rank to be told the ranks disagree, got {other:?}"),
+    };
+    let x = sym(&[4096], DType::F32);
+    x.fill(1.0f32).unwrap();
+    // Entered through the checked barrier (two-shot, broadcast), or host-pushed (a tiny
+    // all-reduce and all-gather), each twice: a refusal leaves every rank in step.
+    for _ in 0..2 {
+        let op = if odd { ReduceOp::Max } else { ReduceOp::Sum };
+        refused("two_shot", ops::two_shot_all_reduce_(&x, op, g));
+        refused("broadcast", ops::broadcast_(&x, usize::from(odd), g));
+        refused("all_reduce", ops::all_reduce(&x.narrow(0, 0, if odd { 32 } else { 16 }).unwrap(), ReduceOp::Sum, g));
+        let part = x.narrow(0, if odd { 4 } else { 0 }, 4).unwrap();
+        let out = Tensor::zeros(&[4 * ws], DType::F32).unwrap();
+        refused("all_gather", ops::all_gather_into(&part, g, &out));
+    }
+    x.fill(me as f32).unwrap();
+    ops::two_shot_all_reduce_(&x, ReduceOp::Sum, g).unwrap();
+    let sum = (ws * (ws - 1) / 2) as f32;
+    assert!(x.to_vec::<f32>().unwrap().iter().all(|&v| v == sum), "two-shot after the refusals");
+    let y = x.narrow(0, 0, 16).unwrap();
+    y.fill(me as f32).unwrap();
+    ops::all_reduce(&y, ReduceOp::Max, g).unwrap();
+    assert!(y.to_vec::<f32>().unwrap().iter().all(|&v| v == (ws - 1) as f32), "all-reduce after the refusals");
+    g.barrier(T).unwrap();
+    println!("rank {me} ok");
+}
+
+#[test]
+fn ranks_on_five_hosts_that_disagree_get_the_same_error() {
+    for (hosts, per_host) in [(5, 1), (4, 2)] {
+        let outs = launch(Layout::LoopbackN(hosts), per_host, "rank_disagree_many", &[("SYMMEM_XHOST_BACKEND", "tcp")]);
+        let all: String = outs.iter().map(text).collect();
+        assert!(outs.iter().all(|o| o.status.success()), "{hosts} hosts of {per_host}:\n{all}");
+        for r in 0..hosts * per_host {
+            assert!(all.contains(&format!("rank {r} ok")), "rank {r} of {hosts} hosts did not finish:\n{all}");
+        }
+        assert!(!all.contains("timed out"), "{all}");
+    }
+}
+
 /// All-reduces (host-pushed and chained), all-to-alls large enough that every rank reads from
 /// the other host, all-to-all-vs host-pushed or written into the other ranks' outs, and the
 /// other operators listed below, until something fails; rank 0 writes the marker file once it

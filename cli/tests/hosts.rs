@@ -1164,9 +1164,10 @@ fn sixteen_played_hosts_match_one_host_bit_for_bit() {
     assert_digests(&got, &want, SHORT, "");
 }
 
-/// Ranks that disagree, across hosts enough that the leaders meet by dissemination and
-/// (rounds of 1, 2 and 4 hosts) some hear a host twice: every rank gets the error naming the
-/// first rank that differs from rank 0, then agreeing calls are exact.
+/// Ranks that disagree, across hosts enough that the leaders meet by dissemination and Bruck's
+/// rounds, and (rounds of 1, 2 and 4 hosts) some hear a host twice: every rank gets the error
+/// naming the first rank that differs from rank 0, whichever ways the ranks' calls take, then
+/// agreeing calls are exact.
 #[test]
 #[ignore = "a rank program; run by ranks_on_five_hosts_that_disagree_get_the_same_error"]
 fn rank_disagree_many() {
@@ -1181,7 +1182,25 @@ fn rank_disagree_many() {
         }
         other => panic!("{what}: expected every rank to be told the ranks disagree, got {other:?}"),
     };
-    let x = sym(&[4096], DType::F32);
+    let x = sym(&[1 << 16], DType::F32);
+    // Rendezvoused whole first: a view is then only checked, never exchanged.
+    symm::rendezvous(&x, g).unwrap();
+    x.fill(1.0f32).unwrap();
+    let all_reduce = |n: usize| ops::all_reduce(&x.narrow(0, 0, n).unwrap(), ReduceOp::Sum, g);
+    let all_gather = |n: usize| {
+        let out = Tensor::zeros(&[n * ws], DType::F32).unwrap();
+        ops::all_gather_into(&x.narrow(0, 0, n).unwrap(), g, &out)
+    };
+    // Host-pushed calls whose ranks take different ways: gathered by their leaders against a
+    // vote for a larger workspace, then (the workspace grown by an agreeing call) against
+    // ranks that send their own.
+    refused("all_reduce gathered / vote", all_reduce(if odd { 2048 } else { 16 }));
+    refused("all_gather gathered / vote", all_gather(if odd { 2048 } else { 4 }));
+    all_reduce(16384).unwrap();
+    all_gather(16384).unwrap();
+    refused("all_reduce gathered / own", all_reduce(if odd { 8192 } else { 16 }));
+    refused("all_gather gathered / own", all_gather(if odd { 8192 } else { 4 }));
+    refused("all_reduce own / gathered", all_reduce(if odd { 16 } else { 8192 }));
     x.fill(1.0f32).unwrap();
     // Entered through the checked barrier (two-shot, broadcast), or host-pushed (a tiny
     // all-reduce and all-gather), each twice: a refusal leaves every rank in step.

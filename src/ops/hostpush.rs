@@ -96,6 +96,9 @@ pub(crate) struct Workspace {
     /// The epoch of this rank's last own FROM word ([`send_own_sig`]) not known to have landed
     /// (a posted write's Work completes once sent): see [`land_own_raises`].
     pub(crate) raised: Option<u32>,
+    /// The call whose gathered messages this leader exchanged by Bruck's rounds ([`bruck`]),
+    /// if the last one did: a verdict other than 0 then takes [`judge_after_bruck`].
+    pub(crate) bruck: Option<u32>,
 }
 
 /// Bytes of epoch words at the start of the workspace.
@@ -201,11 +204,13 @@ pub(crate) fn exchange_and_judge(
             w.words.wait_for(from(r), e, r, &p, timeout)?;
         }
         // The same verdict on every leader (each has every signature), handed on with RELEASE.
-        let verdict = verdict_of(&hw, me, sigs);
-        word(&hw, me, sigs.verdict()).store(verdict, Ordering::Relaxed);
-        if verdict != 0 && !split {
+        let mut verdict = verdict_of(&hw, me, sigs);
+        if verdict != 0 && w.bruck == Some(e) {
+            verdict = judge_after_bruck(w, e, sigs, timeout)?;
+        } else if verdict != 0 && !split {
             raise_for_gathered(w, e, sigs, timeout)?;
         }
+        word(&hw, me, sigs.verdict()).store(verdict, Ordering::Relaxed);
         for &r in &locals[1..] {
             w.words.publish(r, release, e);
         }
@@ -347,7 +352,16 @@ fn make(
     let handle = symm::rendezvous(&t, group)?;
     handle.barrier(0, timeout)?;
     let words = Words::new(handle, 0);
-    Ok(Arc::new(Mutex::new(Workspace { _tensor: t, words, kind, cap, epoch: 0, sent: Vec::new(), raised: None })))
+    Ok(Arc::new(Mutex::new(Workspace {
+        _tensor: t,
+        words,
+        kind,
+        cap,
+        epoch: 0,
+        sent: Vec::new(),
+        raised: None,
+        bruck: None,
+    })))
 }
 
 /// A call of the workspace's protocol that carries only the signatures: what a rank whose call
@@ -448,6 +462,10 @@ pub(crate) fn send_gathered(
         };
     }
     gather_sigs(&hw, sigs);
+    if by_bruck(&hw, travels) {
+        return bruck(w, e, sigs, slot, stride, n, timeout);
+    }
+    w.bruck = None;
     for l in hw.leaders().filter(|&l| l != me) {
         // The host's data, their signatures and the FROM word leave together.
         hw.batch(l, || -> Result<()> {
@@ -461,6 +479,100 @@ pub(crate) fn send_gathered(
         })?;
     }
     Ok(())
+}
+
+/// From this many hosts on, leaders that gather their hosts' messages exchange them by Bruck's
+/// all-gather ([`bruck`]): ⌈log2 H⌉ rounds of one message each instead of one round of H − 1.
+pub(crate) const BRUCK_FROM: usize = 4;
+
+/// Whether this call's gathered messages (`travels`: see [`send_gathered`]) go by Bruck's
+/// rounds: every block to every leader, from [`BRUCK_FROM`] hosts on. Its leader then waits
+/// for no sender after them (the rounds did).
+pub(crate) fn by_bruck(hw: &SymmHandle, travels: Option<usize>) -> bool {
+    travels.is_none() && hw.hosts() >= BRUCK_FROM
+}
+
+/// On a leader, once its host's slots and signatures are in its own workspace: Bruck's
+/// all-gather of the hosts' blocks among the leaders (Bruck, Ho, Kipnis, Upfal and Weathersby,
+/// 1997), hosts numbered in leader order. In round k (`d` = 2^k < H) leader j sends the blocks
+/// it holds, those of hosts j .. j + min(d, H − d) − 1 (wrapping; its ranks' slots and
+/// signatures, as runs of consecutive ranks, then its FROM word) to leader j − d, and waits for
+/// the FROM word of leader j + d, whose blocks then landed in its own workspace: after the
+/// last round it holds every host's. Each round's sender is a different leader (its distance
+/// differs), so its FROM word tells the round.
+///
+/// Every block of call e that a leader forwards landed before the FROM word it waited for; a
+/// leader holding every block of call e+1 has heard, through the rounds, from every leader that
+/// began call e+1 (so finished reading call e's parity, which e+2 rewrites).
+///
+/// A leader whose ranks' call disagrees with this one's mode (one sending its own, a vote)
+/// raises its FROM word on every leader, not on the rounds' partners: the rounds still end, and
+/// whatever it sent, its own signature is fresh and differs from this call's, and travels on
+/// in the blocks (a block it did not forward keeps an older call's bytes, which the verdict
+/// then ignores: [`judge_after_bruck`]).
+#[allow(clippy::too_many_arguments, reason = "send_gathered's call")]
+fn bruck(
+    w: &mut Workspace,
+    e: u32,
+    sigs: &Sigs,
+    slot: impl Fn(usize) -> usize,
+    stride: usize,
+    n: usize,
+    timeout: Duration,
+) -> Result<()> {
+    let hw = w.words.h.clone();
+    let (me, world) = (hw.rank(), hw.world_size());
+    let leaders: Vec<usize> = hw.leaders().collect();
+    let hosts = leaders.len();
+    let j = hw.host_of(me);
+    let p = hw.patience(timeout);
+    w.bruck = Some(e);
+    for round in 0..crate::symm::hostsync::rounds(hosts) {
+        let d = 1 << round;
+        let (to, from) = (leaders[(j + hosts - d) % hosts], leaders[(j + d) % hosts]);
+        let mut ranks: Vec<usize> =
+            (0..d.min(hosts - d)).flat_map(|i| hw.ranks_on((j + i) % hosts).iter().copied()).collect();
+        ranks.sort_unstable();
+        hw.batch(to, || -> Result<()> {
+            for (a, b) in runs(&ranks) {
+                let (first, len) = (ranks[a], (b - a - 1) * stride + n);
+                for work in send_before_signal(&hw, to, slot(first), slot(first), len, timeout)? {
+                    w.sent.push((to, e, work));
+                }
+            }
+            for (a, b) in runs(&ranks) {
+                let at = sigs.slot(ranks[a]);
+                w.sent.push((to, e, hw.start_push(to, at, (b - a) * 16, at, timeout)?));
+            }
+            w.sent.push((to, e, w.words.start_remote(to, world + 1 + me, e, timeout)?));
+            Ok(())
+        })?;
+        w.words.wait_for(world + 1 + from, e, from, &p, timeout)?;
+    }
+    Ok(())
+}
+
+/// On a leader whose Bruck exchange of call `e` ([`bruck`]) found the signatures disagree: the
+/// one-round protocol's ending, so that every leader reaches the same verdict from every
+/// rank's signature of this call, and no leader of another mode waits in vain. It sends its
+/// host's signatures and its FROM word to every other leader (a leader whose ranks send their
+/// own waits for every rank's word), raises those of its ranks that left their messages to it
+/// ([`raise_for_gathered`]), and waits for the FROM word of every rank on another host (each
+/// raised after its signature, by itself or by its leader, every leader of this mode doing the
+/// same); returns the verdict from those signatures.
+pub(crate) fn judge_after_bruck(w: &mut Workspace, e: u32, sigs: &Sigs, timeout: Duration) -> Result<u64> {
+    let hw = w.words.h.clone();
+    let (me, world) = (hw.rank(), hw.world_size());
+    let p = hw.patience(timeout);
+    gather_sigs(&hw, sigs);
+    for l in hw.leaders().filter(|&l| l != me) {
+        hw.batch(l, || send_host_sigs(w, l, e, sigs, timeout))?;
+    }
+    raise_for_gathered(w, e, sigs, timeout)?;
+    for r in (0..world).filter(|&r| !hw.is_local(r)) {
+        w.words.wait_for(world + 1 + r, e, r, &p, timeout)?;
+    }
+    Ok(verdict_of(&hw, me, sigs))
 }
 
 /// On a leader, inside a batch to leader `l` of another host: its host's signatures (gathered

@@ -255,7 +255,7 @@ impl Agreement {
 }
 
 /// Rounds of a dissemination among `hosts` leaders: ⌈log2 hosts⌉.
-fn rounds(hosts: usize) -> usize {
+pub(crate) fn rounds(hosts: usize) -> usize {
     hosts.max(1).next_power_of_two().trailing_zeros() as usize
 }
 

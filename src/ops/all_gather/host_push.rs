@@ -281,8 +281,12 @@ pub(crate) fn exchange_inputs(
         return Err(e);
     }
     meanwhile();
-    let senders: Vec<usize> =
-        if gathered { other_leaders.clone() } else { (0..world).filter(|&r| !hw.is_local(r)).collect() };
+    // Gathered by Bruck's rounds, the rounds wait for their senders.
+    let senders: Vec<usize> = match (gathered, by_bruck(&hw, root)) {
+        (true, true) => Vec::new(),
+        (true, false) => other_leaders.clone(),
+        (false, _) => (0..world).filter(|&r| !hw.is_local(r)).collect(),
+    };
     let gather = |w: &mut Workspace| -> Result<()> {
         if gathered { send_gathered(w, e, &sigs, slot, stride, n, root, timeout) } else { Ok(()) }
     };

@@ -142,16 +142,22 @@ pub(crate) fn all_reduce(
         if split {
             raise_for_gathered(w, e, &sigs, timeout)?;
         }
-        let senders = (0..world).filter(|&r| if gathered { other_leaders.contains(&r) } else { !hw.is_local(r) });
+        // Gathered by Bruck's rounds, the rounds waited for their senders.
+        let bruck = gathered && w.bruck == Some(e);
+        let senders =
+            (0..world).filter(|&r| if gathered { !bruck && other_leaders.contains(&r) } else { !hw.is_local(r) });
         for r in senders {
             w.words.wait_for(from(r), e, r, &p, timeout)?;
         }
         // Every leader holds every rank's signature and reaches the same verdict; its host learns
         // it with RELEASE.
-        let verdict = verdict_of(&hw, me, &sigs);
+        let mut verdict = verdict_of(&hw, me, &sigs);
+        if verdict != 0 && bruck {
+            verdict = judge_after_bruck(w, e, &sigs, timeout)?;
+        }
         word(&hw, me, sigs.verdict()).store(verdict, Ordering::Relaxed);
         if verdict != 0 {
-            if !split {
+            if !split && !bruck {
                 raise_for_gathered(w, e, &sigs, timeout)?;
             }
             for &r in &locals[1..] {

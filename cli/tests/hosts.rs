@@ -428,11 +428,14 @@ fn one_sided(j: &Job) {
 /// Every all-reduce algorithm, digested, at sizes that take each of them.
 fn all_reduces(j: &Job) {
     let (me, g) = (j.me, &j.g);
-    // Across hosts the sizes take every algorithm: host push (up to 40 000 f32), then the
-    // chain (f32 and i32; bf16 max) or two-shot (bf16 sums) above 512 KiB (256 KiB over ucx).
+    // Across hosts the sizes take every algorithm: host push (up to 40 000 f32, gathered, each
+    // rank's own, or from four hosts scattered), then the chain (f32 and i32; bf16 max) or
+    // two-shot (bf16 sums) above 512 KiB (256 KiB over ucx); from four hosts over tcp scattered
+    // host push takes all of these.
     for (dtype, n) in [
         (DType::F32, 5),
         (DType::F32, 3000),
+        (DType::F32, 10_000),
         (DType::F32, 40_000),
         (DType::F32, 200_003),
         (DType::BF16, 1000),
@@ -449,7 +452,9 @@ fn all_reduces(j: &Job) {
                 // its partials are exact.
                 let h = symm::rendezvous(&x, g).unwrap();
                 let exact = dtype != DType::BF16 || op == ReduceOp::Max;
+                let scattered = h.hosts() >= 4 && h.link_backend() != Some("ucx");
                 let want = match (h.all_local(), exact) {
+                    (false, _) if scattered => Algo::HostPush,
                     (true, _) | (false, false) => Algo::TwoShot,
                     (false, true) => Algo::Chain,
                 };
@@ -1196,7 +1201,14 @@ fn rank_disagree_many() {
     // ranks that send their own.
     refused("all_reduce gathered / vote", all_reduce(if odd { 2048 } else { 16 }));
     refused("all_gather gathered / vote", all_gather(if odd { 2048 } else { 4 }));
-    all_reduce(16384).unwrap();
+    // Agreeing calls in between, scattered (through the workspace, and straight from the
+    // tensors) and gathered: exact.
+    for n in [10_000, 16384, 3000] {
+        x.fill(1.0f32).unwrap();
+        all_reduce(n).unwrap();
+        let got = x.narrow(0, 0, n).unwrap().to_vec::<f32>().unwrap();
+        assert!(got.iter().all(|&v| v == ws as f32), "all_reduce of {n} after a refusal");
+    }
     all_gather(16384).unwrap();
     refused("all_reduce gathered / own", all_reduce(if odd { 8192 } else { 16 }));
     refused("all_gather gathered / own", all_gather(if odd { 8192 } else { 4 }));

@@ -101,9 +101,11 @@ pub(crate) struct Workspace {
     pub(crate) bruck: Option<u32>,
 }
 
-/// Bytes of epoch words at the start of the workspace.
+/// Bytes of epoch words at the start of the workspace: ARRIVE[r] = r, RELEASE = ws,
+/// FROM[r] = ws + 1 + r, and a leader's second FROM word (the scattered all-reduce's reduced
+/// slice, `all_reduce/host_push.rs`) at 2·ws + 1 + r.
 pub(crate) fn words_bytes(ws: usize) -> usize {
-    (4 * (2 * ws + 1)).div_ceil(128) * 128
+    (4 * (3 * ws + 1)).div_ceil(128) * 128
 }
 
 /// Bytes, after the words, of what every rank passed to the call of each parity (two words,
@@ -761,6 +763,23 @@ pub(crate) const DIRECT_MIN: usize = 64 << 10;
 /// per rank, all-to-all over ucx 1.55x at 128 KiB per rank, 32 KiB blocks; from 128 KiB taken,
 /// 0.71-0.92x, all-gather, reduce-scatter and all-to-all, over tcp and ucx).
 pub(crate) const SHARED_DIRECT_MIN: usize = 128 << 10;
+
+/// The largest block of a host's inputs the scattered all-reduce (from
+/// [`crate::ops::all_reduce::host_push::SCATTER_FROM`] hosts) takes over links of `backend`
+/// among `hosts` hosts: 4 MiB over tcp (ucx keeps [`host_block_max`], not measured beyond two
+/// hosts), and at most 32 MiB / hosts, so that the workspace (two slots of a rank's input per
+/// rank of the group, 2·hosts·block bytes) stays within 64 MiB.
+pub(crate) fn scattered_block_max(backend: Option<&str>, ranks_per_host: usize, hosts: usize) -> usize {
+    let block = match backend {
+        Some("ucx") => host_block_max(backend, ranks_per_host),
+        _ => SCATTERED_BLOCK_MAX,
+    };
+    block.min(SCATTERED_WORKSPACE_MAX / 2 / hosts.max(1))
+}
+
+/// See [`scattered_block_max`].
+const SCATTERED_BLOCK_MAX: usize = 4 << 20;
+const SCATTERED_WORKSPACE_MAX: usize = 64 << 20;
 
 /// Whether a message of `bytes` with at most `ranks_per_host` ranks on a host, over links of
 /// `backend`, takes this path.

@@ -34,6 +34,25 @@ pub(crate) fn meet(tensor: &Tensor, op: ReduceOp, group: &Group, h: &SymmHandle,
     )
 }
 
+/// From this many hosts on, an all-reduce above [`GATHERED_MAX`] is scattered: each rank sends
+/// each other host's leader only the slice of its input that host reduces (host k's slice, of
+/// about n / H bytes), each leader reduces its host's slice over every rank's input in rank
+/// order (the one-host kernel and order, so bitwise the same) and writes it to every other
+/// leader, then releases its host once every slice arrived. A leader then receives about
+/// 2·n·(H − 1)/H bytes per rank of its host rather than n·(H − 1): host push's reduce-scatter
+/// and all-gather.
+pub(crate) const SCATTER_FROM: usize = 4;
+
+/// The byte range `(offset, length)` of `tensor` that host `host` of `hosts` reduces when
+/// scattered: whole elements, the first hosts taking one more when they do not divide evenly.
+fn slice_of(tensor: &Tensor, hosts: usize, host: usize) -> (usize, usize) {
+    let (numel, size) = (tensor.numel(), tensor.dtype().size());
+    let (per, extra) = (numel / hosts, numel % hosts);
+    let start = host * per + host.min(extra);
+    let len = per + usize::from(host < extra);
+    (start * size, len * size)
+}
+
 /// In-place all-reduce of a small message on a group that spans hosts (see the module docs);
 /// `h` is the tensor's handle. From [`DIRECT_MIN`] bytes, a rank's input leaves straight from
 /// its tensor (those writes are waited for before the tensor is written, and before the call
@@ -50,6 +69,7 @@ pub(crate) fn all_reduce(
     let n = tensor.nbytes();
     let gathered = n <= GATHERED_MAX;
     let direct = !gathered && n >= DIRECT_MIN;
+    let scattered = !gathered && h.hosts() >= SCATTER_FROM;
     let stride = n.next_multiple_of(16);
     let (me, world) = (group.rank(), group.world_size());
     let sig = crate::ops::check::counts(tensor, Some(op));
@@ -71,6 +91,8 @@ pub(crate) fn all_reduce(
     let locals = hw.local_ranks();
     let leader = locals[0];
     let other_leaders: Vec<usize> = hw.leaders().filter(|&l| l != leader).collect();
+    let slice = |host: usize| slice_of(tensor, hw.hosts(), host);
+    let from2 = |r: usize| 2 * world + 1 + r;
 
     // The sends of call e-2 read this call's buffers: they must have landed; those of call e-1
     // may still be in flight.
@@ -92,14 +114,18 @@ pub(crate) fn all_reduce(
         if !gathered {
             for &l in &other_leaders {
                 // The data, its signature and the FROM word leave together.
+                // All of the input, or scattered, the slice that host reduces.
+                let (off, len) = if scattered { slice(hw.host_of(l)) } else { (0, n) };
                 hw.batch(l, || -> Result<()> {
-                    if direct {
+                    if len == 0 {
+                        // Nothing for that host: the signature and FROM word alone.
+                    } else if direct {
                         let push = |at: usize, len: usize| {
-                            hw.start_push_from(h, l, h.offset() + at, len, inbox(me) + at, timeout)
+                            hw.start_push_from(h, l, h.offset() + off + at, len, inbox(me) + off + at, timeout)
                         };
-                        send_from_tensor(&hw, l, n, push, &mut from_tensor)?;
+                        send_from_tensor(&hw, l, len, push, &mut from_tensor)?;
                     } else {
-                        for work in send_before_signal(&hw, l, inbox(me), inbox(me), n, timeout)? {
+                        for work in send_before_signal(&hw, l, inbox(me) + off, inbox(me) + off, len, timeout)? {
                             w.sent.push((l, e, work));
                         }
                     }
@@ -173,6 +199,40 @@ pub(crate) fn all_reduce(
             (true, false) => hw.read_ptr(r) + inbox(r),
             (false, _) => hw.read_ptr(me) + inbox(r),
         };
+        if scattered {
+            // This host's slice, reduced in rank order, to every other leader; theirs here.
+            let (off, len) = slice(hw.host_of(me));
+            let srcs: Vec<*const u8> = (0..world).map(|r| (input(r) + off) as *const u8).collect();
+            // SAFETY: as below, for the slice [off, off + len) of every input (remote ones
+            // were sent that slice, at its offset in their slot) and of result p.
+            unsafe {
+                reduce::reduce(tensor.dtype(), op, &srcs, &[own(result + off)], len / tensor.dtype().size(), world)?
+            };
+            for &l in &other_leaders {
+                hw.batch(l, || -> Result<()> {
+                    for work in send_before_signal(&hw, l, result + off, result + off, len, timeout)? {
+                        w.sent.push((l, e, work));
+                    }
+                    w.sent.push((l, e, w.words.start_remote(l, from2(me), e, timeout)?));
+                    Ok(())
+                })?;
+            }
+            // Each other leader's slice landed in result p before its word. It writes result p
+            // of call e+2 only after every rank of this host raised its FROM word of e+2, so
+            // after each copied result p of call e.
+            for &l in &other_leaders {
+                w.words.wait_for(from2(l), e, l, &p, timeout)?;
+            }
+            for &r in &locals[1..] {
+                w.words.publish(r, release, e);
+            }
+            written(&mut from_tensor)?;
+            // SAFETY: result p holds the whole result of call e (above) and n <= cap bytes;
+            // the tensor's writes to other hosts have landed.
+            unsafe { std::ptr::copy_nonoverlapping(own(result).cast_const(), tensor.data_ptr(), n) };
+            w.epoch = e;
+            return Ok(());
+        }
         let srcs: Vec<*const u8> = (0..world).map(|r| input(r) as *const u8).collect();
         if direct && locals.len() == 1 {
             written(&mut from_tensor)?;

@@ -15,7 +15,7 @@
 //! ```
 
 mod chain;
-mod host_push;
+pub(crate) mod host_push;
 mod small;
 
 use crate::error::Result;
@@ -71,9 +71,23 @@ impl Algo {
 /// host push against two-shot, 2 runs: 64 KiB 2,336-2,547 vs 4,569-4,660 us, 256 KiB
 /// 8,176-8,640 vs 6,446-6,592, 1 MiB 28,119-29,930 vs 13,197-13,332; 4 on 4: 512 KiB 3,151
 /// vs 3,823, 1 MiB 10,377 vs 5,027).
+///
+/// From four hosts ([`host_push::SCATTER_FROM`]) host push scatters: a leader receives a slice
+/// of each input and the reduced slices (about twice a host's inputs in all), so the limit is
+/// [`hostpush::scattered_block_max`] instead (4 MiB of a host's inputs over tcp, and at most
+/// 32 MiB / hosts, which bounds the workspace). Over tcp, `symmem bench all-reduce`, 2 runs,
+/// scattered host push against what the one-round limit picked: 8 ranks on 8 played hosts,
+/// 256 KiB 3,461-3,791 vs 11,155-13,194 us (two-shot), 1 MiB 9,175-10,325 vs 17,688-18,588,
+/// 4 MiB 30,447-31,233 vs 40,766-45,872; 16 on 8, 1 MiB 18,127-18,527 vs 26,122-29,701
+/// (chain), 2 MiB 29,631-29,979 vs 41,445-48,953; 4 on 4, 512 KiB 1,400-1,882 vs 3,667-3,704
+/// (two-shot).
 pub fn select(bytes: usize, crowded: bool, ranks_per_host: usize, hosts: usize, link: Option<&str>) -> Algo {
     if hosts > 1 {
-        let max = hostpush::host_block_max(link, ranks_per_host) / (hosts - 1);
+        let max = if hosts >= host_push::SCATTER_FROM {
+            hostpush::scattered_block_max(link, ranks_per_host, hosts)
+        } else {
+            hostpush::host_block_max(link, ranks_per_host) / (hosts - 1)
+        };
         return if hostpush::fits_host(bytes, ranks_per_host, max) { Algo::HostPush } else { Algo::TwoShot };
     }
     let max = if crowded { ONE_SHOT_MAX } else { 1024 };
@@ -355,6 +369,25 @@ pub fn all_reduce(tensor: &Tensor, op: ReduceOp, group: &Group) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn from_four_hosts_host_push_scatters_up_to_its_own_limit() {
+        let tcp = Some("tcp");
+        // Three hosts: a leader takes every host's whole inputs, 1 MiB / 2 of them.
+        assert_eq!(select(512 << 10, false, 1, 3, tcp), Algo::HostPush);
+        assert_eq!(select((512 << 10) + 16, false, 1, 3, tcp), Algo::TwoShot);
+        // Eight: scattered, 4 MiB of a host's inputs.
+        assert_eq!(select(4 << 20, false, 1, 8, tcp), Algo::HostPush);
+        assert_eq!(select((4 << 20) + 16, false, 1, 8, tcp), Algo::TwoShot);
+        assert_eq!(select(2 << 20, false, 2, 8, tcp), Algo::HostPush);
+        assert_eq!(select((2 << 20) + 16, false, 2, 8, tcp), Algo::TwoShot);
+        // Sixty-four: the workspace's bound, 32 MiB / 64 = 512 KiB of a host's inputs.
+        assert_eq!(select(512 << 10, false, 1, 64, tcp), Algo::HostPush);
+        assert_eq!(select((512 << 10) + 16, false, 1, 64, tcp), Algo::TwoShot);
+        // Over ucx, its own host limit, not measured scattered.
+        assert_eq!(select(256 << 10, false, 2, 8, Some("ucx")), Algo::HostPush);
+        assert_eq!(select((256 << 10) + 16, false, 2, 8, Some("ucx")), Algo::TwoShot);
+    }
 
     #[test]
     fn host_push_takes_a_hosts_inputs_up_to_a_limit_of_its_links() {

@@ -410,11 +410,12 @@ mod tests {
             assert_eq!(select(1 << 20, false, 1, 2, link), Algo::HostPush, "1 MiB over {link:?}");
             assert_eq!(select((1 << 20) + 16, false, 1, 2, link), Algo::TwoShot, "1 MiB + 16 over {link:?}");
         }
-        // More hosts: a leader receives a host's inputs from each other host, within the same
-        // total.
-        // (1 MiB / 3 = 349,525 bytes a host: 349,520 a rank; / 7 = 149,796; / 3 / 2 = 174,762;
-        // / 15 / 8 = 8,738; each rounded down to 16 bytes.)
-        for (hosts, rph, fits) in [(4, 1, 349_520), (8, 1, 149_792), (4, 2, 174_752), (16, 8, 8_736)] {
+        // Three hosts: a leader receives a host's inputs from each other host, within the same
+        // total (1 MiB / 2 a host). From four, scattered: 4 MiB of a host's inputs, at most 32
+        // MiB / hosts (16 hosts of 8: 2 MiB, 262,144 bytes a rank).
+        for (hosts, rph, fits) in
+            [(3, 1, 524_288), (3, 2, 262_144), (4, 1, 4 << 20), (8, 1, 4 << 20), (4, 2, 2 << 20), (16, 8, 262_144)]
+        {
             let at = |b: usize| select(b, false, rph, hosts, Some("tcp"));
             assert_eq!(at(fits), Algo::HostPush, "{fits} bytes, {rph} x {hosts}");
             assert_eq!(at(fits + 16), Algo::TwoShot, "{fits} + 16 bytes, {rph} x {hosts}");

@@ -1180,13 +1180,15 @@ fn rank_disagree_many() {
     let (me, ws, g) = (j.me, j.ws, &j.g);
     // Ranks 2, 5, 8, ... pass something else; rank 2 is the first that differs.
     let odd = me % 3 == 2;
-    let refused = |what: &str, r: symmem::Result<()>| match r {
+    let refused_naming = |what: &str, r: symmem::Result<()>, first: usize| match r {
         Err(e @ symmem::Error::InvalidArgument(_)) => {
             let e = e.to_string();
-            assert!(e.contains("disagree") && e.contains("rank 0 ") && e.contains("rank 2 "), "{what}: {e}");
+            let named = format!("rank {first} ");
+            assert!(e.contains("disagree") && e.contains("rank 0 ") && e.contains(&named), "{what}: {e}");
         }
         other => panic!("{what}: expected every rank to be told the ranks disagree, got {other:?}"),
     };
+    let refused = |what: &str, r: symmem::Result<()>| refused_naming(what, r, 2);
     let x = sym(&[1 << 16], DType::F32);
     // Rendezvoused whole first: a view is then only checked, never exchanged.
     symm::rendezvous(&x, g).unwrap();
@@ -1213,6 +1215,13 @@ fn rank_disagree_many() {
     refused("all_reduce gathered / own", all_reduce(if odd { 8192 } else { 16 }));
     refused("all_gather gathered / own", all_gather(if odd { 8192 } else { 4 }));
     refused("all_reduce own / gathered", all_reduce(if odd { 16 } else { 8192 }));
+    // Rank 0's host alone sending its own: every rank names host 1's first rank, whatever
+    // older signatures Bruck's rounds still held for rank 0's host.
+    let host0 = j.host_of(me) == 0;
+    let second = ws / j.hosts;
+    refused_naming("all_reduce own on host 0", all_reduce(if host0 { 8192 } else { 16 }), second);
+    refused_naming("all_gather own on host 0", all_gather(if host0 { 8192 } else { 4 }), second);
+    refused_naming("all_reduce gathered on host 0", all_reduce(if host0 { 16 } else { 8192 }), second);
     x.fill(1.0f32).unwrap();
     // Entered through the checked barrier (two-shot, broadcast), or host-pushed (a tiny
     // all-reduce and all-gather), each twice: a refusal leaves every rank in step.

@@ -99,6 +99,9 @@ pub(crate) struct Workspace {
     /// The call whose gathered messages this leader exchanged by Bruck's rounds ([`bruck`]),
     /// if the last one did: a verdict other than 0 then takes [`judge_after_bruck`].
     pub(crate) bruck: Option<u32>,
+    /// Whether that call's rounds all ended (else a partner took another way: the ranks
+    /// disagree, and this leader's blocks are not all of the call).
+    pub(crate) bruck_ended: bool,
 }
 
 /// Bytes of epoch words at the start of the workspace: ARRIVE[r] = r, RELEASE = ws,
@@ -206,7 +209,7 @@ pub(crate) fn exchange_and_judge(
             w.words.wait_for(from(r), e, r, &p, timeout)?;
         }
         // The same verdict on every leader (each has every signature), handed on with RELEASE.
-        let mut verdict = verdict_of(&hw, me, sigs);
+        let mut verdict = if w.bruck == Some(e) && !w.bruck_ended { u64::MAX } else { verdict_of(&hw, me, sigs) };
         if verdict != 0 && w.bruck == Some(e) {
             verdict = judge_after_bruck(w, e, sigs, timeout)?;
         } else if verdict != 0 && !split {
@@ -363,6 +366,7 @@ fn make(
         sent: Vec::new(),
         raised: None,
         bruck: None,
+        bruck_ended: false,
     })))
 }
 
@@ -465,7 +469,9 @@ pub(crate) fn send_gathered(
     }
     gather_sigs(&hw, sigs);
     if by_bruck(&hw, travels) {
-        return bruck(w, e, sigs, slot, stride, n, timeout);
+        w.bruck = Some(e);
+        w.bruck_ended = bruck(w, e, sigs, slot, stride, n, timeout)?;
+        return Ok(());
     }
     w.bruck = None;
     for l in hw.leaders().filter(|&l| l != me) {
@@ -498,20 +504,24 @@ pub(crate) fn by_bruck(hw: &SymmHandle, travels: Option<usize>) -> bool {
 /// all-gather of the hosts' blocks among the leaders (Bruck, Ho, Kipnis, Upfal and Weathersby,
 /// 1997), hosts numbered in leader order. In round k (`d` = 2^k < H) leader j sends the blocks
 /// it holds, those of hosts j .. j + min(d, H − d) − 1 (wrapping; its ranks' slots and
-/// signatures, as runs of consecutive ranks, then its FROM word) to leader j − d, and waits for
-/// the FROM word of leader j + d, whose blocks then landed in its own workspace: after the
-/// last round it holds every host's. Each round's sender is a different leader (its distance
-/// differs), so its FROM word tells the round.
+/// signatures, as runs of consecutive ranks, then its second FROM word, [`from2`]) to leader
+/// j − d, and waits for the second FROM word of leader j + d, whose blocks then landed in its
+/// own workspace: after the last round it holds every host's. Each round's sender is a
+/// different leader (its distance differs), so its word tells the round. Only Bruck's rounds
+/// raise a leader's second word in a gathered call (the scattered all-reduce's, the other use,
+/// only once its ranks agreed on a call of another size).
 ///
-/// Every block of call e that a leader forwards landed before the FROM word it waited for; a
+/// Every block of call e that a leader forwards landed before the word it waited for; a
 /// leader holding every block of call e+1 has heard, through the rounds, from every leader that
-/// began call e+1 (so finished reading call e's parity, which e+2 rewrites).
+/// began call e+1 (so finished reading call e's parity, which e+2 rewrites). So by induction
+/// every block a leader forwards is of call e, from a leader in these rounds.
 ///
-/// A leader whose ranks' call disagrees with this one's mode (one sending its own, a vote)
-/// raises its FROM word on every leader, not on the rounds' partners: the rounds still end, and
-/// whatever it sent, its own signature is fresh and differs from this call's, and travels on
-/// in the blocks (a block it did not forward keeps an older call's bytes, which the verdict
-/// then ignores: [`judge_after_bruck`]).
+/// A leader whose ranks' call takes another way (a rank sending its own, a vote) raises its
+/// (first) FROM word on every leader, and so does a leader of these rounds that found the ranks
+/// disagree ([`judge_after_bruck`]): a leader that finds its round's partner's first word at
+/// the call instead of its second stops the rounds (the ranks disagree, and that partner
+/// forwards nothing) and returns `false`, for judging; every leader waiting on it stops too,
+/// once it raised its own. Otherwise true.
 #[allow(clippy::too_many_arguments, reason = "send_gathered's call")]
 fn bruck(
     w: &mut Workspace,
@@ -521,14 +531,13 @@ fn bruck(
     stride: usize,
     n: usize,
     timeout: Duration,
-) -> Result<()> {
+) -> Result<bool> {
     let hw = w.words.h.clone();
     let (me, world) = (hw.rank(), hw.world_size());
     let leaders: Vec<usize> = hw.leaders().collect();
     let hosts = leaders.len();
     let j = hw.host_of(me);
     let p = hw.patience(timeout);
-    w.bruck = Some(e);
     for round in 0..crate::symm::hostsync::rounds(hosts) {
         let d = 1 << round;
         let (to, from) = (leaders[(j + hosts - d) % hosts], leaders[(j + d) % hosts]);
@@ -543,20 +552,33 @@ fn bruck(
                 }
             }
             for (a, b) in runs(&ranks) {
+                // In pieces the link keeps in order with the word that follows.
                 let at = sigs.slot(ranks[a]);
-                w.sent.push((to, e, hw.start_push(to, at, (b - a) * 16, at, timeout)?));
+                for work in send_before_signal(&hw, to, at, at, (b - a) * 16, timeout)? {
+                    w.sent.push((to, e, work));
+                }
             }
-            w.sent.push((to, e, w.words.start_remote(to, world + 1 + me, e, timeout)?));
+            w.sent.push((to, e, w.words.start_remote(to, from2(world, me), e, timeout)?));
             Ok(())
         })?;
-        w.words.wait_for(world + 1 + from, e, from, &p, timeout)?;
+        if !w.words.wait_for_either(from2(world, from), world + 1 + from, e, from, &p, timeout)? {
+            return Ok(false);
+        }
     }
-    Ok(())
+    Ok(true)
 }
 
-/// On a leader whose Bruck exchange of call `e` ([`bruck`]) found the signatures disagree: the
-/// one-round protocol's ending, so that every leader reaches the same verdict from every
-/// rank's signature of this call, and no leader of another mode waits in vain. It sends its
+/// The index of rank `r`'s second FROM word in a workspace of `world` ranks (see
+/// [`words_bytes`]).
+pub(crate) fn from2(world: usize, r: usize) -> usize {
+    2 * world + 1 + r
+}
+
+/// On a leader whose Bruck exchange of call `e` ([`bruck`]) found the signatures disagree, or
+/// a partner that took another way: the one-round protocol's ending, so that every leader
+/// reaches the same verdict from every rank's signature of this call (each landed before the
+/// word waited for here, and whatever Bruck forwarded is of this call too), and no leader of
+/// another mode waits in vain. It sends its
 /// host's signatures and its FROM word to every other leader (a leader whose ranks send their
 /// own waits for every rank's word), raises those of its ranks that left their messages to it
 /// ([`raise_for_gathered`]), and waits for the FROM word of every rank on another host (each
@@ -767,8 +789,9 @@ pub(crate) const SHARED_DIRECT_MIN: usize = 128 << 10;
 /// The largest block of a host's inputs the scattered all-reduce (from
 /// [`crate::ops::all_reduce::host_push::SCATTER_FROM`] hosts) takes over links of `backend`
 /// among `hosts` hosts: 4 MiB over tcp (ucx keeps [`host_block_max`], not measured beyond two
-/// hosts), and at most 32 MiB / hosts, so that the workspace (two slots of a rank's input per
-/// rank of the group, 2·hosts·block bytes) stays within 64 MiB.
+/// hosts), and at most 32 MiB / hosts, so that the workspace (two slots per rank of the group,
+/// each a rank's input rounded up to a power of two: at most 4·hosts·block bytes, and two
+/// results) stays within about 128 MiB.
 pub(crate) fn scattered_block_max(backend: Option<&str>, ranks_per_host: usize, hosts: usize) -> usize {
     let block = match backend {
         Some("ucx") => host_block_max(backend, ranks_per_host),

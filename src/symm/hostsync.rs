@@ -93,6 +93,21 @@ impl Words {
         self.wait_on(self.h.rank(), i, e, from, p, timeout)
     }
 
+    /// Waits until this rank's word `i` or its word `j` reaches `e`, whichever first (`from`
+    /// moves both); true for `i`. It sleeps on `i`: a move of `j` alone is seen at the end of
+    /// a nap (callers use `j` for what only rank disagreement raises).
+    pub(crate) fn wait_for_either(
+        &self,
+        i: usize,
+        j: usize,
+        e: u32,
+        from: usize,
+        p: &Patience,
+        timeout: Duration,
+    ) -> Result<bool> {
+        self.wait_any(self.h.rank(), i, Some(j), e, from, p, timeout)
+    }
+
     /// Waits until word `i` of `owner` (this rank or one on its host) reaches `e`; `from`
     /// names who should move it, as for [`Words::wait_for`].
     pub(crate) fn wait_on(
@@ -104,7 +119,23 @@ impl Words {
         p: &Patience,
         timeout: Duration,
     ) -> Result<()> {
+        self.wait_any(owner, i, None, e, from, p, timeout).map(|_| ())
+    }
+
+    /// Waits until word `i` of `owner`, or its word `or` if any, reaches `e`; true for `i`.
+    #[allow(clippy::too_many_arguments, reason = "wait_on's and wait_for_either's call")]
+    fn wait_any(
+        &self,
+        owner: usize,
+        i: usize,
+        or: Option<usize>,
+        e: u32,
+        from: usize,
+        p: &Patience,
+        timeout: Duration,
+    ) -> Result<bool> {
         let w = self.word(owner, i);
+        let other = or.map(|j| self.word(owner, j));
         let lost = || match self.h.remote(from) {
             Some(r) => match r.link.lost() {
                 Some(why) => Err(Error::transfer(
@@ -121,7 +152,8 @@ impl Words {
             None => Ok(()),
         };
         // Acquire: pairs with the Release store of `publish` or of the remote atomic.
-        let seen = || reached(w.load(Ordering::Acquire), e);
+        let first = || reached(w.load(Ordering::Acquire), e);
+        let seen = || first() || other.is_some_and(|o| reached(o.load(Ordering::Acquire), e));
         let link = self.h.remote(from).map(|r| &r.link.transport);
         // A word a rank on another host moves: what it sent may have arrived, and this thread
         // applies it itself rather than wait for the link's thread to wake.
@@ -135,7 +167,7 @@ impl Words {
         // The owner's count: whoever moves the word wakes by it (`publish`).
         let sleepers = self.h.sleepers(owner);
         match wait_until(w, done, p, lost, |seen, nap| crate::sync::sleep_on(w, seen, nap, sleepers)) {
-            Ok(()) => Ok(()),
+            Ok(()) => Ok(first()),
             Err(Stop::Failed(err)) => Err(err),
             Err(Stop::TimedOut) => Err(Error::timeout(
                 format!(

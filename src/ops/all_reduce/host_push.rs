@@ -92,7 +92,7 @@ pub(crate) fn all_reduce(
     let leader = locals[0];
     let other_leaders: Vec<usize> = hw.leaders().filter(|&l| l != leader).collect();
     let slice = |host: usize| slice_of(tensor, hw.hosts(), host);
-    let from2 = |r: usize| 2 * world + 1 + r;
+    let second = |r: usize| from2(world, r);
 
     // The sends of call e-2 read this call's buffers: they must have landed; those of call e-1
     // may still be in flight.
@@ -177,7 +177,8 @@ pub(crate) fn all_reduce(
         }
         // Every leader holds every rank's signature and reaches the same verdict; its host learns
         // it with RELEASE.
-        let mut verdict = verdict_of(&hw, me, &sigs);
+        // Rounds that a partner left mean the ranks disagree: judged from every signature.
+        let mut verdict = if bruck && !w.bruck_ended { u64::MAX } else { verdict_of(&hw, me, &sigs) };
         if verdict != 0 && bruck {
             verdict = judge_after_bruck(w, e, &sigs, timeout)?;
         }
@@ -213,7 +214,7 @@ pub(crate) fn all_reduce(
                     for work in send_before_signal(&hw, l, result + off, result + off, len, timeout)? {
                         w.sent.push((l, e, work));
                     }
-                    w.sent.push((l, e, w.words.start_remote(l, from2(me), e, timeout)?));
+                    w.sent.push((l, e, w.words.start_remote(l, second(me), e, timeout)?));
                     Ok(())
                 })?;
             }
@@ -221,7 +222,7 @@ pub(crate) fn all_reduce(
             // of call e+2 only after every rank of this host raised its FROM word of e+2, so
             // after each copied result p of call e.
             for &l in &other_leaders {
-                w.words.wait_for(from2(l), e, l, &p, timeout)?;
+                w.words.wait_for(second(l), e, l, &p, timeout)?;
             }
             for &r in &locals[1..] {
                 w.words.publish(r, release, e);

@@ -77,6 +77,12 @@ impl BenchResult {
         self
     }
 
+    /// Sets the host count the row is for.
+    pub fn with_hosts(mut self, hosts: usize) -> BenchResult {
+        self.hosts = hosts;
+        self
+    }
+
     /// Adds an extra field.
     pub fn with(mut self, key: &str, value: impl Into<serde_json::Value>) -> BenchResult {
         self.extra.insert(key.into(), value.into());
@@ -527,9 +533,203 @@ pub fn rendezvous_scaling(ranks: &[usize], per_key_max: usize, mut emit: impl Fn
     Ok(())
 }
 
+/// Who links to whom across hosts, for [`link_setup`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LinkLayout {
+    /// Today's: every rank to every rank on another host (`symm/remote.rs`).
+    AllPairs,
+    /// The plan (`docs/many-hosts.md`): each host's leader to every other leader, the other
+    /// ranks none (they reach their leader through shared memory).
+    Leaders,
+}
+
+impl LinkLayout {
+    fn name(self) -> &'static str {
+        match self {
+            LinkLayout::AllPairs => "links_all_pairs",
+            LinkLayout::Leaders => "links_leaders",
+        }
+    }
+
+    /// The ranks that link, and the peers each links to, among `hosts` hosts of `per_host`.
+    fn peers(self, hosts: usize, per_host: usize) -> Vec<(usize, Vec<usize>)> {
+        let ranks = hosts * per_host;
+        match self {
+            LinkLayout::AllPairs => {
+                (0..ranks).map(|r| (r, (0..ranks).filter(|&p| p / per_host != r / per_host).collect())).collect()
+            }
+            LinkLayout::Leaders => (0..hosts)
+                .map(|h| (h * per_host, (0..hosts).filter(|&o| o != h).map(|o| o * per_host).collect()))
+                .collect(),
+        }
+    }
+}
+
+/// A link's URL as a rank publishes it (a tcp endpoint with its flows and token).
+fn link_url(rank: usize, peer: usize) -> Vec<u8> {
+    format!(
+        "tcp://10.{}.{}.{}:{}?flows=4&token={:032x}",
+        rank >> 16 & 255,
+        rank >> 8 & 255,
+        rank & 255,
+        40_000 + peer % 20_000,
+        rank * 7919 + peer
+    )
+    .into_bytes()
+}
+
+/// Threads and descriptors a rank holds with `remote` peers on other hosts, today's transports
+/// (one tcp transport per peer: measured by `bench/xhost_resources.sh`, docs/many-hosts.md
+/// section 1: 2 + 13 threads and about 33 descriptors per peer).
+fn rank_resources(remote: usize) -> (usize, usize) {
+    (2 + 13 * remote, 33 * remote)
+}
+
+/// `symmem bench link-setup`: the link rendezvous of `hosts` simulated hosts of `per_host`
+/// ranks (each linking rank one store connection and task, in this process) through a real
+/// local store, as `symm/remote.rs` runs it: one MULTI_SET of the rank's link URLs, one
+/// WAIT+MULTI_GET of its peers' URLs for it, one DELETE_MANY once all are read; in
+/// [`LinkLayout::AllPairs`] up to `all_pairs_max` ranks, and [`LinkLayout::Leaders`]. Each row
+/// gives the time, the keys the store held at once, and what a linking rank would hold with
+/// today's transports (per-rank threads and descriptors, from measured costs); then, for the
+/// largest host count asked, today's layout extrapolated from the largest measured one at its
+/// keys per second (a model: a store of that many keys was not run).
+pub fn link_setup(
+    hosts: &[usize],
+    per_host: usize,
+    all_pairs_max: usize,
+    mut emit: impl FnMut(BenchResult),
+) -> Result<()> {
+    symmem::internals::raise_fd_limit();
+    let server = StoreServer::start("127.0.0.1:0", ServerOptions::default())?;
+    let addr = server.local_addr().to_string();
+    let copts = ClientOptions { timeout: Duration::from_secs(600), secret: None };
+    let per_host = per_host.max(1);
+    symmem::internals::block_on(async {
+        let mut run = 0u64;
+        // Keys per second of the largest all-pairs run, for the model.
+        let mut rate: Option<(usize, f64)> = None;
+        for &h in hosts {
+            for layout in [LinkLayout::AllPairs, LinkLayout::Leaders] {
+                if h < 2 || layout == LinkLayout::AllPairs && h * per_host > all_pairs_max {
+                    continue;
+                }
+                run += 1;
+                let row = link_run(&addr, &copts, h, per_host, layout, run).await?;
+                if layout == LinkLayout::AllPairs {
+                    let keys = row.extra.get("keys").and_then(serde_json::Value::as_u64).unwrap_or(0) as usize;
+                    let ms = row.extra.get("total_ms").and_then(serde_json::Value::as_f64).unwrap_or(0.0);
+                    if ms > 0.0 {
+                        rate = Some((h, keys as f64 / (ms / 1e3)));
+                    }
+                }
+                emit(row);
+            }
+        }
+        if let (Some(&top), Some((measured, keys_per_s))) = (hosts.iter().max(), rate)
+            && top * per_host > all_pairs_max
+        {
+            let ranks = top * per_host;
+            let remote = ranks - per_host;
+            let keys = ranks * remote;
+            let (threads, fds) = rank_resources(remote);
+            let secs = keys as f64 / keys_per_s;
+            emit(
+                BenchResult::timing("links_all_pairs_model", ranks, 1, secs * 1e6, secs * 1e6)
+                    .with_hosts(top)
+                    .with("total_ms", secs * 1e3)
+                    .with("keys", keys)
+                    .with("rank_threads", threads)
+                    .with("rank_fds", fds)
+                    .with("note", format!("extrapolated at {keys_per_s:.0} keys/s measured on {measured} hosts")),
+            );
+        }
+        Ok::<_, Error>(())
+    })?;
+    drop(server);
+    Ok(())
+}
+
+async fn link_run(
+    addr: &str,
+    options: &ClientOptions,
+    hosts: usize,
+    per_host: usize,
+    layout: LinkLayout,
+    run: u64,
+) -> Result<BenchResult> {
+    let linking = layout.peers(hosts, per_host);
+    let conns = connect_all(addr, options, linking.len()).await?;
+    let start_line = Arc::new(tokio::sync::Barrier::new(linking.len() + 1));
+    let read = Arc::new(tokio::sync::Barrier::new(linking.len()));
+    let keys: usize = linking.iter().map(|(_, p)| p.len()).sum();
+    let most = linking.iter().map(|(_, p)| p.len()).max().unwrap_or(0);
+    let mut tasks = Vec::new();
+    for (mut c, (me, peers)) in conns.into_iter().zip(linking) {
+        let (start_line, read) = (start_line.clone(), read.clone());
+        tasks.push(tokio::spawn(async move {
+            let mine: Vec<(String, Vec<u8>)> =
+                peers.iter().map(|&p| (format!("symm-net/{run}/{me}/{p}"), link_url(me, p))).collect();
+            let theirs: Vec<String> = peers.iter().map(|&p| format!("symm-net/{run}/{p}/{me}")).collect();
+            start_line.wait().await;
+            let t = Instant::now();
+            let pairs: Vec<(&str, &[u8])> = mine.iter().map(|(k, v)| (k.as_str(), v.as_slice())).collect();
+            c.multi_set(&pairs).await?;
+            let refs: Vec<&str> = theirs.iter().map(String::as_str).collect();
+            let got = c.multi_get(&refs, Duration::from_secs(600)).await?;
+            debug_assert_eq!(got.len(), peers.len());
+            // Every peer read this rank's URLs (it connected) before they go.
+            read.wait().await;
+            let own: Vec<&str> = mine.iter().map(|(k, _)| k.as_str()).collect();
+            c.delete_many(&own).await?;
+            Ok::<_, Error>(t.elapsed())
+        }));
+    }
+    start_line.wait().await;
+    let t0 = Instant::now();
+    let mut lat = Vec::with_capacity(tasks.len());
+    for t in tasks {
+        lat.push(t.await.map_err(join_error)??);
+    }
+    let wall = t0.elapsed();
+    let ranks = lat.len();
+    let (median, p99) = percentiles(&mut lat);
+    let (threads, fds) = rank_resources(most);
+    Ok(BenchResult::timing(layout.name(), hosts * per_host, 1, median, p99)
+        .with_hosts(hosts)
+        .with("linking_ranks", ranks)
+        .with("total_ms", wall.as_secs_f64() * 1e3)
+        .with("keys", keys)
+        .with("requests", 3 * ranks)
+        .with("rank_threads", threads)
+        .with("rank_fds", fds))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn link_layouts_link_ranks_on_other_hosts_only() {
+        // 3 hosts of 2: ranks {0,1}, {2,3}, {4,5}.
+        let all = LinkLayout::AllPairs.peers(3, 2);
+        assert_eq!(all.len(), 6);
+        assert_eq!(all[1], (1, vec![2, 3, 4, 5]));
+        assert_eq!(all.iter().map(|(_, p)| p.len()).sum::<usize>(), 6 * 4);
+        let leaders = LinkLayout::Leaders.peers(3, 2);
+        assert_eq!(leaders, vec![(0, vec![2, 4]), (2, vec![0, 4]), (4, vec![0, 2])]);
+        // Every link is published by one side and read by the other: the pairs are symmetric.
+        for layout in [LinkLayout::AllPairs, LinkLayout::Leaders] {
+            let links = layout.peers(4, 3);
+            for (me, peers) in &links {
+                for p in peers {
+                    let theirs = &links.iter().find(|(r, _)| r == p).unwrap().1;
+                    assert!(theirs.contains(me), "{layout:?}: {me} links {p} but not back");
+                }
+            }
+        }
+        assert_eq!(rank_resources(7), (93, 231), "8 hosts of one rank: section 1's measured 93 threads");
+    }
 
     #[test]
     fn pinning_stays_inside_the_cpus_the_thread_may_use() {

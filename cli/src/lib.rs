@@ -617,6 +617,24 @@ transfers in flight (for the TCP stream: the stream's own, and time_us is its me
         #[arg(long, default_value_t = 1024)]
         per_key_max: usize,
     },
+    /// Link setup at scale: H simulated hosts of R ranks exchange their link URLs through a
+    /// real store as cross-host groups do (a MULTI_SET, a MULTI_GET, a DELETE_MANY per rank),
+    /// in today's layout (every rank to every rank on another host) and with leaders only; with
+    /// the time, the store's keys and what a linking rank would hold, and today's layout
+    /// extrapolated to the largest host count.
+    LinkSetup {
+        #[command(flatten)]
+        output: OutputArgs,
+        /// Simulated host counts, separated by commas or spaces.
+        #[arg(long, num_args = 1.., value_parser = counts_arg, default_value = "4,16,64,256,1024")]
+        hosts: Vec<Counts>,
+        /// Ranks per simulated host.
+        #[arg(long, default_value_t = 8)]
+        per_host: usize,
+        /// Largest rank count run in today's layout (its keys grow with the square of the ranks).
+        #[arg(long, default_value_t = 512)]
+        all_pairs_max: usize,
+    },
     /// Store throughput (set, get, add with K clients) and rendezvous of N simulated ranks.
     Store {
         #[command(flatten)]
@@ -789,6 +807,11 @@ fn dispatch(command: Command) -> Result<u8> {
         Command::Bench { which: BenchCommand::Rendezvous { output, nproc, per_key_max } } => {
             bench_rows("rendezvous", output.format(), None, |emit| {
                 bench::rendezvous_scaling(&flat_counts(&nproc), per_key_max, emit)
+            })
+        }
+        Command::Bench { which: BenchCommand::LinkSetup { output, hosts, per_host, all_pairs_max } } => {
+            bench_rows("link setup", output.format(), None, |emit| {
+                bench::link_setup(&flat_counts(&hosts), per_host, all_pairs_max, emit)
             })
         }
         Command::Bench { which: BenchCommand::Store { output, clients, ops, bytes, nproc, per_key_max, addr } } => {

@@ -710,6 +710,26 @@ mod tests {
     use super::*;
 
     #[test]
+    fn benchmark_sizes_are_ones_the_operators_accept() {
+        // 8 B of f32 on 2 ranks: reduce-scatter takes whole 16-byte vectors per rank (8
+        // elements), the all-to-alls a multiple of the ranks, all-reduce whole words.
+        assert_eq!(bench_numel("reduce_scatter", 8, 4, 2), 8);
+        assert_eq!(bench_numel("reduce_scatter", 8, 2, 3), 24);
+        assert_eq!(bench_numel("all_to_all", 8, 4, 2), 2);
+        assert_eq!(bench_numel("all_reduce", 8, 4, 2), 2);
+        assert_eq!(bench_numel("all_reduce", 2, 2, 2), 2, "a bf16 all-reduce of whole words");
+        assert_eq!(bench_numel("all_gather", 64, 4, 8), 2);
+        for ws in 1..=9 {
+            for es in [1, 2, 4, 8] {
+                for size in [1, 8, 100, 4096, 65_540] {
+                    let n = bench_numel("reduce_scatter", size, es, ws);
+                    assert!(n * es >= size.min(16 * ws) && (n * es).is_multiple_of(16 * ws), "{size} B, {es}, {ws}");
+                }
+            }
+        }
+    }
+
+    #[test]
     fn link_layouts_link_ranks_on_other_hosts_only() {
         // 3 hosts of 2: ranks {0,1}, {2,3}, {4,5}.
         let all = LinkLayout::AllPairs.peers(3, 2);
@@ -891,6 +911,25 @@ fn report(rows: &[BenchResult]) -> Result<()> {
         out.row(r.clone())?;
     }
     Ok(())
+}
+
+/// Elements of a rank's input for a benchmark of `op` at `size` bytes (as nccl-tests counts
+/// them) of `es`-byte elements on `ws` ranks, rounded up to what the operator accepts: whole
+/// 4-byte words; a multiple of the ranks where each takes a share; for `reduce_scatter`, whole
+/// 16-byte vectors per rank, as PyTorch's kernels (and so symmem's checks) count them.
+fn bench_numel(op: &str, size: usize, es: usize, ws: usize) -> usize {
+    let aligned = es.max(4) / es;
+    let unit = match op {
+        "reduce_scatter" => (16 / es).max(1) * ws,
+        "reduce_scatter_offset" | "all_to_all" | "all_to_all_v" | "all_to_all_nd" | "matmul_reduce_scatter" => {
+            aligned * ws
+        }
+        _ => aligned,
+    };
+    match op {
+        "all_gather" | "all_gather_matmul" => (size / es / ws).max(1),
+        _ => (size / es).div_ceil(unit).max(1) * unit,
+    }
 }
 
 /// Hands a launched rank's rows to `symmem bench` as each is measured: one JSON line each,
@@ -1573,25 +1612,7 @@ pub fn collective_rank(
     let mut settled = false;
     let mut pinned = None;
     for &size in sizes {
-        // Elements per rank's input, rounded to what every operator accepts.
-        let aligned = es.max(4) / es;
-        let unit = if matches!(
-            op,
-            "reduce_scatter"
-                | "reduce_scatter_offset"
-                | "all_to_all"
-                | "all_to_all_v"
-                | "all_to_all_nd"
-                | "matmul_reduce_scatter"
-        ) {
-            aligned * ws
-        } else {
-            aligned
-        };
-        let numel = match op {
-            "all_gather" | "all_gather_matmul" => (size / es / ws).max(1),
-            _ => (size / es).div_ceil(unit).max(1) * unit,
-        };
+        let numel = bench_numel(op, size, es, ws);
         // tile_reduce: the left half of a [rows, 2 x cols] symmetric matrix, numel elements.
         let tile_cols = numel.min(256);
         let tile_rows = numel.div_ceil(tile_cols);

@@ -105,8 +105,9 @@ pub(crate) struct Workspace {
 }
 
 /// Bytes of epoch words at the start of the workspace: ARRIVE[r] = r, RELEASE = ws,
-/// FROM[r] = ws + 1 + r, and a leader's second FROM word (the scattered all-reduce's reduced
-/// slice, `all_reduce/host_push.rs`) at 2·ws + 1 + r.
+/// FROM[r] = ws + 1 + r, and a leader's second FROM word at 2·ws + 1 + r ([`from2`]: raised by
+/// Bruck's rounds in gathered calls, [`bruck`], and for the scattered all-reduce's reduced
+/// slice, `all_reduce/host_push.rs`).
 pub(crate) fn words_bytes(ws: usize) -> usize {
     (4 * (3 * ws + 1)).div_ceil(128) * 128
 }

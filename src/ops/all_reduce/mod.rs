@@ -72,9 +72,9 @@ impl Algo {
 /// 8,176-8,640 vs 6,446-6,592, 1 MiB 28,119-29,930 vs 13,197-13,332; 4 on 4: 512 KiB 3,151
 /// vs 3,823, 1 MiB 10,377 vs 5,027).
 ///
-/// From four hosts ([`host_push::SCATTER_FROM`]) host push scatters: a leader receives a slice
+/// From four hosts (`host_push::SCATTER_FROM`) host push scatters: a leader receives a slice
 /// of each input and the reduced slices (about twice a host's inputs in all), so the limit is
-/// [`hostpush::scattered_block_max`] instead (4 MiB of a host's inputs over tcp, and at most
+/// `hostpush::scattered_block_max` instead (4 MiB of a host's inputs over tcp, and at most
 /// 32 MiB / hosts, which bounds the workspace). Over tcp, `symmem bench all-reduce`, 2 runs,
 /// scattered host push against what the one-round limit picked: 8 ranks on 8 played hosts,
 /// 256 KiB 3,461-3,791 vs 11,155-13,194 us (two-shot), 1 MiB 9,175-10,325 vs 17,688-18,588,

@@ -600,11 +600,18 @@ pub fn link_setup(
     all_pairs_max: usize,
     mut emit: impl FnMut(BenchResult),
 ) -> Result<()> {
+    let per_host = per_host.max(1);
+    // Arguments from the command line: the largest layout's ranks and all-pairs keys (ranks ×
+    // ranks) must be countable before anything is simulated or modelled.
+    if let Some(&h) = hosts.iter().find(|&&h| h.checked_mul(per_host).and_then(|r| r.checked_mul(r)).is_none()) {
+        return Err(Error::InvalidArgument(format!(
+            "--hosts {h} with --per-host {per_host}: too many ranks to count their links"
+        )));
+    }
     symmem::internals::raise_fd_limit();
     let server = StoreServer::start("127.0.0.1:0", ServerOptions::default())?;
     let addr = server.local_addr().to_string();
     let copts = ClientOptions { timeout: Duration::from_secs(600), secret: None };
-    let per_host = per_host.max(1);
     symmem::internals::block_on(async {
         let mut run = 0u64;
         // Keys per second of the largest all-pairs run, for the model.

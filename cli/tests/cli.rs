@@ -654,6 +654,33 @@ fn bench_signal_emits_the_baselines_pinned_and_unpinned_and_every_rank_count() {
 }
 
 #[test]
+fn bench_link_setup_counts_the_keys_of_each_layout_and_refuses_counts_too_large() {
+    let out = symmem(&["bench", "link-setup", "--json", "--hosts", "2,4", "--per-host", "2", "--all-pairs-max", "6"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let rows: Vec<serde_json::Value> = text(&out.stdout).lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let got: Vec<(&str, u64, u64, u64)> = rows[..3]
+        .iter()
+        .map(|r| {
+            let n = |k: &str| r[k].as_u64().unwrap_or_else(|| panic!("{k} in {r}"));
+            (r["bench"].as_str().unwrap(), n("hosts"), n("keys"), n("linking_ranks"))
+        })
+        .collect();
+    // All pairs: every rank publishes a URL per rank on another host (4 × 2 at 2 hosts); 8
+    // ranks exceed --all-pairs-max and are modelled instead. Leaders: one per host, H − 1 each.
+    assert_eq!(got[..3], [("links_all_pairs", 2, 8, 4), ("links_leaders", 2, 2, 2), ("links_leaders", 4, 12, 4)]);
+    let model = &rows[3];
+    assert_eq!(model["bench"], "links_all_pairs_model");
+    assert_eq!((model["keys"].as_u64(), model["hosts"].as_u64()), (Some(8 * 6), Some(4)), "{model}");
+    assert_eq!(rows.len(), 4);
+
+    let huge = (u64::MAX / 3).to_string();
+    let out = symmem(&["bench", "link-setup", "--hosts", &huge, "--per-host", "8"]);
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out.stderr));
+    let err = text(&out.stderr);
+    assert!(err.contains(&format!("--hosts {huge} with --per-host 8")), "{err}");
+}
+
+#[test]
 fn bench_transport_emits_rows_and_baselines() {
     let out = symmem(&["bench", "transport", "--json", "--sizes", "8,65536", "--window", "4"]);
     assert!(out.status.success(), "{}", text(&out.stderr));

@@ -96,12 +96,26 @@ pub(crate) struct Workspace {
     /// The epoch of this rank's last own FROM word ([`send_own_sig`]) not known to have landed
     /// (a posted write's Work completes once sent): see [`land_own_raises`].
     pub(crate) raised: Option<u32>,
-    /// The call whose gathered messages this leader exchanged by Bruck's rounds ([`bruck`]),
-    /// if the last one did: a verdict other than 0 then takes [`judge_after_bruck`].
-    pub(crate) bruck: Option<u32>,
-    /// Whether that call's rounds all ended (else a partner took another way: the ranks
-    /// disagree, and this leader's blocks are not all of the call).
-    pub(crate) bruck_ended: bool,
+    /// The last call, if its gathered messages went by Bruck's rounds ([`bruck`]): a verdict
+    /// other than 0 then takes [`judge_after_bruck`].
+    bruck: Option<Bruck>,
+}
+
+/// A call whose gathered messages a leader exchanged by Bruck's rounds.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+struct Bruck {
+    call: u32,
+    /// Whether the rounds all ended (else a partner took another way: the ranks disagree, and
+    /// this leader's blocks are not all of the call).
+    ended: bool,
+}
+
+impl Workspace {
+    /// Whether call `e`'s gathered messages went by Bruck's rounds on this leader, and if so
+    /// whether the rounds all ended.
+    pub(crate) fn bruck_of(&self, e: u32) -> Option<bool> {
+        self.bruck.filter(|b| b.call == e).map(|b| b.ended)
+    }
 }
 
 /// Bytes of epoch words at the start of the workspace: ARRIVE[r] = r, RELEASE = ws,
@@ -210,9 +224,10 @@ pub(crate) fn exchange_and_judge(
             w.words.wait_for(from(r), e, r, &p, timeout)?;
         }
         // The same verdict on every leader (each has every signature), handed on with RELEASE.
-        let mut verdict = if w.bruck == Some(e) && !w.bruck_ended { u64::MAX } else { verdict_of(&hw, me, sigs) };
-        if verdict != 0 && w.bruck == Some(e) {
-            verdict = judge_after_bruck(w, e, sigs, timeout)?;
+        let bruck = w.bruck_of(e);
+        let mut verdict = if bruck == Some(false) { u64::MAX } else { verdict_of(&hw, me, sigs) };
+        if verdict != 0 && bruck.is_some() {
+            verdict = judge_after_bruck(w, e, sigs, split, timeout)?;
         } else if verdict != 0 && !split {
             raise_for_gathered(w, e, sigs, timeout)?;
         }
@@ -367,7 +382,6 @@ fn make(
         sent: Vec::new(),
         raised: None,
         bruck: None,
-        bruck_ended: false,
     })))
 }
 
@@ -470,22 +484,43 @@ pub(crate) fn send_gathered(
     }
     gather_sigs(&hw, sigs);
     if by_bruck(&hw, travels) {
-        w.bruck = Some(e);
-        w.bruck_ended = bruck(w, e, sigs, slot, stride, n, timeout)?;
+        // Marked before the rounds: a round that fails leaves the call on this leader anyway.
+        w.bruck = Some(Bruck { call: e, ended: false });
+        let ended = bruck(w, e, sigs, &slot, stride, n, timeout)?;
+        w.bruck = Some(Bruck { call: e, ended });
         return Ok(());
     }
     w.bruck = None;
     for l in hw.leaders().filter(|&l| l != me) {
         // The host's data, their signatures and the FROM word leave together.
         hw.batch(l, || -> Result<()> {
-            for (a, b) in runs(locals) {
-                let (first, len) = (locals[a], (b - a - 1) * stride + n);
-                for work in send_before_signal(&hw, l, slot(first), slot(first), len, timeout)? {
-                    w.sent.push((l, e, work));
-                }
-            }
+            send_slots(w, l, e, locals, &slot, stride, n, timeout)?;
             send_host_sigs(w, l, e, sigs, timeout)
         })?;
+    }
+    Ok(())
+}
+
+/// Inside a batch to leader `to` in call `e`: the `n`-byte slots (at `slot(rank)`, `stride`
+/// bytes apart) of `ranks` (ascending), each run of consecutive ranks as one message, in
+/// pieces the link keeps in order with a word started after them.
+#[allow(clippy::too_many_arguments, reason = "send_gathered's and bruck's call")]
+fn send_slots(
+    w: &mut Workspace,
+    to: usize,
+    e: u32,
+    ranks: &[usize],
+    slot: impl Fn(usize) -> usize,
+    stride: usize,
+    n: usize,
+    timeout: Duration,
+) -> Result<()> {
+    let hw = w.words.h.clone();
+    for (a, b) in runs(ranks) {
+        let (first, len) = (ranks[a], (b - a - 1) * stride + n);
+        for work in send_before_signal(&hw, to, slot(first), slot(first), len, timeout)? {
+            w.sent.push((to, e, work));
+        }
     }
     Ok(())
 }
@@ -546,12 +581,7 @@ fn bruck(
             (0..d.min(hosts - d)).flat_map(|i| hw.ranks_on((j + i) % hosts).iter().copied()).collect();
         ranks.sort_unstable();
         hw.batch(to, || -> Result<()> {
-            for (a, b) in runs(&ranks) {
-                let (first, len) = (ranks[a], (b - a - 1) * stride + n);
-                for work in send_before_signal(&hw, to, slot(first), slot(first), len, timeout)? {
-                    w.sent.push((to, e, work));
-                }
-            }
+            send_slots(w, to, e, &ranks, &slot, stride, n, timeout)?;
             for (a, b) in runs(&ranks) {
                 // In pieces the link keeps in order with the word that follows.
                 let at = sigs.slot(ranks[a]);
@@ -582,10 +612,17 @@ pub(crate) fn from2(world: usize, r: usize) -> usize {
 /// another mode waits in vain. It sends its
 /// host's signatures and its FROM word to every other leader (a leader whose ranks send their
 /// own waits for every rank's word), raises those of its ranks that left their messages to it
-/// ([`raise_for_gathered`]), and waits for the FROM word of every rank on another host (each
+/// ([`raise_for_gathered`]; `raised`: it did already, its host being split), and waits for the
+/// FROM word of every rank on another host (each
 /// raised after its signature, by itself or by its leader, every leader of this mode doing the
 /// same); returns the verdict from those signatures.
-pub(crate) fn judge_after_bruck(w: &mut Workspace, e: u32, sigs: &Sigs, timeout: Duration) -> Result<u64> {
+pub(crate) fn judge_after_bruck(
+    w: &mut Workspace,
+    e: u32,
+    sigs: &Sigs,
+    raised: bool,
+    timeout: Duration,
+) -> Result<u64> {
     let hw = w.words.h.clone();
     let (me, world) = (hw.rank(), hw.world_size());
     let p = hw.patience(timeout);
@@ -593,7 +630,9 @@ pub(crate) fn judge_after_bruck(w: &mut Workspace, e: u32, sigs: &Sigs, timeout:
     for l in hw.leaders().filter(|&l| l != me) {
         hw.batch(l, || send_host_sigs(w, l, e, sigs, timeout))?;
     }
-    raise_for_gathered(w, e, sigs, timeout)?;
+    if !raised {
+        raise_for_gathered(w, e, sigs, timeout)?;
+    }
     for r in (0..world).filter(|&r| !hw.is_local(r)) {
         w.words.wait_for(world + 1 + r, e, r, &p, timeout)?;
     }

@@ -169,7 +169,8 @@ pub(crate) fn all_reduce(
             raise_for_gathered(w, e, &sigs, timeout)?;
         }
         // Gathered by Bruck's rounds, the rounds waited for their senders.
-        let bruck = gathered && w.bruck == Some(e);
+        let by_bruck = if gathered { w.bruck_of(e) } else { None };
+        let bruck = by_bruck.is_some();
         let senders =
             (0..world).filter(|&r| if gathered { !bruck && other_leaders.contains(&r) } else { !hw.is_local(r) });
         for r in senders {
@@ -178,9 +179,9 @@ pub(crate) fn all_reduce(
         // Every leader holds every rank's signature and reaches the same verdict; its host learns
         // it with RELEASE.
         // Rounds that a partner left mean the ranks disagree: judged from every signature.
-        let mut verdict = if bruck && !w.bruck_ended { u64::MAX } else { verdict_of(&hw, me, &sigs) };
+        let mut verdict = if by_bruck == Some(false) { u64::MAX } else { verdict_of(&hw, me, &sigs) };
         if verdict != 0 && bruck {
-            verdict = judge_after_bruck(w, e, &sigs, timeout)?;
+            verdict = judge_after_bruck(w, e, &sigs, split, timeout)?;
         }
         word(&hw, me, sigs.verdict()).store(verdict, Ordering::Relaxed);
         if verdict != 0 {

@@ -1378,20 +1378,89 @@ fn a_host_lost_during_a_vote_fails_the_others() {
 /// (`SYMMEM_TEST_MARKER`) kills host 1's launcher with SIGKILL: its ranks die with it, and
 /// nothing tells the store.
 fn kill_host1_at_marker(tag: &str, scenario: &str, env: &[(&str, &str)]) -> Vec<Output> {
+    kill_host_at_marker(Layout::Loopback, 2, 1, tag, scenario, env)
+}
+
+/// [`kill_host1_at_marker`] on any layout, killing host `victim`.
+fn kill_host_at_marker(
+    layout: Layout,
+    per_host: usize,
+    victim: usize,
+    tag: &str,
+    scenario: &str,
+    env: &[(&str, &str)],
+) -> Vec<Output> {
     let marker = std::env::temp_dir().join(format!("symmem-{tag}-{}", std::process::id()));
     let _ = std::fs::remove_file(&marker);
     let m = marker.to_str().unwrap().to_string();
     let t0 = Instant::now();
     let mut env = env.to_vec();
     env.push(("SYMMEM_TEST_MARKER", &m));
-    let outs = launch_with(Layout::Loopback, 2, scenario, &env, |pids| {
+    let outs = launch_with(layout, per_host, scenario, &env, |pids| {
         while !marker.exists() && t0.elapsed() < Duration::from_secs(60) {
             std::thread::sleep(Duration::from_millis(20));
         }
-        let _ = Command::new("kill").args(["-9", &pids[1].to_string()]).status();
+        let _ = Command::new("kill").args(["-9", &pids[victim].to_string()]).status();
     });
     let _ = std::fs::remove_file(&marker);
     outs
+}
+
+/// Barriers (dissemination), and all-reduces and all-gathers small enough for Bruck's rounds,
+/// until one fails; rank 0 writes the marker file once they run. A rank that fails reports how
+/// long after the marker, then stays up (a rank that exits would be found lost in turn, and its
+/// launcher would stop the others) until every survivor has had the time to report.
+#[test]
+#[ignore = "a rank program; run by a_host_lost_in_the_rounds_is_named_to_every_rank_at_once"]
+fn rank_lost_in_rounds() {
+    let Some(j) = Job::start() else { return };
+    let marker = std::env::var("SYMMEM_TEST_MARKER").unwrap();
+    let x = sym(&[64], DType::F32);
+    let h = symm::rendezvous(&x, &j.g).unwrap();
+    let out = Tensor::zeros(&[64 * j.ws], DType::F32).unwrap();
+    for i in 0.. {
+        if i == 30 && j.me == 0 {
+            std::fs::write(&marker, b"running").unwrap();
+        }
+        let done = match i % 3 {
+            0 => h.barrier(0, T),
+            1 => ops::all_reduce(&x, ReduceOp::Sum, &j.g),
+            _ => ops::all_gather_into(&x, &j.g, &out),
+        };
+        if let Err(e) = done {
+            let since = || std::fs::metadata(&marker).and_then(|m| m.modified()).ok().and_then(|t| t.elapsed().ok());
+            let after = since().unwrap_or_default();
+            println!("rank {} failed {:.2} s after the marker: {e}", j.me, after.as_secs_f64());
+            while since().is_some_and(|s| s < Duration::from_secs(15)) {
+                std::thread::sleep(Duration::from_millis(100));
+            }
+            std::process::exit(3);
+        }
+    }
+}
+
+#[test]
+fn a_host_lost_in_the_rounds_is_named_to_every_rank_at_once() {
+    // Four hosts or more: leaders meet by dissemination and Bruck's rounds, where a leader
+    // waits for one partner a round and only the lost host's partners see its links break.
+    // The operations' timeout (30 s) is longer than survivors stay up (15 s after the kill):
+    // a survivor that learns of the loss only at its timeout does not report.
+    for (hosts, per_host, victim) in [(5, 1, 3), (4, 2, 2)] {
+        let env = [("SYMMEM_OP_TIMEOUT", "30"), ("SYMMEM_XHOST_BACKEND", "tcp")];
+        let tag = format!("rounds-{hosts}");
+        let outs = kill_host_at_marker(Layout::LoopbackN(hosts), per_host, victim, &tag, "rank_lost_in_rounds", &env);
+        let all: String = outs.iter().map(text).collect();
+        let lost: Vec<String> = (0..per_host).map(|k| format!("rank {} ", victim * per_host + k)).collect();
+        for r in (0..hosts * per_host).filter(|r| r / per_host != victim) {
+            let report = format!("rank {r} failed ");
+            let line = all.lines().find(|l| l.contains(&report)).unwrap_or_else(|| {
+                panic!("{hosts} hosts of {per_host}: rank {r} did not report the loss in time:\n{all}")
+            });
+            let secs: f64 = line.split(&report).nth(1).unwrap().split(' ').next().unwrap().parse().unwrap();
+            assert!(secs < 5.0, "{hosts} hosts of {per_host}: rank {r} learnt of the loss late: {line}");
+            assert!(lost.iter().any(|l| line.contains(l)) && line.contains("lost"), "names a lost rank: {line}");
+        }
+    }
 }
 
 /// Checks that host 0's ranks failed in time, naming ranks of host 1. The first rank to fail

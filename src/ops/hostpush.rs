@@ -282,7 +282,15 @@ pub(crate) fn guarded<T>(group: &Group, kind: &'static str, call: impl FnOnce() 
             group.name()
         )));
     }
-    let r = call();
+    let r = call().map_err(|e| {
+        // A lost peer: told to the group (`Words::sound`), so that ranks waiting for others
+        // that wait in vain fail too, at once.
+        let w = lock(&state.0).made.get(kind).cloned();
+        match w {
+            Some(w) => lock(&w).words.report(e),
+            None => e,
+        }
+    });
     if let Err(e) = &r
         && !matches!(e, Error::InvalidArgument(_))
     {

@@ -26,7 +26,9 @@
 //! Each rank counts its barriers (`e`, wrapping); a word reached `e` when `word - e`, read as
 //! signed, is not negative. Words only grow, so nothing needs consuming and nothing is ever
 //! "busy": a leader sends its epoch and moves on to wait for the others'. A failed send is
-//! reported at the next barrier; a lost leader is noticed while waiting for it.
+//! reported at the next barrier; a lost leader is noticed while waiting for it, and told to the
+//! whole group through its alarm word (see [`Words`]), so that no rank waits in vain for a
+//! partner that waits for the lost one.
 //!
 //! Ordering: every store is Release and every load Acquire (the remote atomic's store on the
 //! target is Release too), so what a rank wrote before arriving is visible to every rank after
@@ -46,10 +48,21 @@ use crate::transport::Work;
 
 /// Epoch words in a symmetric allocation, `at` bytes into every rank's buffer: a rank
 /// publishes into a word of a rank on its host, or waits for one of its own to reach an epoch.
+///
+/// The group has one alarm word, in its barrier's words ([`HostSync`]): a rank that finds a
+/// rank on another host lost while waiting for it ([`Words::sound`]) tells every other host's
+/// leader and the ranks of its own host, and each leader its host's ranks. Every rank waiting
+/// on any words of the group (a barrier, a host-push call, whichever call it is in) then fails
+/// naming the lost rank within a nap ([`crate::sync::MAX_NAP`]), instead of waiting for a
+/// partner that waits in vain too until the timeout. Dissemination and Bruck's rounds need it:
+/// a leader waits for one partner a round, so only the lost one's partners see its link break.
 #[derive(Debug)]
 pub(crate) struct Words {
     pub(crate) h: Arc<SymmHandle>,
     at: usize,
+    /// The index of the alarm word, if these are the group's barrier's words: 0, or 1 + the
+    /// rank found lost. Other words use the group's ([`SymmHandle::group_alarm`]).
+    alarm: Option<usize>,
 }
 
 /// Whether `v` has reached epoch `e` (wrapping).
@@ -60,7 +73,108 @@ fn reached(v: u32, e: u32) -> bool {
 impl Words {
     /// The words at byte `at` of the buffers behind `h`.
     pub(crate) fn new(h: Arc<SymmHandle>, at: usize) -> Words {
-        Words { h, at }
+        Words { h, at, alarm: None }
+    }
+
+    /// These words, with word `i` as the group's alarm (see [`Words`]). It only ever goes from
+    /// 0 to a rank found lost: the group's calls across hosts fail from then on, as they must
+    /// (every one of them needs every rank).
+    fn with_alarm(self, i: usize) -> Words {
+        Words { alarm: Some(i), ..self }
+    }
+
+    /// The words that hold the group's alarm word, and its index: these, or the group's
+    /// barrier's (none on one host, or while the barrier's own words are being made).
+    fn alarm_words(&self) -> Option<(&Words, usize)> {
+        match self.alarm {
+            Some(i) => Some((self, i)),
+            None => self.h.group_alarm().and_then(|w| Some((w, w.alarm?))),
+        }
+    }
+
+    /// The rank some rank of the group found lost and told this one of, if any.
+    pub(crate) fn alarmed(&self) -> Option<usize> {
+        let (w, i) = self.alarm_words()?;
+        // Acquire: pairs with the Release of `tell_host`'s stores (or of the remote atomic's).
+        let v = w.word(w.h.rank(), i).load(Ordering::Acquire);
+        (v != 0).then(|| v as usize - 1)
+    }
+
+    /// Tells the group that rank `lost` (on another host) is lost: every rank of this host, and
+    /// unless this rank was told already, every other host's leader (a posted remote atomic on
+    /// each link still up, not awaited beyond a second). A leader told so tells its host's
+    /// ranks in turn ([`Words::alarmed_error`]). Best effort: a leader it cannot reach finds
+    /// the loss itself or from another leader.
+    pub(crate) fn sound(&self, lost: usize) {
+        let Some((a, i)) = self.alarm_words() else { return };
+        let v = u32::try_from(lost + 1).unwrap_or(u32::MAX);
+        // Told already (by a leader that sent it here first): the other leaders were told by
+        // that one, and this host's ranks now (a leader forwards what it hears only when it
+        // next waits; this one may not).
+        let told = a.alarmed().is_some();
+        a.tell_host(v);
+        if told {
+            return;
+        }
+        let h = &a.h;
+        let me = h.host_of(h.rank());
+        let mut works = Vec::new();
+        for l in h.leaders().filter(|&l| h.host_of(l) != me && l != lost) {
+            let up = h.remote(l).is_some_and(|r| r.link.lost().is_none());
+            if up && let Ok(w) = a.start_remote(l, i, v, Duration::from_secs(1)) {
+                works.push(w);
+            }
+        }
+        for w in works {
+            let _ = w.wait(Some(Duration::from_secs(1)));
+        }
+    }
+
+    /// Stores alarm value `v` into the alarm word of every rank of this host (this one too),
+    /// keeping a value already there. Nobody sleeps on it: a waiting rank reads it between
+    /// naps, within [`crate::sync::MAX_NAP`].
+    fn tell_host(&self, v: u32) {
+        let Some((a, i)) = self.alarm_words() else { return };
+        for &r in a.h.local_ranks() {
+            // Release: pairs with the Acquire load of `alarmed`; a rank already told keeps
+            // the first loss it heard of.
+            let _ = a.word(r, i).compare_exchange(0, v, Ordering::Release, Ordering::Relaxed);
+        }
+    }
+
+    /// The error of a wait for `from` that a loss elsewhere in the group ends, if this rank was
+    /// told of one ([`Words::sound`]); a leader first tells its host's ranks, which may be
+    /// waiting for it.
+    fn alarmed_error(&self, from: usize) -> Option<Error> {
+        let lost = self.alarmed()?;
+        let v = u32::try_from(lost + 1).unwrap_or(u32::MAX);
+        if self.h.local_ranks()[0] == self.h.rank() {
+            self.tell_host(v);
+        }
+        let host = self.h.remote(lost).map(|r| format!(" on host {}", r.link.host)).unwrap_or_default();
+        Some(Error::transfer(
+            TransferKind::PeerLost,
+            format!(
+                "rank {} of group {:?} waiting for rank {from}: rank {lost}{host} was lost (found by a rank it left \
+                 waiting; every rank of the group is told)",
+                self.h.rank(),
+                self.h.group_name(),
+            ),
+        ))
+    }
+
+    /// `e`, after telling the group of a lost rank if `e` says a peer was lost ([`Words::sound`]):
+    /// the one this rank was told of, else the first rank on another host whose link is down.
+    /// Told already, this rank still tells its host: its ranks may wait for it.
+    pub(crate) fn report(&self, e: Error) -> Error {
+        if e.transfer_kind() == Some(TransferKind::PeerLost)
+            && let Some(lost) = self.alarmed().or_else(|| {
+                (0..self.h.world_size()).find(|&r| self.h.remote(r).is_some_and(|r| r.link.lost().is_some()))
+            })
+        {
+            self.sound(lost);
+        }
+        e
     }
 
     /// The byte offset of word `i` in a rank's data buffer.
@@ -136,9 +250,10 @@ impl Words {
     ) -> Result<bool> {
         let w = self.word(owner, i);
         let other = or.map(|j| self.word(owner, j));
-        let lost = || match self.h.remote(from) {
-            Some(r) => match r.link.lost() {
-                Some(why) => Err(Error::transfer(
+        let lost = || match self.h.remote(from).and_then(|r| Some((r, r.link.lost()?))) {
+            Some((r, why)) => {
+                self.sound(from);
+                Err(Error::transfer(
                     TransferKind::PeerLost,
                     format!(
                         "rank {} of group {:?} lost rank {from} on host {}: {why}",
@@ -146,10 +261,9 @@ impl Words {
                         self.h.group_name(),
                         r.link.host
                     ),
-                )),
-                None => Ok(()),
-            },
-            None => Ok(()),
+                ))
+            }
+            None => self.alarmed_error(from).map_or(Ok(()), Err),
         };
         // Acquire: pairs with the Release store of `publish` or of the remote atomic.
         let first = || reached(w.load(Ordering::Acquire), e);
@@ -294,9 +408,10 @@ pub(crate) fn rounds(hosts: usize) -> usize {
 /// Bytes of one round's agreement (three words, padded).
 const AGREEMENT: usize = 32;
 
-/// Word indices in the allocation: ARRIVE[r] = r, RELEASE = ws, FROM[l] = ws + 1 + l.
+/// Word indices in the allocation: ARRIVE[r] = r, RELEASE = ws, FROM[l] = ws + 1 + l, and
+/// the alarm word at 2·ws + 1 ([`Words::sound`]).
 fn epoch_words(world_size: usize) -> usize {
-    2 * world_size + 1
+    2 * world_size + 2
 }
 
 /// Where, after the epoch words, the checked barrier ([`HostSync::barrier_agreeing`]) keeps
@@ -325,8 +440,14 @@ pub(crate) fn words(world_size: usize) -> usize {
 }
 
 impl HostSync {
+    /// The barrier's words; their alarm word is the group's.
+    pub(crate) fn words(&self) -> &Words {
+        &self.words
+    }
+
     pub(crate) fn new(words: Tensor, h: Arc<SymmHandle>) -> HostSync {
-        HostSync { _words: words, words: Words::new(h, 0), state: Mutex::new(State::default()) }
+        let ws = h.world_size();
+        HostSync { _words: words, words: Words::new(h, 0).with_alarm(2 * ws + 1), state: Mutex::new(State::default()) }
     }
 
     /// The barrier (see the module docs).
@@ -344,6 +465,12 @@ impl HostSync {
     }
 
     fn barrier_with(&self, p: &Patience, timeout: Duration, digest: Option<u64>) -> Result<u64> {
+        // A lost peer: told to the group, so that leaders waiting in the rounds for partners
+        // that wait in vain, and their hosts, fail too, at once.
+        self.barrier_steps(p, timeout, digest).map_err(|e| self.words.report(e))
+    }
+
+    fn barrier_steps(&self, p: &Patience, timeout: Duration, digest: Option<u64>) -> Result<u64> {
         let mut st = lock(&self.state);
         let e = st.epoch.wrapping_add(1);
         let w = &self.words;

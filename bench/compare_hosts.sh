@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # symmem against Open MPI as played hosts grow (issue 53, item 5): for every host count in
 # HOSTS, ranks per host in PER_HOST, operator in OPS, and engine pair in ENGINES, runs
-# `symmem bench OP -n RANKS --hosts H` and Open MPI's loop (bench/mpi_allreduce.c) on the same
+# `symmem bench OP -n RANKS --hosts H` (OP=barrier: the barrier row of `symmem bench signal`,
+# size 0) and Open MPI's loop (bench/mpi_allreduce.c) on the same
 # number of processes, RUNS times alternated, and appends the median of each run's median
 # latency to target/bench/hosts.csv (op, engine, ranks, hosts, bytes, symmem_us, mpi_us,
 # speed = mpi_us / symmem_us). Then draws speed against hosts, a panel per operator and a
@@ -21,7 +22,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 HOSTS=${HOSTS:-2 4 8}
 PER_HOST=${PER_HOST:-1 2}
-OPS=${OPS:-all-reduce all-gather reduce-scatter all-to-all broadcast}
+OPS=${OPS:-all-reduce all-gather reduce-scatter all-to-all broadcast barrier}
 ENGINES=${ENGINES:-tcp ucx}
 SIZES=${SIZES:-8,4K,64K,1M,16M}
 RUNS=${RUNS:-3}
@@ -42,6 +43,7 @@ for op in $OPS; do
         reduce-scatter) mop=reducescatter ;;
         all-to-all) mop=alltoall ;;
         broadcast) mop=bcast ;;
+        barrier) mop=barrier ;;
         *) echo "unknown operator $op" >&2; exit 2 ;;
     esac
     for engine in $ENGINES; do
@@ -57,8 +59,13 @@ for op in $OPS; do
                 for _ in $(seq "$RUNS"); do
                     MPI_BENCH_OP=$mop mpirun --allow-run-as-root --oversubscribe "${mpi_args[@]}" -np "$n" \
                         target/bench/mpi_allreduce $SIZES_B | sed 's/^{/{"engine":"mpi",/' >> "$out"
-                    SYMMEM_XHOST_BACKEND=$engine target/release/symmem bench "$op" --json -n "$n" --hosts "$h" \
-                        --sizes "$SIZES" --no-baseline | sed 's/^{/{"engine":"symmem",/' >> "$out"
+                    if [ "$op" = barrier ]; then
+                        SYMMEM_XHOST_BACKEND=$engine target/release/symmem bench signal --json -n "$n" --hosts "$h" \
+                            | grep '"bench":"barrier"' | sed 's/^{/{"engine":"symmem",/; s/"size":null/"size":0/' >> "$out"
+                    else
+                        SYMMEM_XHOST_BACKEND=$engine target/release/symmem bench "$op" --json -n "$n" --hosts "$h" \
+                            --sizes "$SIZES" --no-baseline | sed 's/^{/{"engine":"symmem",/' >> "$out"
+                    fi
                 done
                 python3 - "$out" "$op" "$engine" "$n" "$h" >> "$csv" <<'PY'
 import json, statistics, sys

@@ -4,7 +4,8 @@
  * `symmem bench all-gather` count it: each rank gives an equal block of it), or
  * MPI_Reduce_scatter_block when MPI_BENCH_OP=reducescatter (the size is each rank's input, float
  * sum; each rank receives an equal block), or MPI_Bcast from rank 0 when MPI_BENCH_OP=bcast
- * (the size is the buffer's; the time the slowest rank's), or, when
+ * (the size is the buffer's; the time the slowest rank's), or MPI_Barrier when
+ * MPI_BENCH_OP=barrier (one row, of size 0, whatever sizes are given), or, when
  * MPI_BENCH_OP=alltoallv, what an all-to-all-v with splits known only to their senders takes
  * (symmem's all_to_all_vdev, or PyTorch's all_to_all_single of the splits then of the rows):
  * MPI_Alltoall of the counts, then MPI_Alltoallv of the data (equal counts), printing the
@@ -33,9 +34,10 @@ int main(int argc, char **argv) {
     int ag = op && strcmp(op, "allgather") == 0;
     int rs = op && strcmp(op, "reducescatter") == 0;
     int bc = op && strcmp(op, "bcast") == 0;
+    int bar = op && strcmp(op, "barrier") == 0;
     int *scount = calloc(size, sizeof(int)), *rcount = calloc(size, sizeof(int));
     int *sdispl = calloc(size, sizeof(int)), *rdispl = calloc(size, sizeof(int));
-    for (int a = 1; a < argc; a++) {
+    for (int a = 1; a < (bar && argc > 2 ? 2 : argc); a++) {
         long bytes = atol(argv[a]);
         long count = bytes / 4 < 1 ? 1 : bytes / 4;
         if (a2a || ag || rs) count = (count + size - 1) / size * size;
@@ -51,7 +53,9 @@ int main(int argc, char **argv) {
                 MPI_Alltoall(scount, 1, MPI_INT, rcount, 1, MPI_INT, MPI_COMM_WORLD);
                 for (int r = 0, at = 0; r < size; r++) rdispl[r] = at, at += rcount[r];
                 MPI_Alltoallv(in, scount, sdispl, MPI_FLOAT, out, rcount, rdispl, MPI_FLOAT, MPI_COMM_WORLD);
-            } else if (bc)
+            } else if (bar)
+                MPI_Barrier(MPI_COMM_WORLD);
+            else if (bc)
                 MPI_Bcast(in, (int)count, MPI_FLOAT, 0, MPI_COMM_WORLD);
             else if (rs)
                 MPI_Reduce_scatter_block(in, out, (int)(count / size), MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
@@ -77,14 +81,16 @@ int main(int argc, char **argv) {
                    "\"iters\":%d,\"time_us\":%.3f,\"p99_us\":%.3f,\"algbw\":null,\"busbw\":null,"
                    "\"note\":\"baseline: Open MPI %s\"}\n",
                    a2av ? "mpi_alltoallv"
+                   : bar ? "mpi_barrier"
                    : bc  ? "mpi_bcast"
                    : a2a ? "mpi_alltoall"
                    : ag  ? "mpi_allgather"
                    : rs  ? "mpi_reduce_scatter"
                          : "mpi_allreduce",
-                   size, count * 4,
-                   count, iters, median, p99,
+                   size, bar ? 0 : count * 4,
+                   bar ? 0 : count, iters, median, p99,
                    a2av ? "MPI_Alltoall of the counts, then MPI_Alltoallv"
+                   : bar ? "MPI_Barrier"
                    : bc  ? "MPI_Bcast (the slowest rank's median)"
                    : a2a ? "MPI_Alltoall"
                    : ag  ? "MPI_Allgather"

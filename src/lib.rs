@@ -147,6 +147,12 @@ pub mod internals {
     pub use crate::sys::raise_fd_limit;
     pub use crate::wire;
 
+    /// The flows of a tcp link between hosts in a group that spans `hosts` hosts, unless
+    /// `SYMMEM_TRANSPORT_TCP_FLOWS` says (the link-setup benchmark's model of what a rank holds).
+    pub fn tcp_link_flows(hosts: usize) -> usize {
+        crate::symm::tcp_link_flows(hosts)
+    }
+
     /// Copies `local` to address `remote` in process `pid` with one cross-memory attach
     /// (`process_vm_writev`), as the shm transport does: the benchmark's baseline.
     pub fn cma_write(pid: i32, local: &[u8], remote: usize) -> std::io::Result<()> {

@@ -578,11 +578,13 @@ fn link_url(rank: usize, peer: usize) -> Vec<u8> {
     .into_bytes()
 }
 
-/// Threads and descriptors a rank holds with `remote` peers on other hosts, today's transports
-/// (one tcp transport per peer: measured by `bench/xhost_resources.sh`, docs/many-hosts.md
-/// section 1: 2 + 13 threads and about 33 descriptors per peer).
-fn rank_resources(remote: usize) -> (usize, usize) {
-    (2 + 13 * remote, 33 * remote)
+/// Threads and descriptors a rank holds with `remote` peers on other hosts over links of
+/// `flows` flows, today's transports (one tcp transport per peer, with a listener and an
+/// accept thread, and a sender, a receiver and a serving thread per flow: measured by
+/// `bench/xhost_resources.sh`, docs/many-hosts.md sections 1 and 4: 2 + 13 threads and about
+/// 33 descriptors per peer with 4 flows, 2 + 4 and about 12 with 1).
+fn rank_resources(remote: usize, flows: usize) -> (usize, usize) {
+    (2 + (1 + 3 * flows) * remote, (5 + 7 * flows) * remote)
 }
 
 /// `symmem bench link-setup`: the link rendezvous of `hosts` simulated hosts of `per_host`
@@ -639,7 +641,7 @@ pub fn link_setup(
             let ranks = top * per_host;
             let remote = ranks - per_host;
             let keys = ranks * remote;
-            let (threads, fds) = rank_resources(remote);
+            let (threads, fds) = rank_resources(remote, symmem::internals::tcp_link_flows(top));
             let secs = keys as f64 / keys_per_s;
             emit(
                 BenchResult::timing("links_all_pairs_model", ranks, 1, secs * 1e6, secs * 1e6)
@@ -701,7 +703,7 @@ async fn link_run(
     let wall = t0.elapsed();
     let ranks = lat.len();
     let (median, p99) = percentiles(&mut lat);
-    let (threads, fds) = rank_resources(most);
+    let (threads, fds) = rank_resources(most, symmem::internals::tcp_link_flows(hosts));
     Ok(BenchResult::timing(layout.name(), hosts * per_host, 1, median, p99)
         .with_hosts(hosts)
         .with("linking_ranks", ranks)
@@ -755,7 +757,8 @@ mod tests {
                 }
             }
         }
-        assert_eq!(rank_resources(7), (93, 231), "8 hosts of one rank: section 1's measured 93 threads");
+        assert_eq!(rank_resources(7, 4), (93, 231), "8 hosts of one rank, 4 flows: section 1's measured 93 threads");
+        assert_eq!(rank_resources(7, 1).0, 30, "8 hosts of one rank, 1 flow: section 4's measured 30 threads");
     }
 
     #[test]

@@ -1418,6 +1418,15 @@ fn rank_lost_in_rounds() {
     let x = sym(&[64], DType::F32);
     let h = symm::rendezvous(&x, &j.g).unwrap();
     let out = Tensor::zeros(&[64 * j.ws], DType::F32).unwrap();
+    // From four hosts a link has one flow (`remote::tcp_link_flows`): one sender thread per
+    // rank on another host (the world group's links, the only ones here).
+    let threads_named = |name: &str| {
+        let tasks = std::fs::read_dir("/proc/self/task").unwrap();
+        tasks
+            .filter(|t| std::fs::read_to_string(t.as_ref().unwrap().path().join("comm")).unwrap().trim() == name)
+            .count()
+    };
+    assert_eq!(threads_named("symmem-tcp-send"), h.remote_ranks().len(), "rank {}: one flow per link", j.me);
     for i in 0.. {
         if i == 30 && j.me == 0 {
             std::fs::write(&marker, b"running").unwrap();

@@ -28,6 +28,7 @@
 pub(crate) mod hostsync;
 mod pool;
 mod remote;
+pub(crate) use remote::tcp_link_flows;
 mod segment;
 mod signal;
 

@@ -210,10 +210,25 @@ fn meet(mine: &str, chosen: bool, theirs: &str) -> Meet {
 pub(crate) fn connect(group: &Group, step: u64, remote: &[usize], hosts: &[String]) -> Result<Links> {
     let me = group.rank();
     let timeout = link_timeout();
-    let mut options = Options::new();
-    options.insert("timeout".into(), format!("{}", timeout.as_secs_f64()));
+    let mut common = Options::new();
+    common.insert("timeout".into(), format!("{}", timeout.as_secs_f64()));
+    let mut distinct: Vec<&String> = hosts.iter().collect();
+    distinct.sort_unstable();
+    distinct.dedup();
+    if crate::config::tcp_flows()?.is_none() {
+        common.insert("flows".into(), tcp_link_flows(distinct.len()).to_string());
+    }
+    // tcp's options are the common backend's; another backend takes the timeout only.
+    let opts = |backend: &str| -> Options {
+        let mut o = common.clone();
+        if backend != COMMON {
+            o.remove("flows");
+        }
+        o
+    };
     let store = group.store();
     let (backend, chosen) = link_backend()?;
+    let options = opts(&backend);
     // Every link's URL goes out in one request and every peer's comes back in one (a wait for
     // all of them, then their values): two store round trips per rank whatever the number of
     // peers, not two per peer.
@@ -262,7 +277,7 @@ pub(crate) fn connect(group: &Group, step: u64, remote: &[usize], hosts: &[Strin
             }
             // This host picked a fabric the peer lacks: meet it on tcp.
             Meet::BindCommon => {
-                let t = new_transport(COMMON, None, &options)?;
+                let t = new_transport(COMMON, None, &opts(COMMON))?;
                 let mine = t.bind(Some(timeout))?;
                 store.set(&format!("symm-net/{step}/{me}/{peer}/{COMMON}"), &mine)?;
                 transport = t;
@@ -277,6 +292,20 @@ pub(crate) fn connect(group: &Group, step: u64, remote: &[usize], hosts: &[Strin
         links.insert(peer, Arc::new(Link { peer, host: hosts[peer].clone(), transport, scratch }));
     }
     Ok(links)
+}
+
+/// The flows (connections, each served by its own threads at either end) of a tcp link in a
+/// group that spans `hosts` hosts, unless `SYMMEM_TRANSPORT_TCP_FLOWS` says: 4 (the backend's
+/// default) between two hosts, where a rank's large transfers all go to one host and striping
+/// them spreads the work over cores; 4 / (hosts − 1) beyond, at least 1, so that a rank keeps
+/// about four connections' worth of striping toward other hosts whatever their number. Each
+/// flow costs three threads and three descriptors a link: at 8 played hosts of one rank, 93
+/// threads a rank with 4 flows, 30 with 1. Times did not move with the flows from four hosts on
+/// (tcp, `symmem bench all-reduce` 8 B / 64 KiB / 1 MiB and `all-to-all` 64 KiB / 1 MiB at 4 ×
+/// 4, 8 × 8 and 16 × 8, flows 4, 1 and 2 alternated twice: every difference within the spread
+/// between the two runs of one setting).
+pub(crate) fn tcp_link_flows(hosts: usize) -> usize {
+    (4 / hosts.saturating_sub(1).max(1)).max(1)
 }
 
 /// Deletes the link URLs this rank published at rendezvous `step`, once every peer has
@@ -528,6 +557,12 @@ pub(crate) fn wait_all(works: Vec<(&Remote, Result<Work>)>, what: &str) -> Resul
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn tcp_links_keep_about_four_flows_toward_other_hosts() {
+        let flows = [1, 2, 3, 4, 5, 8, 16, 1024].map(tcp_link_flows);
+        assert_eq!(flows, [4, 4, 2, 1, 1, 1, 1, 1]);
+    }
 
     #[test]
     fn pieces_cover_the_range_once_in_order() {

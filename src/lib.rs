@@ -147,10 +147,11 @@ pub mod internals {
     pub use crate::sys::raise_fd_limit;
     pub use crate::wire;
 
-    /// The flows of a tcp link between hosts in a group that spans `hosts` hosts, unless
-    /// `SYMMEM_TRANSPORT_TCP_FLOWS` says (the link-setup benchmark's model of what a rank holds).
+    /// The flows of a tcp link between hosts in a group that spans `hosts` hosts:
+    /// `SYMMEM_TRANSPORT_TCP_FLOWS` if set (and valid), else the links' own choice (the
+    /// link-setup benchmark's model of what a rank holds).
     pub fn tcp_link_flows(hosts: usize) -> usize {
-        crate::symm::tcp_link_flows(hosts)
+        crate::config::tcp_flows().ok().flatten().unwrap_or_else(|| crate::symm::tcp_link_flows(hosts))
     }
 
     /// Copies `local` to address `remote` in process `pid` with one cross-memory attach

@@ -52,16 +52,17 @@ use crate::transport::Work;
 /// The group has one alarm word, in its barrier's words ([`HostSync`]): a rank that finds a
 /// rank on another host lost while waiting for it ([`Words::sound`]) tells every other host's
 /// leader and the ranks of its own host, and each leader its host's ranks. Every rank waiting
-/// on any words of the group (a barrier, a host-push call, whichever call it is in) then fails
-/// naming the lost rank within a nap ([`crate::sync::MAX_NAP`]), instead of waiting for a
+/// on any words of the group (a barrier, a host-push call, whichever of them it is in; not a
+/// signal pad or a transfer) then fails naming the lost rank within a nap
+/// ([`crate::sync::MAX_NAP`]), instead of waiting for a
 /// partner that waits in vain too until the timeout. Dissemination and Bruck's rounds need it:
 /// a leader waits for one partner a round, so only the lost one's partners see its link break.
 #[derive(Debug)]
 pub(crate) struct Words {
     pub(crate) h: Arc<SymmHandle>,
     at: usize,
-    /// The index of the alarm word, if these are the group's barrier's words: 0, or 1 + the
-    /// rank found lost. Other words use the group's ([`SymmHandle::group_alarm`]).
+    /// The index of the alarm word (whose value is 0, or 1 + the rank found lost), if these are
+    /// the group's barrier's words. Other words use the group's ([`SymmHandle::group_alarm`]).
     alarm: Option<usize>,
 }
 
@@ -102,9 +103,9 @@ impl Words {
 
     /// Tells the group that rank `lost` (on another host) is lost: every rank of this host, and
     /// unless this rank was told already, every other host's leader (a posted remote atomic on
-    /// each link still up, not awaited beyond a second). A leader told so tells its host's
-    /// ranks in turn ([`Words::alarmed_error`]). Best effort: a leader it cannot reach finds
-    /// the loss itself or from another leader.
+    /// each link still up, all of them awaited for a second at most). A leader told so tells
+    /// its host's ranks in turn ([`Words::alarmed_error`]). Best effort: a leader it cannot
+    /// reach finds the loss itself or from another leader.
     pub(crate) fn sound(&self, lost: usize) {
         let Some((a, i)) = self.alarm_words() else { return };
         let v = u32::try_from(lost + 1).unwrap_or(u32::MAX);
@@ -118,26 +119,30 @@ impl Words {
         }
         let h = &a.h;
         let me = h.host_of(h.rank());
+        // One second for every leader together, not each: the error this ends in waits for it.
+        let until = crate::sync::deadline(Duration::from_secs(1));
+        let left = || until.saturating_duration_since(std::time::Instant::now());
         let mut works = Vec::new();
         for l in h.leaders().filter(|&l| h.host_of(l) != me && l != lost) {
             let up = h.remote(l).is_some_and(|r| r.link.lost().is_none());
-            if up && let Ok(w) = a.start_remote(l, i, v, Duration::from_secs(1)) {
+            if up && let Ok(w) = a.start_remote(l, i, v, left()) {
                 works.push(w);
             }
         }
         for w in works {
-            let _ = w.wait(Some(Duration::from_secs(1)));
+            let _ = w.wait(Some(left()));
         }
     }
 
     /// Stores alarm value `v` into the alarm word of every rank of this host (this one too),
     /// keeping a value already there. Nobody sleeps on it: a waiting rank reads it between
-    /// naps, within [`crate::sync::MAX_NAP`].
+    /// naps, within [`crate::sync::MAX_NAP`]. (Another host's leader sets it outright, so a
+    /// rank told of two losses may name either: each is a rank the group lost.)
     fn tell_host(&self, v: u32) {
         let Some((a, i)) = self.alarm_words() else { return };
         for &r in a.h.local_ranks() {
-            // Release: pairs with the Acquire load of `alarmed`; a rank already told keeps
-            // the first loss it heard of.
+            // Release: pairs with the Acquire load of `alarmed`; a word already set by a
+            // rank of this host stays as it is.
             let _ = a.word(r, i).compare_exchange(0, v, Ordering::Release, Ordering::Relaxed);
         }
     }
@@ -164,8 +169,10 @@ impl Words {
     }
 
     /// `e`, after telling the group of a lost rank if `e` says a peer was lost ([`Words::sound`]):
-    /// the one this rank was told of, else the first rank on another host whose link is down.
-    /// Told already, this rank still tells its host: its ranks may wait for it.
+    /// the one this rank was told of, else the first rank on another host whose link is down
+    /// (which may be a rank that left the group in order rather than the one `e` is about:
+    /// the group has lost a rank either way). Told already, this rank still tells its host:
+    /// its ranks may wait for it.
     pub(crate) fn report(&self, e: Error) -> Error {
         if e.transfer_kind() == Some(TransferKind::PeerLost)
             && let Some(lost) = self.alarmed().or_else(|| {
@@ -250,9 +257,14 @@ impl Words {
     ) -> Result<bool> {
         let w = self.word(owner, i);
         let other = or.map(|j| self.word(owner, j));
+        // Whether the wait failed on `from`'s own link (then this rank tells the group), not
+        // on the group's alarm. The group is told only once the wait has failed: a peer's last
+        // message may still land after its link was seen down (its orderly exit), and
+        // `wait_until` looks once more.
+        let link_down = std::cell::Cell::new(false);
         let lost = || match self.h.remote(from).and_then(|r| Some((r, r.link.lost()?))) {
             Some((r, why)) => {
-                self.sound(from);
+                link_down.set(true);
                 Err(Error::transfer(
                     TransferKind::PeerLost,
                     format!(
@@ -282,7 +294,12 @@ impl Words {
         let sleepers = self.h.sleepers(owner);
         match wait_until(w, done, p, lost, |seen, nap| crate::sync::sleep_on(w, seen, nap, sleepers)) {
             Ok(()) => Ok(first()),
-            Err(Stop::Failed(err)) => Err(err),
+            Err(Stop::Failed(err)) => {
+                if link_down.get() {
+                    self.sound(from);
+                }
+                Err(err)
+            }
             Err(Stop::TimedOut) => Err(Error::timeout(
                 format!(
                     "rank {} of group {:?} waiting for rank {from}{}{}",

@@ -1129,13 +1129,13 @@ impl SymmHandle {
         self.host_sync()?.barrier_agreeing(&self.patience(timeout), timeout, digest).map(Some)
     }
 
-    /// The group's barrier across hosts, on a group that spans hosts.
     /// The words of the group's barrier across hosts, whose alarm word is the group's
     /// ([`hostsync::Words::sound`]); none on one host.
     pub(crate) fn group_alarm(&self) -> Option<&hostsync::Words> {
         self.peers.sync.get().map(|s| s.words())
     }
 
+    /// The group's barrier across hosts, on a group that spans hosts.
     fn host_sync(&self) -> Result<&hostsync::HostSync> {
         // Only the barrier's own words have none, and nothing calls their barrier.
         self.peers.sync.get().map(|s| &**s).ok_or_else(|| {

@@ -215,20 +215,19 @@ pub(crate) fn connect(group: &Group, step: u64, remote: &[usize], hosts: &[Strin
     let mut distinct: Vec<&String> = hosts.iter().collect();
     distinct.sort_unstable();
     distinct.dedup();
-    if crate::config::tcp_flows()?.is_none() {
-        common.insert("flows".into(), tcp_link_flows(distinct.len()).to_string());
-    }
-    // tcp's options are the common backend's; another backend takes the timeout only.
-    let opts = |backend: &str| -> Options {
+    // tcp's options (the common backend's) take its flows, unless the environment sets them
+    // (read only for tcp: another backend never needs the variable); another backend takes
+    // the timeout only.
+    let opts = |backend: &str| -> Result<Options> {
         let mut o = common.clone();
-        if backend != COMMON {
-            o.remove("flows");
+        if backend == COMMON && crate::config::tcp_flows()?.is_none() {
+            o.insert("flows".into(), tcp_link_flows(distinct.len()).to_string());
         }
-        o
+        Ok(o)
     };
     let store = group.store();
     let (backend, chosen) = link_backend()?;
-    let options = opts(&backend);
+    let options = opts(&backend)?;
     // Every link's URL goes out in one request and every peer's comes back in one (a wait for
     // all of them, then their values): two store round trips per rank whatever the number of
     // peers, not two per peer.
@@ -277,7 +276,7 @@ pub(crate) fn connect(group: &Group, step: u64, remote: &[usize], hosts: &[Strin
             }
             // This host picked a fabric the peer lacks: meet it on tcp.
             Meet::BindCommon => {
-                let t = new_transport(COMMON, None, &opts(COMMON))?;
+                let t = new_transport(COMMON, None, &opts(COMMON)?)?;
                 let mine = t.bind(Some(timeout))?;
                 store.set(&format!("symm-net/{step}/{me}/{peer}/{COMMON}"), &mine)?;
                 transport = t;
